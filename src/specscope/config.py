@@ -1,0 +1,227 @@
+"""Frozen configuration dataclasses: the single source of defaults for the API and the CLI.
+
+Everything here is validated in ``__post_init__`` so a bad value fails where it is given,
+with a message naming the field, instead of deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# HF `architectures` entry -> family flags. One model implementation (models/llama.py) covers
+# all of these; the differences are data, not code paths.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "float32": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "half": "float16", "float16": "float16",
+}
+
+
+def normalize_dtype(name: str) -> str:
+    """Map user spellings (fp32, bf16, half, ...) to a torch dtype name."""
+    key = str(name).lower().replace("torch.", "")
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of fp32, bf16, fp16")
+    return _DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a target model, parsed from a HF ``config.json``."""
+
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # rope_scaling as sorted (key, value) pairs so the dataclass stays hashable/frozen.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model config: {f} must be positive, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], name: str = "") -> ModelConfig:
+        """Build from a HF config dict; unsupported architectures fail listing the supported."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            found = archs or [cfg.get("model_type", "<none>")]
+            raise ValueError(
+                f"unsupported architecture {found} in {name or 'config.json'}; specscope "
+                f"supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        if "text_config" in cfg and "hidden_size" not in cfg:
+            cfg = {**cfg["text_config"], "architectures": archs}
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ValueError(f"config.json of {name or 'model'} lacks required field {key!r}")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and isinstance(cfg.get("rope_parameters"), dict):
+            # transformers >= 5 writes rope_parameters = {rope_type, rope_theta, ...}
+            rp = cfg["rope_parameters"]
+            rope_scaling = rp if rp.get("rope_type", "default") != "default" else None
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        if rope_scaling is not None:
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rtype == "default":
+                rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        sliding = cfg.get("sliding_window")
+        if family == "qwen2" or family == "qwen3":
+            # Qwen configs carry sliding_window but only use it with use_sliding_window.
+            sliding = sliding if cfg.get("use_sliding_window") else None
+        return ModelConfig(
+            architecture=arch,
+            family=family,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=family in ("llama", "mistral") and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    def weight_bytes(self, bytes_per_param: int) -> int:
+        """Bytes of weights streamed per decode step (lm_head counted once even when tied)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * (self.num_heads * d) * 2 + h * (self.num_kv_heads * d) * 2
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h
+        return (self.num_layers * per_layer + self.vocab_size * h + h) * bytes_per_param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Mirrors the OpenAI / vLLM fields of the same names.
+
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1.0 disable those filters.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # Keep stop strings out of the returned text (OpenAI behaviour).
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Where and how the engine runs a model."""
+
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    # Prompts longer than this are prefilled in chunks, bounding activation memory.
+    prefill_chunk_size: int = 512
+    # Overrides the model's max_position_embeddings (smaller only).
+    max_model_len: int | None = None
+    # KV cache lengths are rounded up to this, so attention shapes change rarely.
+    kv_block: int = 256
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto":
+            object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_block < 1:
+            raise ValueError(f"kv_block must be >= 1, got {self.kv_block}")

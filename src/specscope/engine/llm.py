@@ -1,0 +1,194 @@
+"""`specscope.LLM`: load a model once, generate from prompts or chat messages.
+
+The decode loop is written once (`_run`): prefill, then cycles that each emit tokens, with
+the cycle's single device->host read in `_read_tokens`. Plain decoding is the cycle with no
+draft; speculative decoding plugs a different cycle into the same loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specscope.config import EngineConfig, SamplingParams, normalize_dtype
+from specscope.engine.request import Request, RequestOutput
+from specscope.engine.runner import ModelRunner
+from specscope.engine.tokenizer import Messages, Tokenizer, validate_messages
+from specscope.models.loader import load_model
+from specscope.sampling import make_generator, sample
+
+log = logging.getLogger("specscope.llm")
+
+Prompt = str | Messages
+
+
+@dataclass
+class StreamDelta:
+    """One cycle's worth of output while streaming."""
+
+    request_id: str
+    text: str  # new text (may be empty while a multi-byte char or stop-string prefix waits)
+    token_ids: list[int]  # tokens emitted this cycle
+    finished: bool
+    output: RequestOutput | None = None  # set on the final delta
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but torch sees no CUDA device "
+                         "(CPU build of torch, or no GPU); use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, normalize_dtype(dtype))
+
+
+class LLM:
+    """An engine for one model.
+
+    model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
+    (SmolLM2-135M-Instruct). dtype: auto | fp32 | bf16 | fp16. device: auto | cpu | cuda.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, prefill_chunk_size: int = 512,
+                 cache_dir: str | None = None) -> None:
+        self.engine_config = EngineConfig(dtype=dtype, device=device,
+                                          max_model_len=max_model_len,
+                                          prefill_chunk_size=prefill_chunk_size,
+                                          cache_dir=cache_dir)
+        self.device = resolve_device(self.engine_config.device)
+        self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
+        loaded = load_model(model, self.dtype, self.device, cache_dir)
+        self.model_config = loaded.config
+        self.model_path = loaded.path
+        self.model_name = loaded.source
+        self.tokenizer = Tokenizer(loaded.path, loaded.config.eos_token_ids)
+        self.runner = ModelRunner(loaded.model, loaded.config, self.engine_config, self.device,
+                                  self.dtype)
+        self._ids = itertools.count()
+        # One request runs at a time on this engine; callers on other threads queue here.
+        self._lock = threading.Lock()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    # -- prompts ----------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids for a raw prompt, or for chat messages through the chat template."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list):
+            validate_messages(prompt)
+            ids = self.tokenizer.apply_chat_template(prompt)
+        else:
+            raise TypeError(f"a prompt must be a string or a list of chat messages, "
+                            f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty after tokenisation; give at least one token")
+        return ids
+
+    def _check_length(self, n_prompt: int, params: SamplingParams) -> None:
+        total = n_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context length ({self.max_model_len}); shorten the "
+                f"prompt or lower max_tokens")
+
+    @staticmethod
+    def _as_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
+            return [prompts]  # one conversation
+        if isinstance(prompts, list):
+            return list(prompts)
+        raise TypeError("prompts must be a string, a list of strings, a list of messages, "
+                        "or a list of conversations")
+
+    # -- generation -------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | None = None, *,
+                 chat: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (a string, or a list of {'role', 'content'} messages).
+
+        With chat=True, string prompts are sent as a single user message through the chat
+        template. Returns one RequestOutput per prompt, in order.
+        """
+        params = sampling_params or SamplingParams()
+        batch = self._as_list(prompts)
+        encoded = [self.encode_prompt(p, chat) for p in batch]  # all errors before any work
+        for ids in encoded:
+            self._check_length(len(ids), params)
+        outputs = []
+        for ids in encoded:
+            final = None
+            for delta in self._run(ids, params):
+                final = delta.output
+            assert final is not None
+            outputs.append(final)
+        return outputs
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+               chat: bool = False, prompt_ids: list[int] | None = None) -> Iterator[StreamDelta]:
+        """Yield text deltas as they are produced; the last one carries the RequestOutput."""
+        params = sampling_params or SamplingParams()
+        ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, chat)
+        self._check_length(len(ids), params)
+        yield from self._run(ids, params)
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
+        with self._lock:
+            req = Request(f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer)
+            runner = self.runner
+            runner.ensure_cache(len(prompt_ids) + params.max_tokens)
+            gen = None if params.greedy else make_generator(params.seed, self.device)
+            pos = len(prompt_ids)
+            position = torch.tensor([[pos]], dtype=torch.long, device=self.device)
+            token = sample(runner.prefill(prompt_ids), params, gen)  # [1]
+            while True:
+                emitted = self._read_tokens(token)
+                text = req.append(emitted)
+                if req.finished:
+                    yield StreamDelta(req.request_id, text, emitted, True, req.output())
+                    return
+                yield StreamDelta(req.request_id, text, emitted, False)
+                logits = runner.decode(token.view(1, 1), position, pos)
+                token = sample(logits, params, gen)
+                position += 1
+                pos += 1
+
+    @staticmethod
+    def _read_tokens(tokens: torch.Tensor) -> list[int]:
+        """The cycle's one device->host read: the emitted token ids."""
+        return tokens.tolist()
+
+    def __repr__(self) -> str:
+        c = self.model_config
+        return (f"LLM({self.model_name!r}, {c.architecture}, layers={c.num_layers}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+    def info(self) -> dict[str, Any]:
+        c = self.model_config
+        return {"model": self.model_name, "path": str(self.model_path),
+                "architecture": c.architecture, "layers": c.num_layers,
+                "hidden": c.hidden_size, "vocab": c.vocab_size, "dtype": str(self.dtype),
+                "device": str(self.device), "max_model_len": self.max_model_len}

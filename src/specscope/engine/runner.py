@@ -1,0 +1,76 @@
+"""The model runner: owns the model, its KV cache and the prefill/decode forwards.
+
+Lengths live on the host (the runner knows how many tokens it fed), so no step reads a
+length back from the device. Each forward attends over a KV window rounded up to
+`kv_block` slots: shapes change once per block, not once per token, and within a block the
+decode step is a fixed-shape, sync-free graph of kernels (what CUDA-graph capture needs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specscope.config import EngineConfig, ModelConfig
+from specscope.kvcache import KVCache
+from specscope.models.llama import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: ModelConfig, engine: EngineConfig,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.config = config
+        self.engine = engine
+        self.device = device
+        self.dtype = dtype
+        ctx = config.max_position_embeddings
+        if engine.max_model_len is not None:
+            ctx = min(ctx, engine.max_model_len)
+        self.max_model_len = ctx
+        model.init_rope(ctx)
+        self.cache: KVCache | None = None
+
+    def ensure_cache(self, tokens: int, batch: int = 1) -> KVCache:
+        """A cache holding `tokens` positions: reuse the current one if big enough."""
+        if tokens > self.max_model_len:
+            raise ValueError(f"{tokens} tokens exceed the context length {self.max_model_len}")
+        block = self.engine.kv_block
+        capacity = min(-(-tokens // block) * block, self.max_model_len)
+        if self.cache is None or not self.cache.fits(batch, capacity, self.dtype, self.device):
+            self.cache = None  # free the old buffers before allocating the new ones
+            cfg = self.config
+            self.cache = KVCache(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim,
+                                 self.dtype, self.device)
+        return self.cache
+
+    def _kv_len(self, end: int) -> int:
+        """Slots to attend over when the last token written sits at end - 1."""
+        assert self.cache is not None
+        block = self.engine.kv_block
+        return min(-(-end // block) * block, self.cache.capacity)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Feed prompt tokens at positions [start, start+len) in chunks; return last logits.
+
+        Only the final position's hidden state goes through lm_head: the vocabulary
+        projection of the others would be wasted work. Returns logits [1, V] fp32.
+        """
+        chunk = self.engine.prefill_chunk_size
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # [1, N]
+        hidden = None
+        for s in range(0, len(ids), chunk):
+            piece = ids_t[:, s:s + chunk]
+            pos = torch.arange(start + s, start + s + piece.shape[1], device=self.device)[None]
+            hidden, _ = self.model(piece, pos, self.cache,
+                                   kv_len=self._kv_len(start + s + piece.shape[1]))
+        assert hidden is not None, "prefill needs at least one token"
+        return self.model.compute_logits(hidden[:, -1])
+
+    @torch.inference_mode()
+    def decode(self, token: torch.Tensor, position: torch.Tensor, pos_host: int) -> torch.Tensor:
+        """One decode step. token [1, 1] and position [1, 1] stay on the device (the sampled
+        token feeds straight back in, no round trip); pos_host only picks the KV window.
+        Returns logits [1, V] fp32."""
+        hidden, _ = self.model(token, position, self.cache, kv_len=self._kv_len(pos_host + 1))
+        return self.model.compute_logits(hidden[:, -1])

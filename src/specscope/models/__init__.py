@@ -1,0 +1,1 @@
+"""Target model families (plain nn.Modules) and checkpoint loading."""

