@@ -20,6 +20,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap the context length below the model's")
+    p.add_argument("--quantization", default="none", choices=["none", "int4-gguf"],
+                   help="int4-gguf: run a GGUF's Q4_0/Q4_1 weights natively as packed 4-bit "
+                        "(CPU, bf16 activations) instead of dequantising them")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run the decode step eagerly on CUDA (the reference path)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted GGUFs are cached (default ~/.cache/specscope)")
 
@@ -49,7 +54,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.chat = True
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, cache_dir=args.cache_dir)
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs)
     load_s = time.perf_counter() - t0
     if args.messages is not None:
         try:

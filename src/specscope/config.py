@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 _DTYPE_ALIASES = {
     "fp32": "float32", "float": "float32", "float32": "float32",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -114,6 +115,10 @@ class ModelConfig:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rtype == "default":
                 rope_scaling = None
+            elif rtype not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"{name or 'config.json'}: unsupported rope_scaling type "
+                                 f"{rtype!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        attn_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window")
@@ -134,8 +139,10 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=family in ("llama", "mistral") and bool(cfg.get("attention_bias", False)),
+            # HF: Llama and Qwen3 put attention_bias on q/k/v/o; Qwen2 always biases q/k/v
+            # and never o; Mistral never biases (it ignores attention_bias).
+            qkv_bias=family == "qwen2" or (family in ("llama", "qwen3") and attn_bias),
+            o_bias=family in ("llama", "qwen3") and attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
@@ -213,6 +220,8 @@ class EngineConfig:
     # KV cache lengths are rounded up to this, so attention shapes change rarely.
     kv_block: int = 256
     cache_dir: str | None = None
+    # Replay the decode step as a CUDA graph per KV window (CUDA only; eager is the reference).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

@@ -60,18 +60,26 @@ class LLM:
 
     model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
     (SmolLM2-135M-Instruct). dtype: auto | fp32 | bf16 | fp16. device: auto | cpu | cuda.
+    quantization: none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on CPU).
+    cuda_graphs: replay the decode step as CUDA graphs (CUDA only; False = eager).
+    kv_block: KV windows are multiples of this many slots (fewer distinct shapes/graphs).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, prefill_chunk_size: int = 512,
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, quantization: str = "none",
+                 cuda_graphs: bool = True, kv_block: int = 256) -> None:
         self.engine_config = EngineConfig(dtype=dtype, device=device,
                                           max_model_len=max_model_len,
                                           prefill_chunk_size=prefill_chunk_size,
-                                          cache_dir=cache_dir)
+                                          cache_dir=cache_dir, cuda_graphs=cuda_graphs,
+                                          kv_block=kv_block)
         self.device = resolve_device(self.engine_config.device)
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
-        loaded = load_model(model, self.dtype, self.device, cache_dir)
+        if quantization == "int4-gguf" and self.engine_config.dtype == "auto":
+            self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
+        self.quantization = quantization
+        loaded = load_model(model, self.dtype, self.device, cache_dir, quantization)
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.model_name = loaded.source

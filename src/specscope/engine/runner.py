@@ -29,6 +29,11 @@ class ModelRunner:
         self.max_model_len = ctx
         model.init_rope(ctx)
         self.cache: KVCache | None = None
+        self.graphs = None
+        if device.type == "cuda" and engine.cuda_graphs:
+            from specscope.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, device)
 
     def ensure_cache(self, tokens: int, batch: int = 1) -> KVCache:
         """A cache holding `tokens` positions: reuse the current one if big enough."""
@@ -71,6 +76,10 @@ class ModelRunner:
     def decode(self, token: torch.Tensor, position: torch.Tensor, pos_host: int) -> torch.Tensor:
         """One decode step. token [1, 1] and position [1, 1] stay on the device (the sampled
         token feeds straight back in, no round trip); pos_host only picks the KV window.
-        Returns logits [1, V] fp32."""
-        hidden, _ = self.model(token, position, self.cache, kv_len=self._kv_len(pos_host + 1))
+        Returns logits [1, V] fp32 (with CUDA graphs: a static buffer, valid until the next
+        step)."""
+        kv_len = self._kv_len(pos_host + 1)
+        if self.graphs is not None:
+            return self.graphs.run(self.cache, token, position, kv_len)
+        hidden, _ = self.model(token, position, self.cache, kv_len=kv_len)
         return self.model.compute_logits(hidden[:, -1])

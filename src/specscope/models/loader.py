@@ -190,8 +190,22 @@ def load_weights(model: CausalLM, files: dict[str, Path]) -> None:
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", cache_dir: str | None = None) -> LoadedModel:
-    """Resolve, build and load a target model; weights go straight to `device` in `dtype`."""
+               device: str | torch.device = "cpu", cache_dir: str | None = None,
+               quantization: str = "none") -> LoadedModel:
+    """Resolve, build and load a target model; weights go straight to `device` in `dtype`.
+
+    quantization "int4-gguf" keeps a GGUF's Q4_0/Q4_1 weights as packed 4-bit codes
+    (CPU, bf16 activations; see models/quant.py) instead of dense dequantised weights.
+    """
+    from specscope.models.quant import QUANT_MODES
+
+    if quantization not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of "
+                         f"{', '.join(QUANT_MODES)}")
+    if quantization == "int4-gguf" and (torch.device(device).type != "cpu"
+                                        or dtype != torch.bfloat16):
+        raise ValueError("quantization int4-gguf runs on the CPU with bf16 activations: "
+                         "use --device cpu --dtype bf16 (or dtype auto)")
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(model, cache_dir)
     cfg = read_config(model_dir)
@@ -202,6 +216,14 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
     if cfg.tie_word_embeddings:  # to_empty may untie; re-tie before loading
         m.lm_head.weight = m.model.embed_tokens.weight
     load_weights(m, files)
+    if quantization == "int4-gguf":
+        from specscope.models.quant import quantize_from_gguf
+
+        source = json.loads((model_dir / "config.json").read_text()).get("specscope_source", {})
+        if "gguf" not in source:
+            raise ValueError(f"quantization int4-gguf needs a .gguf model; {model_dir} is not "
+                             f"a converted GGUF")
+        quantize_from_gguf(m, Path(source["gguf"]))
     m.eval().requires_grad_(False)
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", model_dir, cfg.architecture,
              cfg.num_layers, dtype, device, time.perf_counter() - t0)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+from specscope.config import SUPPORTED_ROPE_TYPES
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,

