@@ -22,9 +22,10 @@ TINY = {
 }
 
 
-def _greedy(model, cfg, device, prompt, n, kv_block=16, graphs=True):
-    runner = ModelRunner(model, cfg, EngineConfig(kv_block=kv_block, cuda_graphs=graphs),
-                         torch.device(device), next(model.parameters()).dtype)
+def _greedy(model, cfg, device, prompt, n, kv_block=16, graphs=True, runner=None):
+    if runner is None:
+        runner = ModelRunner(model, cfg, EngineConfig(kv_block=kv_block, cuda_graphs=graphs),
+                             torch.device(device), next(model.parameters()).dtype)
     runner.ensure_cache(len(prompt) + n)
     params = SamplingParams(max_tokens=n)
     tok = sample(runner.prefill(prompt), params, None)
@@ -57,6 +58,18 @@ def test_cuda_graphs_equal_eager(dtype):
     prompt = list(range(5, 30))
     eager = _greedy(model, cfg, "cuda", prompt, 60, graphs=False)
     assert _greedy(model, cfg, "cuda", prompt, 60, graphs=True) == eager
+
+
+def test_cuda_graphs_survive_cache_reallocation():
+    """Requests of growing size reallocate the KV cache; graphs are re-captured, not reused."""
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.bfloat16, "cuda", seed=3)
+    runner = ModelRunner(model, cfg, EngineConfig(kv_block=16), torch.device("cuda"),
+                         torch.bfloat16)
+    for n in (10, 40, 10, 90):
+        prompt = list(range(7, 7 + n))
+        eager = _greedy(model, cfg, "cuda", prompt, n, graphs=False)
+        assert _greedy(model, cfg, "cuda", prompt, n, runner=runner) == eager
 
 
 def test_cuda_decode_step_has_no_host_sync():

@@ -182,9 +182,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, "
+                             f"got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
                 or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")

@@ -34,15 +34,15 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep the smallest set of top tokens whose probability mass reaches p. [B, V] -> [B, V].
 
-    A token is dropped when the mass of the tokens strictly above it already exceeds p,
-    so the most likely token always survives.
+    A token is dropped when the tokens strictly above it already hold mass >= p (they are
+    the nucleus without it), so the most likely token always survives.
     """
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
     mass_above = probs.cumsum(-1) - probs  # [B, V]
-    drop_sorted = mass_above > p
+    drop_sorted = mass_above >= p
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

@@ -26,8 +26,10 @@ class DecodeGraphs:
         self.cache: KVCache | None = None
 
     def reset(self) -> None:
-        """Forget all graphs (they hold the addresses of a cache that is being replaced)."""
+        """Forget all graphs (they hold the addresses of a cache that is being replaced).
+        Their memory pool goes with them: a new capture must not name a pool no graph holds."""
         self.graphs.clear()
+        self.pool = None
         self.cache = None
 
     def _capture(self, cache: KVCache, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

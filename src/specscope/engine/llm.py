@@ -42,10 +42,15 @@ class StreamDelta:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"invalid device {device!r}: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but torch sees no CUDA device "
                          "(CPU build of torch, or no GPU); use --device cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -89,6 +94,7 @@ class LLM:
         self._ids = itertools.count()
         # One request runs at a time on this engine; callers on other threads queue here.
         self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id holding _lock
 
     @property
     def max_model_len(self) -> int:
@@ -159,30 +165,56 @@ class LLM:
                chat: bool = False, prompt_ids: list[int] | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas as they are produced; the last one carries the RequestOutput."""
         params = sampling_params or SamplingParams()
-        ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, chat)
+        if prompt_ids is not None:
+            self._check_ids(prompt_ids)
+            ids = list(prompt_ids)
+        else:
+            ids = self.encode_prompt(prompt, chat)
         self._check_length(len(ids), params)
         yield from self._run(ids, params)
 
+    def _check_ids(self, ids: list[int]) -> None:
+        V = self.model_config.vocab_size
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {V}): {bad[:8]}")
+
     def _run(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
+        if self._owner == threading.get_ident():
+            # The lock is held by a suspended stream of this very thread: waiting would
+            # deadlock, so say what to do instead.
+            raise RuntimeError("a stream on this engine is still open in this thread; "
+                               "finish or close() it before starting another request")
         with self._lock:
-            req = Request(f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer)
-            runner = self.runner
-            runner.ensure_cache(len(prompt_ids) + params.max_tokens)
-            gen = None if params.greedy else make_generator(params.seed, self.device)
-            pos = len(prompt_ids)
-            position = torch.tensor([[pos]], dtype=torch.long, device=self.device)
-            token = sample(runner.prefill(prompt_ids), params, gen)  # [1]
-            while True:
-                emitted = self._read_tokens(token)
-                text = req.append(emitted)
-                if req.finished:
-                    yield StreamDelta(req.request_id, text, emitted, True, req.output())
-                    return
-                yield StreamDelta(req.request_id, text, emitted, False)
-                logits = runner.decode(token.view(1, 1), position, pos)
-                token = sample(logits, params, gen)
-                position += 1
-                pos += 1
+            self._owner = threading.get_ident()
+            try:
+                yield from self._cycle_loop(prompt_ids, params)
+            finally:
+                self._owner = None
+
+    def _cycle_loop(self, prompt_ids: list[int],
+                    params: SamplingParams) -> Iterator[StreamDelta]:
+        """The one decode loop: prefill, then cycles until the request finishes."""
+        req = Request(f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer)
+        runner = self.runner
+        runner.ensure_cache(len(prompt_ids) + params.max_tokens)
+        gen = None if params.greedy else make_generator(params.seed, self.device)
+        pos = len(prompt_ids)
+        position = torch.tensor([[pos]], dtype=torch.long, device=self.device)
+        token = sample(runner.prefill(prompt_ids), params, gen)  # [1]
+        while True:
+            emitted = self._read_tokens(token)
+            text = req.append(emitted)
+            if req.finished:
+                yield StreamDelta(req.request_id, text, emitted, True, req.output())
+                return
+            yield StreamDelta(req.request_id, text, emitted, False)
+            logits = runner.decode(token.view(1, 1), position, pos)
+            token = sample(logits, params, gen)
+            position += 1
+            pos += 1
 
     @staticmethod
     def _read_tokens(tokens: torch.Tensor) -> list[int]:

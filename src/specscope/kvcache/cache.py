@@ -34,4 +34,13 @@ class KVCache:
         """Whether this cache can serve a request of that size (so it can be reused)."""
         k0 = self.k[0]
         return (self.batch == batch and self.capacity >= capacity and k0.dtype == dtype
-                and k0.device == torch.device(device))
+                and same_device(k0.device, torch.device(device)))
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Device equality where "cuda" means the current CUDA device (torch says cuda != cuda:0)."""
+    def index(d: torch.device) -> int:
+        if d.index is not None:
+            return d.index
+        return torch.cuda.current_device() if d.type == "cuda" else 0
+    return a.type == b.type and index(a) == index(b)
