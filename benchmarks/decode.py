@@ -67,12 +67,16 @@ def sync(device: torch.device) -> None:
 def bench_specscope(config: str, args: argparse.Namespace) -> dict:
     from specscope import LLM, SamplingParams
 
-    quant = "int4-gguf" if config == "int4-gguf" else "none"
-    dtype = "bf16" if config == "int4-gguf" else config
+    base, _, extra = config.partition("+")  # e.g. "int4-gguf+compile"
+    quant = "int4-gguf" if base == "int4-gguf" else "none"
+    dtype = "bf16" if base == "int4-gguf" else base
     llm = LLM(args.model, dtype=dtype, device="cpu", quantization=quant,
-              cache_dir=args.cache_dir)
+              cache_dir=args.cache_dir, compile=extra == "compile")
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    llm.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    # Warm-up with the full token count: a compiled step compiles here, for every KV window.
+    llm.generate(PROMPT, params)
+    warmup_s = time.perf_counter() - t0
     runs = []
     for _ in range(args.repeat):
         t0 = time.perf_counter()
@@ -87,7 +91,8 @@ def bench_specscope(config: str, args: argparse.Namespace) -> dict:
         cfg, out.metrics.prompt_tokens + args.tokens / 2, llm.dtype.itemsize)
     return {"engine": "specscope", "config": config, "decode_tok_s": decode_tps,
             "e2e_tok_s": e2e_tps, "gb_s": step_bytes * decode_tps / 1e9,
-            "weights_mb": model_bytes(llm.runner.model) / 1e6, "text": out.text[:80]}
+            "weights_mb": model_bytes(llm.runner.model) / 1e6, "warmup_s": warmup_s,
+            "text": out.text[:80]}
 
 
 def bench_hf(dtype_name: str, args: argparse.Namespace) -> dict:
@@ -140,18 +145,17 @@ def bench_gpu(args: argparse.Namespace) -> list[dict]:
     dtype = torch.bfloat16
     cfg = ModelConfig.from_hf(SHAPES[args.shape], name=args.shape)
     model = random_model(cfg, dtype, device)
-    rows = []
-    for graphs in ((False, True) if device.type == "cuda" else (False,)):
-        rows.append(_bench_gpu_runner(model, cfg, device, dtype, graphs, args))
-    return rows
+    modes = [m for m in args.gpu_modes if device.type == "cuda" or "graphs" not in m]
+    return [_bench_gpu_runner(model, cfg, device, dtype, mode, args) for mode in modes]
 
 
-def _bench_gpu_runner(model, cfg, device, dtype, graphs: bool, args) -> dict:
+def _bench_gpu_runner(model, cfg, device, dtype, mode: str, args) -> dict:
     from specscope.config import EngineConfig, SamplingParams
     from specscope.engine.runner import ModelRunner
     from specscope.sampling import sample
 
-    engine = EngineConfig(max_model_len=4096, cuda_graphs=graphs)
+    engine = EngineConfig(max_model_len=4096, cuda_graphs="graphs" in mode,
+                          compile="compile" in mode)
     runner = ModelRunner(model, cfg, engine, device, dtype)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,)).tolist()
@@ -173,7 +177,9 @@ def _bench_gpu_runner(model, cfg, device, dtype, graphs: bool, args) -> dict:
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
-    run()  # warm-up
+    t0 = time.perf_counter()
+    run()  # warm-up: captures graphs / compiles for every KV window the timed runs use
+    warmup_s = time.perf_counter() - t0
     runs = [run() for _ in range(args.repeat)]
     prefill = statistics.median(r[0] for r in runs)
     decode = statistics.median(r[1] for r in runs)
@@ -181,10 +187,9 @@ def _bench_gpu_runner(model, cfg, device, dtype, graphs: bool, args) -> dict:
     wbytes = model_bytes(model)
     step_bytes = wbytes + kv_bytes_per_step(cfg, len(prompt) + args.tokens / 2, 2)
     bw = step_bytes * decode_tps / 1e9
-    mode = "cuda-graphs" if graphs else "eager"
     return {"engine": "specscope", "config": f"{args.shape} bf16 {mode}", "decode_tok_s":
             decode_tps, "e2e_tok_s": args.tokens / (prefill + decode), "gb_s": bw,
-            "weights_mb": wbytes / 1e6, "step_ms": 1e3 / decode_tps,
+            "weights_mb": wbytes / 1e6, "step_ms": 1e3 / decode_tps, "warmup_s": warmup_s,
             "floor_ms": step_bytes / (args.peak_gbs * 1e9) * 1e3, "text": ""}
 
 
@@ -203,6 +208,9 @@ def main() -> None:
                     help="measured copy bandwidth of the GPU, for the floor column")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gpu-modes", nargs="*",
+                    default=["eager", "cuda-graphs", "cuda-graphs+compile"],
+                    help="random-model modes: eager, compile, cuda-graphs, cuda-graphs+compile")
     ap.add_argument("--random", action="store_true",
                     help="random-weight --shape model on --device (default on CUDA)")
     args = ap.parse_args()

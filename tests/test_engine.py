@@ -466,3 +466,14 @@ def test_open_stream_in_same_thread_is_an_error_not_a_deadlock(llm: LLM) -> None
     it.close()
     assert len(llm.generate("Hello", SamplingParams(max_tokens=2, ignore_eos=True))[0]
                .token_ids) == 2
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager(tiny_model_dir: pathlib.Path) -> None:
+    """torch.compile'd decode steps give the eager tokens, across several KV windows."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    eager = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=8)
+    compiled = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=8, compile=True)
+    prompt = "Speculative decoding is"
+    assert compiled.generate(prompt, params)[0].token_ids == \
+        eager.generate(prompt, params)[0].token_ids

@@ -22,10 +22,12 @@ TINY = {
 }
 
 
-def _greedy(model, cfg, device, prompt, n, kv_block=16, graphs=True, runner=None):
+def _greedy(model, cfg, device, prompt, n, kv_block=16, graphs=True, runner=None,
+            compile=False):
     if runner is None:
-        runner = ModelRunner(model, cfg, EngineConfig(kv_block=kv_block, cuda_graphs=graphs),
-                             torch.device(device), next(model.parameters()).dtype)
+        engine = EngineConfig(kv_block=kv_block, cuda_graphs=graphs, compile=compile)
+        runner = ModelRunner(model, cfg, engine, torch.device(device),
+                             next(model.parameters()).dtype)
     runner.ensure_cache(len(prompt) + n)
     params = SamplingParams(max_tokens=n)
     tok = sample(runner.prefill(prompt), params, None)
@@ -58,6 +60,15 @@ def test_cuda_graphs_equal_eager(dtype):
     prompt = list(range(5, 30))
     eager = _greedy(model, cfg, "cuda", prompt, 60, graphs=False)
     assert _greedy(model, cfg, "cuda", prompt, 60, graphs=True) == eager
+
+
+def test_compiled_cuda_graphs_equal_eager_fp32():
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.float32, "cuda", seed=4)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompt = list(range(9, 30))
+    eager = _greedy(model, cfg, "cuda", prompt, 40, graphs=False)
+    assert _greedy(model, cfg, "cuda", prompt, 40, compile=True) == eager
 
 
 def test_cuda_graphs_survive_cache_reallocation():

@@ -229,6 +229,8 @@ class EngineConfig:
     cache_dir: str | None = None
     # Replay the decode step as a CUDA graph per KV window (CUDA only; eager is the reference).
     cuda_graphs: bool = True
+    # torch.compile the decode step (minutes of compile on first use; much faster steps).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

@@ -9,15 +9,19 @@ overwritten by the next replay, so consume it (sample) before the next step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specscope.kvcache import KVCache
-from specscope.models.llama import CausalLM
+
+# (token [1, 1], position [1, 1], kv_len) -> logits [1, V]; eager or torch.compile'd.
+StepFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, device: torch.device) -> None:
-        self.model = model
+    def __init__(self, step_fn: StepFn, device: torch.device) -> None:
+        self.step_fn = step_fn
         self.device = device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
         self.position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
@@ -34,8 +38,7 @@ class DecodeGraphs:
 
     def _capture(self, cache: KVCache, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         def step() -> torch.Tensor:
-            hidden, _ = self.model(self.token, self.position, cache, kv_len=kv_len)
-            return self.model.compute_logits(hidden[:, -1])  # [1, V]
+            return self.step_fn(self.token, self.position, kv_len)  # [1, V]
 
         # Warm up on a side stream (lazy inits, autotuning) as capture requires. The warm-up
         # writes this step's own K/V at this step's own slot, which the replay rewrites

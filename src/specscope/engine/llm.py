@@ -68,17 +68,19 @@ class LLM:
     quantization: none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on CPU).
     cuda_graphs: replay the decode step as CUDA graphs (CUDA only; False = eager).
     kv_block: KV windows are multiples of this many slots (fewer distinct shapes/graphs).
+    compile: torch.compile the decode step (slow first request, faster decoding after).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, prefill_chunk_size: int = 512,
                  cache_dir: str | None = None, quantization: str = "none",
-                 cuda_graphs: bool = True, kv_block: int = 256) -> None:
+                 cuda_graphs: bool = True, kv_block: int = 256,
+                 compile: bool = False) -> None:
         self.engine_config = EngineConfig(dtype=dtype, device=device,
                                           max_model_len=max_model_len,
                                           prefill_chunk_size=prefill_chunk_size,
                                           cache_dir=cache_dir, cuda_graphs=cuda_graphs,
-                                          kv_block=kv_block)
+                                          kv_block=kv_block, compile=compile)
         self.device = resolve_device(self.engine_config.device)
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
         if quantization == "int4-gguf" and self.engine_config.dtype == "auto":

@@ -29,11 +29,16 @@ class ModelRunner:
         self.max_model_len = ctx
         model.init_rope(ctx)
         self.cache: KVCache | None = None
+        # The decode step, optionally compiled: torch.compile fuses each layer's small
+        # elementwise ops (norms, rope, residual adds), which dominate at batch 1 once the
+        # weights are small or the launches are cheap. Prefill stays eager: its shapes vary
+        # with every prompt length.
+        self._step = torch.compile(self._decode_step) if engine.compile else self._decode_step
         self.graphs = None
         if device.type == "cuda" and engine.cuda_graphs:
             from specscope.engine.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, device)
+            self.graphs = DecodeGraphs(self._step, device)
 
     def ensure_cache(self, tokens: int, batch: int = 1) -> KVCache:
         """A cache holding `tokens` positions: reuse the current one if big enough."""
@@ -81,5 +86,9 @@ class ModelRunner:
         kv_len = self._kv_len(pos_host + 1)
         if self.graphs is not None:
             return self.graphs.run(self.cache, token, position, kv_len)
+        return self._step(token, position, kv_len)
+
+    def _decode_step(self, token: torch.Tensor, position: torch.Tensor,
+                     kv_len: int) -> torch.Tensor:
         hidden, _ = self.model(token, position, self.cache, kv_len=kv_len)
-        return self.model.compute_logits(hidden[:, -1])
+        return self.model.compute_logits(hidden[:, -1])  # [1, V]
