@@ -24,7 +24,8 @@ def _entries(root: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _write_tiny_gguf(path: pathlib.Path, arch: str, seed: int = 0, *, tied: bool = True,
-                     head_dim: int | None = None) -> dict[str, np.ndarray]:
+                     head_dim: int | None = None,
+                     rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Write a 2-layer GGUF with random F32 tensors and no tokenizer; return the arrays."""
     import gguf
 
@@ -54,6 +55,8 @@ def _write_tiny_gguf(path: pathlib.Path, arch: str, seed: int = 0, *, tied: bool
     arrays = {"token_embd.weight": rand(vocab, hidden), "output_norm.weight": rand(hidden)}
     if not tied:
         arrays["output.weight"] = rand(vocab, hidden)
+    if rope_freqs is not None:
+        arrays["rope_freqs.weight"] = rope_freqs.astype(np.float32)
     for i in range(layers):
         b = f"blk.{i}."
         arrays |= {b + "attn_norm.weight": rand(hidden), b + "ffn_norm.weight": rand(hidden),
@@ -270,6 +273,36 @@ def test_llama_tiny_unpermute_matches_transformers(tmp_path: pathlib.Path) -> No
         assert torch.equal(sd[f"model.layers.0.self_attn.{h}.weight"], torch.from_numpy(ref))
     assert torch.equal(sd["model.layers.0.self_attn.v_proj.weight"],
                        torch.from_numpy(arrays["blk.0.attn_v.weight"]))
+
+
+def _llama3_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    from specscope.models.rope import inverse_frequencies
+
+    base, _ = inverse_frequencies(head_dim, theta, None, 0)
+    scaled, _ = inverse_frequencies(head_dim, theta, scaling, 0)
+    return (base.double() / scaled.double()).numpy()
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path: pathlib.Path) -> None:
+    """llama.cpp stores Llama-3.1 rope scaling as per-frequency factors; we recover it."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hd = 64  # enough frequencies to span the llama3 bands at theta 1e6
+    freqs = _llama3_factors(hd, 1000000.0, scaling)
+    assert freqs.max() == pytest.approx(8.0) and freqs.min() == pytest.approx(1.0)
+    _write_tiny_gguf(tmp_path / "l3.gguf", "llama", head_dim=hd, rope_freqs=freqs)
+    out = sg.gguf_to_hf_dir(tmp_path / "l3.gguf", tmp_path / "cache")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_scaling"] == pytest.approx(scaling)
+    assert "rope_freqs.weight" not in load_file(str(out / "model.safetensors"))
+
+
+def test_unknown_rope_freqs_is_an_error(tmp_path: pathlib.Path) -> None:
+    freqs = np.linspace(1.0, 3.0, 32)  # not any llama3 profile
+    _write_tiny_gguf(tmp_path / "bad.gguf", "llama", head_dim=64, rope_freqs=freqs)
+    with pytest.raises(ValueError, match="rope_freqs"):
+        sg.gguf_to_hf_dir(tmp_path / "bad.gguf", tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "gguf").glob("bad-*"))
 
 
 def test_crash_leftovers_are_rebuilt(tmp_path: pathlib.Path,

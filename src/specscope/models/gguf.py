@@ -24,7 +24,7 @@ import numpy as np
 
 logger = logging.getLogger("specscope.gguf")
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 MARKER = "specscope_complete.json"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _HF_CLASSES = {
@@ -229,11 +229,40 @@ def _build_config(reader: Any, meta: dict[str, Any], arch: str) -> dict[str, Any
             orig = int(get("rope.scaling.original_context_length"))
             scaling["original_max_position_embeddings"] = orig
         config["rope_scaling"] = scaling
+    if "rope_freqs.weight" in tensors:  # llama.cpp stores Llama-3.1/3.2 rope scaling as factors
+        config["rope_scaling"] = _llama3_scaling(tensors["rope_freqs.weight"],
+                                                 config["head_dim"], config["rope_theta"])
     for gguf_key, hf_key in (("bos", "bos"), ("eos", "eos"), ("padding", "pad")):
         field = reader.fields.get(f"tokenizer.ggml.{gguf_key}_token_id")
         if field is not None:
             config[f"{hf_key}_token_id"] = int(field.contents())
     return config
+
+
+def _llama3_scaling(t: Any, head_dim: int, theta: float) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling from llama.cpp's per-frequency divisors.
+
+    llama.cpp writes rope_freqs = inv_freq / scaled_inv_freq instead of the parameters; the
+    parameters Meta uses are few, so find the set that reproduces the tensor exactly.
+    """
+    from gguf import dequantize
+
+    from specscope.models.rope import inverse_frequencies
+
+    got = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+    base, _ = inverse_frequencies(head_dim, theta, None, 0)
+    factor = float(got.max())
+    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 8.0)):
+            scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                       "high_freq_factor": high, "original_max_position_embeddings": orig}
+            scaled, _ = inverse_frequencies(head_dim, theta, scaling, 0)
+            want = (base.double() / scaled.double()).numpy()
+            if want.shape == got.shape and np.allclose(want, got, rtol=1e-4, atol=1e-6):
+                logger.info("rope_freqs.weight = llama3 rope scaling %s", scaling)
+                return scaling
+    raise ValueError(f"rope_freqs.weight (max factor {factor:g}) matches no llama3 rope "
+                     f"scaling; this GGUF's rope is not supported")
 
 
 def hf_tensor_name(name: str) -> str | None:
@@ -259,8 +288,7 @@ def _write_weights(reader: Any, config: dict[str, Any], arch: str, out: pathlib.
     for t in reader.tensors:
         hf = hf_tensor_name(t.name)
         if hf is None:
-            if t.name == "rope_freqs.weight":  # llama3 rope factors; HF's loader drops them too
-                logger.warning("ignoring %s (llama3-style rope scaling is not converted)", t.name)
+            if t.name == "rope_freqs.weight":  # folded into config rope_scaling (llama3)
                 continue
             raise ValueError(f"unexpected tensor {t.name!r} in a {arch} GGUF")
         plan.append((hf, t, [int(d) for d in reversed(t.shape)]))  # GGUF dims are reversed
