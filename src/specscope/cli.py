@@ -32,6 +32,53 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where converted GGUFs are cached (default ~/.cache/specscope)")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", "--speculative-draft-model-path", dest="draft", default=None,
+                   help="EAGLE-3 draft checkpoint (SGLang/SpecForge, EAGLE or vLLM "
+                        "speculators format), or 'random' for benchmarking")
+    p.add_argument("--num-steps", "--speculative-num-steps", dest="num_steps", type=int,
+                   default=5, help="draft forward passes per cycle")
+    p.add_argument("--topk", "--speculative-eagle-topk", dest="topk", type=int, default=1,
+                   help="branches per node (1 = chain)")
+    p.add_argument("--num-draft-tokens", "--speculative-num-draft-tokens",
+                   dest="num_draft_tokens", type=int, default=None,
+                   help="tokens verified per cycle incl. the root (chain: num_steps + 1)")
+    p.add_argument("--draft-layer-ids", default=None,
+                   help="override the draft's target tap layers, output-of-layer ids, e.g. "
+                        "1,15,28")
+    p.add_argument("--simulate-acceptance", default=None,
+                   help="benchmark mode: a mean accept length (e.g. 3.0) or per-position "
+                        "rates (e.g. 0.9,0.8,0.7); real draft and verify, simulated accepts")
+
+
+def _spec(args: argparse.Namespace):
+    if args.draft is None:
+        if args.simulate_acceptance is not None:
+            raise ValueError("--simulate-acceptance needs --draft (e.g. --draft random)")
+        return None
+    from specscope.config import SpecConfig
+
+    sim = args.simulate_acceptance
+    if sim is not None:
+        try:
+            parts = [float(x) for x in sim.split(",")]
+        except ValueError:
+            raise ValueError(f"--simulate-acceptance must be a number or comma-separated "
+                             f"rates, got {sim!r}") from None
+        sim = parts[0] if len(parts) == 1 and "," not in args.simulate_acceptance else \
+            tuple(parts)
+    ids = None
+    if args.draft_layer_ids:
+        try:
+            ids = tuple(int(x) for x in args.draft_layer_ids.split(","))
+        except ValueError:
+            raise ValueError(f"--draft-layer-ids must be comma-separated integers, got "
+                             f"{args.draft_layer_ids!r}") from None
+    return SpecConfig(draft=args.draft, num_steps=args.num_steps, topk=args.topk,
+                      num_draft_tokens=args.num_draft_tokens, draft_layer_ids=ids,
+                      simulate_acceptance=sim)
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -52,6 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specscope.engine.llm import LLM
 
     params = _sampling(args)  # validate before the (slow) model load
+    spec = _spec(args)
     if args.prompt is None and args.messages is None:
         args.prompt = "Write a haiku about speculative decoding."
         args.chat = True
@@ -59,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-              compile=args.compile)
+              compile=args.compile, spec=spec)
     load_s = time.perf_counter() - t0
     if args.messages is not None:
         try:
@@ -78,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     m = final.metrics
     if args.json:
         print(json.dumps({"text": final.text, "token_ids": final.token_ids,
-                          "finish_reason": final.finish_reason,
+                          "finish_reason": final.finish_reason, "spec": final.spec,
                           "prompt_tokens": m.prompt_tokens,
                           "completion_tokens": m.completion_tokens,
                           "ttft_s": round(m.ttft_s, 4),
@@ -89,6 +137,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"prompt {m.prompt_tokens} tok | {m.completion_tokens} tok | ttft "
               f"{m.ttft_s * 1e3:.0f} ms | decode {m.decode_tokens_per_s:.1f} tok/s | "
               f"finish {final.finish_reason}]", file=sys.stderr)
+        if final.spec:
+            st = final.spec
+            label = "SIMULATED acceptance" if st["simulated"] else "speculative"
+            rates = " ".join(f"{x:.2f}" for x in st["acceptance_by_position"])
+            print(f"[{label}: {st['cycles']} cycles | accept length {st['accept_length']:.2f} "
+                  f"| acceptance by position {rates}]", file=sys.stderr)
     return 0
 
 
@@ -99,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     _add_model_args(g)
     _add_sampling_args(g)
+    _add_spec_args(g)
     g.add_argument("--prompt", default=None, help="the prompt (default: a demo chat prompt)")
     g.add_argument("--messages", default=None,
                    help='chat messages as JSON, e.g. \'[{"role":"user","content":"hi"}]\'')

@@ -243,3 +243,79 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_block < 1:
             raise ValueError(f"kv_block must be >= 1, got {self.kv_block}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding knobs, named as SGLang's flags (see DESIGN vocabulary).
+
+    num_steps: draft forward passes per cycle (the draft extend counts as the first).
+    topk: branches per node (1 = chain). num_draft_tokens: tokens sent to verify,
+    including the root; with topk = 1 it must be num_steps + 1 (the default when None).
+    simulate_acceptance: per-position acceptance rates (tuple) or a mean accept length
+    (float, tau incl. the bonus token): the real draft and verify still run and real tokens
+    are emitted, but how many are accepted is drawn from this profile. For benchmarking
+    without a trained draft; every output says "simulated".
+    """
+
+    draft: str | None = None
+    num_steps: int = 5
+    topk: int = 1
+    num_draft_tokens: int | None = None
+    draft_layer_ids: tuple[int, ...] | None = None
+    simulate_acceptance: tuple[float, ...] | float | None = None
+    simulate_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"num_steps must be an integer >= 1, got {self.num_steps!r}")
+        if not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"topk must be an integer >= 1, got {self.topk!r}")
+        max_nodes = 1 + self.topk + (self.num_steps - 1) * self.topk * self.topk
+        if self.num_draft_tokens is None:
+            default = self.num_steps + 1 if self.topk == 1 else min(max_nodes, 4 * self.num_steps)
+            object.__setattr__(self, "num_draft_tokens", default)
+        n = self.num_draft_tokens
+        if self.topk == 1 and n != self.num_steps + 1:
+            raise ValueError(f"with topk 1 (a chain) num_draft_tokens must be num_steps + 1 = "
+                             f"{self.num_steps + 1}, got {n}")
+        if not 2 <= n <= max_nodes:
+            raise ValueError(f"num_draft_tokens must be in [2, {max_nodes}] for num_steps "
+                             f"{self.num_steps} and topk {self.topk}, got {n}")
+        if self.draft_layer_ids is not None:
+            object.__setattr__(self, "draft_layer_ids", tuple(int(i) for i in
+                                                              self.draft_layer_ids))
+        sim = self.simulate_acceptance
+        if isinstance(sim, (list, tuple)):
+            rates = tuple(float(r) for r in sim)
+            if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
+                raise ValueError(f"simulated acceptance rates must be in [0, 1], got {sim!r}")
+            object.__setattr__(self, "simulate_acceptance", rates)
+        elif sim is not None:
+            tau = float(sim)
+            if not 1.0 <= tau <= self.num_steps + 1:
+                raise ValueError(f"simulated mean accept length must be in [1, num_steps + 1 "
+                                 f"= {self.num_steps + 1}], got {sim!r}")
+            object.__setattr__(self, "simulate_acceptance", tau)
+
+    @property
+    def simulated(self) -> bool:
+        return self.simulate_acceptance is not None
+
+    def acceptance_rates(self) -> tuple[float, ...] | None:
+        """Per-position conditional acceptance rates for simulation (length num_steps)."""
+        sim = self.simulate_acceptance
+        if sim is None:
+            return None
+        k = self.num_steps
+        if isinstance(sim, tuple):
+            return tuple(sim[i] if i < len(sim) else sim[-1] for i in range(k))
+        # A constant rate r with E[accepted] = sum_{i=1..k} r^i = tau - 1, by bisection.
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            r = (lo + hi) / 2
+            if sum(r ** i for i in range(1, k + 1)) < sim - 1:
+                lo = r
+            else:
+                hi = r
+        return tuple([(lo + hi) / 2] * k)

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from specscope.config import EngineConfig, SamplingParams, normalize_dtype
+from specscope.config import EngineConfig, SamplingParams, SpecConfig, normalize_dtype
 from specscope.engine.request import Request, RequestOutput
-from specscope.engine.runner import ModelRunner
+from specscope.engine.runner import ModelRunner, PlainDecoder
+from specscope.engine.speculative import SpecStats
 from specscope.engine.tokenizer import Messages, Tokenizer, validate_messages
 from specscope.models.loader import load_model
-from specscope.sampling import make_generator, sample
+from specscope.sampling import make_generator
 
 log = logging.getLogger("specscope.llm")
 
@@ -68,6 +69,7 @@ class LLM:
     quantization: none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on CPU).
     cuda_graphs: replay the decode step as CUDA graphs (CUDA only; False = eager).
     kv_block: KV windows are multiples of this many slots (fewer distinct shapes/graphs).
+    spec: speculative decoding with an EAGLE-3 draft (SpecConfig); None = plain decoding.
     compile: torch.compile the decode step (slow first request, faster decoding after).
     """
 
@@ -75,7 +77,7 @@ class LLM:
                  max_model_len: int | None = None, prefill_chunk_size: int = 512,
                  cache_dir: str | None = None, quantization: str = "none",
                  cuda_graphs: bool = True, kv_block: int = 256,
-                 compile: bool = False) -> None:
+                 compile: bool = False, spec: SpecConfig | None = None) -> None:
         self.engine_config = EngineConfig(dtype=dtype, device=device,
                                           max_model_len=max_model_len,
                                           prefill_chunk_size=prefill_chunk_size,
@@ -93,6 +95,15 @@ class LLM:
         self.tokenizer = Tokenizer(loaded.path, loaded.config.eos_token_ids)
         self.runner = ModelRunner(loaded.model, loaded.config, self.engine_config, self.device,
                                   self.dtype)
+        self.spec = spec
+        self.draft_info = None
+        if spec is None:
+            self.decoder = PlainDecoder(self.runner)
+        else:
+            from specscope.engine.speculative import SpecDecoder, load_spec_draft
+
+            draft, self.draft_info = load_spec_draft(spec, loaded.model, self.dtype, self.device)
+            self.decoder = SpecDecoder(self.runner, draft, spec)
         self._ids = itertools.count()
         # One request runs at a time on this engine; callers on other threads queue here.
         self._lock = threading.Lock()
@@ -198,25 +209,32 @@ class LLM:
 
     def _cycle_loop(self, prompt_ids: list[int],
                     params: SamplingParams) -> Iterator[StreamDelta]:
-        """The one decode loop: prefill, then cycles until the request finishes."""
+        """The one decode loop: prefill, then cycles until the request finishes.
+
+        A cycle returns [count, tokens...] on the device; plain decoding emits one token per
+        cycle, speculative decoding 1 .. num_steps + 1.
+        """
         req = Request(f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer)
-        runner = self.runner
-        runner.ensure_cache(len(prompt_ids) + params.max_tokens)
+        dec = self.decoder
+        dec.ensure_caches(len(prompt_ids) + params.max_tokens)
         gen = None if params.greedy else make_generator(params.seed, self.device)
-        pos = len(prompt_ids)
-        position = torch.tensor([[pos]], dtype=torch.long, device=self.device)
-        token = sample(runner.prefill(prompt_ids), params, gen)  # [1]
+        stats = SpecStats(self.spec.num_steps, self.spec.simulated) if self.spec else None
+        emitted = self._read_tokens(dec.prefill(prompt_ids, params, gen))
         while True:
-            emitted = self._read_tokens(token)
             text = req.append(emitted)
             if req.finished:
-                yield StreamDelta(req.request_id, text, emitted, True, req.output())
+                out = req.output()
+                out.spec = stats.as_dict() if stats else None
+                yield StreamDelta(req.request_id, text, emitted, True, out)
                 return
             yield StreamDelta(req.request_id, text, emitted, False)
-            logits = runner.decode(token.view(1, 1), position, pos)
-            token = sample(logits, params, gen)
-            position += 1
-            pos += 1
+            result = self._read_tokens(dec.cycle(params, gen))
+            count = result[0]
+            dec.advance(count)
+            emitted = result[1:1 + count]
+            if stats is not None and dec.last_was_speculative:
+                stats.cycles += 1
+                stats.accepted.append(count - 1)
 
     @staticmethod
     def _read_tokens(tokens: torch.Tensor) -> list[int]:

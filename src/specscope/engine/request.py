@@ -32,6 +32,9 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS, stop id or stop string) or "length" (max_tokens)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Speculative statistics (cycles, accept_length, acceptance_by_position, simulated);
+    # None for plain decoding.
+    spec: dict | None = None
 
 
 class Request:

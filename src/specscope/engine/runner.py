@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from specscope.config import EngineConfig, ModelConfig
+from specscope.config import EngineConfig, ModelConfig, SamplingParams
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
+from specscope.sampling import sample
 
 
 class ModelRunner:
@@ -60,22 +61,28 @@ class ModelRunner:
         return min(-(-end // block) * block, self.cache.capacity)
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], start: int = 0) -> torch.Tensor:
+    def prefill(self, ids: list[int], start: int = 0, return_taps: bool = False):
         """Feed prompt tokens at positions [start, start+len) in chunks; return last logits.
 
         Only the final position's hidden state goes through lm_head: the vocabulary
-        projection of the others would be wasted work. Returns logits [1, V] fp32.
+        projection of the others would be wasted work. Returns logits [1, V] fp32, and with
+        return_taps also the taps of every prompt position [1, N, n_taps * hidden].
         """
         chunk = self.engine.prefill_chunk_size
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # [1, N]
         hidden = None
+        taps = []
         for s in range(0, len(ids), chunk):
             piece = ids_t[:, s:s + chunk]
             pos = torch.arange(start + s, start + s + piece.shape[1], device=self.device)[None]
-            hidden, _ = self.model(piece, pos, self.cache,
+            hidden, t = self.model(piece, pos, self.cache, return_taps=return_taps,
                                    kv_len=self._kv_len(start + s + piece.shape[1]))
+            taps.append(t)
         assert hidden is not None, "prefill needs at least one token"
-        return self.model.compute_logits(hidden[:, -1])
+        logits = self.model.compute_logits(hidden[:, -1])
+        if return_taps:
+            return logits, torch.cat(taps, dim=1)
+        return logits
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, position: torch.Tensor, pos_host: int) -> torch.Tensor:
@@ -92,3 +99,38 @@ class ModelRunner:
                      kv_len: int) -> torch.Tensor:
         hidden, _ = self.model(token, position, self.cache, kv_len=kv_len)
         return self.model.compute_logits(hidden[:, -1])  # [1, V]
+
+
+class PlainDecoder:
+    """Plain decoding as a cycle: one target step per cycle, emitting one token.
+
+    The same interface as engine.speculative.SpecDecoder (ensure_caches / prefill / cycle /
+    advance), so LLM runs one loop for both; plain decoding is the reference path that
+    speculative decoding must reproduce token for token under greedy sampling.
+    """
+
+    lookahead = 1
+    last_was_speculative = False
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def ensure_caches(self, tokens: int) -> None:
+        self.runner.ensure_cache(tokens)
+
+    def prefill(self, prompt_ids: list[int], params: SamplingParams,
+                gen: torch.Generator | None) -> torch.Tensor:
+        self.n = len(prompt_ids)
+        self.position = torch.tensor([[self.n]], dtype=torch.long, device=self.runner.device)
+        self.token = sample(self.runner.prefill(prompt_ids), params, gen)  # [1]
+        return self.token
+
+    def cycle(self, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+        """-> [2] int64: the count (1) and the token."""
+        logits = self.runner.decode(self.token.view(1, 1), self.position, self.n)
+        self.token = sample(logits, params, gen)
+        return torch.cat([torch.ones_like(self.token), self.token])
+
+    def advance(self, count: int) -> None:
+        self.position += count
+        self.n += count

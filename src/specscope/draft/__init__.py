@@ -1,0 +1,1 @@
+"""EAGLE-3 draft heads, draft-vocabulary maps and checkpoint formats."""

@@ -1,0 +1,426 @@
+"""The EAGLE-3 draft head: a one-layer (sometimes N-layer) Llama decoder fed target taps.
+
+One draft forward at position p (embedding FIRST in the concatenation, as every EAGLE-3
+implementation trains it):
+
+    g    = fc(taps_p)                                   # [H]; taps_p: [num_taps * Ht]
+    x    = cat(input_layernorm(embed(t_{p+1})), hidden_norm(g))        # [2H]
+    h    = r + attn(x)        r = g, or hidden_norm(g) with norm_before_residual
+    h    = h + mlp(post_attention_layernorm(h))
+    (layers 1.. are plain Llama decoder layers over h)
+    out  = h (pre-norm) ;  logits = lm_head(norm(h))    # over the draft vocab Vd
+
+Later draft steps feed the draft's own pre-norm output back as `hidden` instead of
+fc(taps) (EAGLE-3.1 `norm_output` feeds the normed output instead; see `forward`).
+
+Optional EAGLE-3.1 input norms (mutually exclusive): `fc_norm` = one RMSNorm per tap before
+the concatenation (`fc_norm.{i}`); `norm_before_fc` = one RMSNorm over the concatenated taps
+(`input_norm`). Vocabulary maps: target_id = draft_id + d2t[draft_id]; t2d[v] says whether
+target id v is in the draft vocabulary, so nonzero(t2d) == d2t + arange(Vd).
+
+The draft borrows the target's token embedding (SGLang does the same, whatever the draft
+checkpoint holds) unless its hidden size differs from the target's; and the target's lm_head
+when the checkpoint has none (draft_vocab_size null: Vd = V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specscope.config import ModelConfig
+from specscope.kvcache import KVCache, causal_mask
+from specscope.kvcache.attention import fold_mask
+from specscope.models.llama import MLP, Attention, CausalLM, DecoderLayer, ForwardContext, RMSNorm
+from specscope.models.rope import rope_tables
+
+OUTPUT_OF_LAYER = "output-of-layer"
+INPUT_TO_LAYER = "input-to-layer"
+
+
+def default_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's taps, output-of-layer: [1, L//2 - 1, L - 4] (= input-to-layer [2, L//2, L-3]),
+    clamped into [0, L) for targets under 4 layers (tiny test models) and sorted."""
+    L = num_target_layers
+    return tuple(sorted(min(max(i, 0), L - 1) for i in (1, L // 2 - 1, L - 4)))
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Architecture of an EAGLE-3 draft, plus where its layer ids came from."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # target vocabulary V
+    draft_vocab_size: int  # Vd (== V when the checkpoint borrows the target's lm_head)
+    target_hidden_size: int  # Ht
+    target_num_layers: int  # L: aux ids live in [0, L)
+    aux_layer_ids: tuple[int, ...]  # output-of-layer, 0-based, in concatenation order
+    num_taps: int = 3
+    has_lm_head: bool = True  # False: borrow the target's lm_head (then Vd == V)
+    own_embed_tokens: bool = False  # True only when hidden_size != target_hidden_size
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3-style per-head q/k RMSNorm (speculators qwen3 layers)
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm per tap before the concatenation
+    norm_before_fc: bool = False  # RMSNorm over the concatenated taps
+    norm_before_residual: bool = False  # first layer's residual is hidden_norm(g), not g
+    norm_output: bool = False  # EAGLE-3.1: later steps are fed the normed output
+    source_format: str = ""  # sglang | eagle | speculators | random | ""
+    layer_ids_source: str = ""  # e.g. "eagle_config.eagle_aux_hidden_state_layer_ids"
+    layer_ids_convention: str = OUTPUT_OF_LAYER  # convention of that source
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                  "num_layers", "max_position_embeddings", "vocab_size", "draft_vocab_size",
+                  "target_hidden_size", "target_num_layers", "num_taps"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"draft config: {f} must be positive, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"draft config: num_heads ({self.num_heads}) must be a multiple "
+                             f"of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"draft config: head_dim must be even for RoPE, got {self.head_dim}")
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        ids, L = self.aux_layer_ids, self.target_num_layers
+        if len(ids) != self.num_taps:
+            raise ValueError(f"draft config: {len(ids)} aux layer ids {list(ids)} but num_taps "
+                             f"is {self.num_taps}")
+        bad = [i for i in ids if not 0 <= i < L]
+        if bad:
+            raise ValueError(f"draft layer ids {bad} out of range for a {L}-layer target "
+                             f"(output-of-layer ids are 0..{L - 1})")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft config: draft_vocab_size {self.draft_vocab_size} exceeds "
+                             f"the target vocab_size {self.vocab_size}")
+        if not self.has_lm_head and self.draft_vocab_size != self.vocab_size:
+            raise ValueError("draft config: a draft without its own lm_head borrows the "
+                             "target's, so draft_vocab_size must equal vocab_size")
+        if self.own_embed_tokens != (self.hidden_size != self.target_hidden_size):
+            raise ValueError("draft config: own_embed_tokens must be set exactly when the "
+                             "draft hidden_size differs from target_hidden_size "
+                             f"({self.hidden_size} vs {self.target_hidden_size})")
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("draft config: fc_norm and norm_before_fc are mutually exclusive")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def layer_config(self) -> ModelConfig:
+        """The draft's decoder layers as a target-style ModelConfig (for the shared modules)."""
+        return ModelConfig(
+            architecture="Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM",
+            family="qwen3" if self.qk_norm else "llama",
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False,
+            qkv_bias=self.attention_bias, o_bias=self.attention_bias, mlp_bias=self.mlp_bias,
+            qk_norm=self.qk_norm, rope_scaling=self.rope_scaling, name="eagle3-draft")
+
+
+class FirstLayer(nn.Module):
+    """EAGLE-3's first decoder layer: attention over cat(embedding, hidden) [2H]."""
+
+    def __init__(self, cfg: DraftConfig, lcfg: ModelConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # on the projected / fed-back hidden
+        self.self_attn = Attention(lcfg)
+        q_kv = self.self_attn.qkv_proj.out_features
+        self.self_attn.qkv_proj = nn.Linear(2 * H, q_kv, bias=cfg.attention_bias)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(lcfg)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        g = self.hidden_norm(hidden)  # [B, T, H]
+        residual = g if self.norm_before_residual else hidden
+        x = torch.cat((self.input_layernorm(emb), g), dim=-1)  # [B, T, 2H], embedding first
+        h = residual + self.self_attn(x, ctx, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    """An EAGLE-3 draft head. Call `attach_target` before `forward` (it borrows weights)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        lcfg = cfg.layer_config()
+        H, Ht, n = cfg.hidden_size, cfg.target_hidden_size, cfg.num_taps
+        self.input_norm = RMSNorm(n * Ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(n)) \
+            if cfg.fc_norm else None
+        self.fc = nn.Linear(n * Ht, H, bias=False)
+        self.layers = nn.ModuleList(
+            [FirstLayer(cfg, lcfg)] + [DecoderLayer(lcfg) for _ in range(1, cfg.num_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False) if cfg.has_lm_head \
+            else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H) if cfg.own_embed_tokens else None
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        # Borrowed target weights: plain attributes, not parameters, so they never show up
+        # in this module's state_dict (and are never saved as the draft's).
+        self._target_embed: torch.Tensor | None = None  # [V, H]
+        self._target_head: torch.Tensor | None = None  # [V, H]
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- wiring -----------------------------------------------------------------------------
+
+    def attach_target(self, target: CausalLM) -> None:
+        """Borrow the target's embedding (unless the draft has its own) and lm_head (when the
+        draft has none), after checking that the draft was built for this target."""
+        cfg, tc = self.config, target.config
+        errors = []
+        if tc.vocab_size != cfg.vocab_size:
+            errors.append(f"vocab size {tc.vocab_size} != draft's target vocab {cfg.vocab_size}")
+        if tc.hidden_size != cfg.target_hidden_size:
+            errors.append(f"hidden size {tc.hidden_size} != draft's target_hidden_size "
+                          f"{cfg.target_hidden_size}")
+        if tc.num_layers != cfg.target_num_layers:
+            errors.append(f"{tc.num_layers} layers != the draft's {cfg.target_num_layers}")
+        if errors:
+            raise ValueError("draft does not fit this target: " + "; ".join(errors))
+        # detach(): the same storage as a plain tensor (a Parameter would be registered).
+        self._target_embed = None if cfg.own_embed_tokens else \
+            target.model.embed_tokens.weight.detach()
+        self._target_head = None if cfg.has_lm_head else target.lm_head.weight.detach()
+
+    def init_rope(self, max_len: int) -> None:
+        """Rope tables for positions [0, max_len) with the draft's own theta and scaling."""
+        cfg = self.config
+        w = self.fc.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, max_len,
+                               w.device)
+        self._rope = (cos.to(w.dtype), sin.to(w.dtype))
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embedding [B, T] -> [B, T, H] (own, or the target's)."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids)
+        if self._target_embed is None:
+            raise RuntimeError("Eagle3Draft: call attach_target(target) before forward")
+        return F.embedding(input_ids, self._target_embed)
+
+    def project(self, taps: torch.Tensor) -> torch.Tensor:
+        """Target taps [B, T, num_taps * Ht] -> the draft's hidden input [B, T, H]."""
+        cfg = self.config
+        assert taps.shape[-1] == cfg.num_taps * cfg.target_hidden_size, taps.shape
+        if self.input_norm is not None:
+            taps = self.input_norm(taps)
+        if self.fc_norm is not None:
+            chunks = taps.split(cfg.target_hidden_size, dim=-1)
+            taps = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)],
+                             dim=-1)
+        return self.fc(taps)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None, *, kv_len: int | None = None,
+                slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass over T tokens.
+
+        input_ids, positions: [B, T]; hidden: [B, T, H], either `project(taps)` (draft extend)
+        or the first output of an earlier pass (later draft steps).
+        cache / kv_len / slots / attn_mask: as CausalLM.forward (the draft's own KV cache,
+        num_layers layers; attn_mask [B, T, S] bool overrides the causal mask).
+        Returns (next_hidden, normed), both [B, T, H]: `normed` = norm(h) feeds
+        `compute_logits`; `next_hidden` is what the next draft step takes as `hidden`: the
+        pre-norm output h, or `normed` for EAGLE-3.1 drafts with config.norm_output.
+        """
+        B, T = input_ids.shape
+        cfg = self.config
+        assert hidden.shape == (B, T, cfg.hidden_size), hidden.shape
+        if self._rope is None:  # the engine sizes it to its context; this is a fallback
+            self.init_rope(cfg.max_position_embeddings)
+        cos_t, sin_t = self._rope
+        groups = cfg.num_heads // cfg.num_kv_heads
+        if cache is not None:
+            kv_len = kv_len if kv_len is not None else cache.capacity
+            k_pos = torch.arange(kv_len, device=input_ids.device)  # slot s holds position s
+            slots = positions if slots is None else slots
+        else:
+            kv_len, k_pos, slots = T, positions, None
+        mask = fold_mask(attn_mask, groups) if attn_mask is not None \
+            else causal_mask(positions, k_pos, groups)
+        ctx = ForwardContext(cos=cos_t[positions][:, None], sin=sin_t[positions][:, None],
+                             mask=mask, slots=slots, kv_len=kv_len)
+
+        def kv(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            return (cache.k[i], cache.v[i]) if cache is not None else None
+
+        h = self.layers[0](self.embed(input_ids), hidden, ctx, kv(0))  # [B, T, H]
+        for i in range(1, len(self.layers)):
+            h = self.layers[i](h, ctx, kv(i))
+        normed = self.norm(h)
+        return (normed if cfg.norm_output else h), normed
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [..., H] -> draft-vocab logits [..., Vd] in fp32."""
+        if self.lm_head is not None:
+            return self.lm_head(normed).float()
+        if self._target_head is None:
+            raise RuntimeError("Eagle3Draft: call attach_target(target) before compute_logits")
+        return F.linear(normed, self._target_head).float()
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target-vocab ids (target = draft + d2t[draft]); any shape."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- checkpoint mapping -----------------------------------------------------------------
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+        """Canonical tensor name -> (our parameter name, first row in it, expected shape).
+
+        Canonical names are the vLLM/speculators ones (`layers.{i}.*`, unfused q/k/v and
+        gate/up); formats.py maps each format's names onto them. The d2t/t2d buffers and
+        borrowed target weights are not listed.
+        """
+        cfg = self.config
+        H, Ht, n = cfg.hidden_size, cfg.target_hidden_size, cfg.num_taps
+        d, i = cfg.head_dim, cfg.intermediate_size
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        out: dict[str, tuple[str, int, tuple[int, ...]]] = {
+            "fc.weight": ("fc.weight", 0, (H, n * Ht)),
+            "norm.weight": ("norm.weight", 0, (H,)),
+        }
+        if cfg.norm_before_fc:
+            out["input_norm.weight"] = ("input_norm.weight", 0, (n * Ht,))
+        if cfg.fc_norm:
+            for t in range(n):
+                out[f"fc_norm.{t}.weight"] = (f"fc_norm.{t}.weight", 0, (Ht,))
+        if cfg.has_lm_head:
+            out["lm_head.weight"] = ("lm_head.weight", 0, (cfg.draft_vocab_size, H))
+        if cfg.own_embed_tokens:
+            out["embed_tokens.weight"] = ("embed_tokens.weight", 0, (cfg.vocab_size, H))
+        for layer in range(cfg.num_layers):
+            p = f"layers.{layer}."
+            a, m = p + "self_attn.", p + "mlp."
+            width = 2 * H if layer == 0 else H  # the first layer attends over cat(emb, hidden)
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if layer == 0:
+                norms.append("hidden_norm")
+            for name in norms:
+                out[p + f"{name}.weight"] = (p + f"{name}.weight", 0, (H,))
+            for name, row, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                out[a + f"{name}_proj.weight"] = (a + "qkv_proj.weight", row, (rows, width))
+                if cfg.attention_bias:
+                    out[a + f"{name}_proj.bias"] = (a + "qkv_proj.bias", row, (rows,))
+            out[a + "o_proj.weight"] = (a + "o_proj.weight", 0, (H, q))
+            if cfg.attention_bias:
+                out[a + "o_proj.bias"] = (a + "o_proj.bias", 0, (H,))
+            if cfg.qk_norm:
+                out[a + "q_norm.weight"] = (a + "q_norm.weight", 0, (d,))
+                out[a + "k_norm.weight"] = (a + "k_norm.weight", 0, (d,))
+            out[m + "gate_proj.weight"] = (m + "gate_up_proj.weight", 0, (i, H))
+            out[m + "up_proj.weight"] = (m + "gate_up_proj.weight", i, (i, H))
+            out[m + "down_proj.weight"] = (m + "down_proj.weight", 0, (H, i))
+            if cfg.mlp_bias:
+                out[m + "gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
+                out[m + "up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
+                out[m + "down_proj.bias"] = (m + "down_proj.bias", 0, (H,))
+        return out
+
+    def canonical_state(self) -> dict[str, torch.Tensor]:
+        """The draft's own weights under canonical names (fused rows split back out)."""
+        params = dict(self.named_parameters())
+        out = {}
+        for name, (param, row, shape) in self.checkpoint_layout().items():
+            out[name] = params[param].detach()[row:row + shape[0]]
+        return out
+
+
+# -- vocabulary maps ----------------------------------------------------------------------
+
+def vocab_maps(draft_to_target_ids: torch.Tensor, vocab_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [Vd] int64, t2d [V] bool) for a draft vocabulary given as target ids."""
+    ids = torch.as_tensor(draft_to_target_ids, dtype=torch.int64).sort().values
+    if ids.numel() and (ids[0] < 0 or ids[-1] >= vocab_size or (ids[1:] == ids[:-1]).any()):
+        raise ValueError("draft vocabulary ids must be distinct target ids in [0, V)")
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(ids.numel()), t2d
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int,
+                     draft_vocab_size: int) -> None:
+    """Raise naming d2t/t2d unless nonzero(t2d) == d2t + arange(Vd) (sorted, distinct ids)."""
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(f"d2t has shape {list(d2t.shape)}, expected [{draft_vocab_size}] "
+                         f"(draft_vocab_size)")
+    if tuple(t2d.shape) != (vocab_size,):
+        raise ValueError(f"t2d has shape {list(t2d.shape)}, expected [{vocab_size}] "
+                         f"(target vocab_size)")
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise ValueError(f"d2t must hold integers, got {d2t.dtype}")
+    target_ids = d2t.long().cpu() + torch.arange(draft_vocab_size)
+    selected = torch.nonzero(t2d.cpu().bool()).flatten()
+    if selected.numel() != draft_vocab_size or not torch.equal(selected, target_ids):
+        raise ValueError(
+            f"d2t/t2d are inconsistent: nonzero(t2d) ({selected.numel()} ids) must equal "
+            f"d2t + arange({draft_vocab_size}) (the draft vocabulary as ascending target ids)")
+
+
+# -- random drafts (benchmarks, tests) ----------------------------------------------------
+
+def random_draft(target_config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                 *, layer_ids: tuple[int, ...] | list[int] | None = None,
+                 draft_vocab_size: int | None = None, seed: int = 0, std: float = 0.02,
+                 **overrides: Any) -> Eagle3Draft:
+    """A random-weight EAGLE-3 draft shaped for `target_config` (one layer of the target's
+    width; draft vocab min(V, 32000), a random subset of the target's; weights N(0, std),
+    norms near 1). `overrides` replace DraftConfig fields. Not attached: call
+    attach_target."""
+    tc = target_config
+    V = tc.vocab_size
+    Vd = draft_vocab_size if draft_vocab_size is not None else min(V, 32000)
+    fields: dict[str, Any] = dict(
+        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
+        num_layers=1, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
+        rope_scaling=tc.rope_scaling, max_position_embeddings=tc.max_position_embeddings,
+        vocab_size=V, draft_vocab_size=Vd, target_hidden_size=tc.hidden_size,
+        target_num_layers=tc.num_layers,
+        # sorted, as load_draft sorts: every engine concatenates taps in layer order
+        aux_layer_ids=tuple(sorted(layer_ids)) if layer_ids else default_layer_ids(tc.num_layers),
+        source_format="random",
+        layer_ids_source="override" if layer_ids else "default",
+    )
+    fields.update(overrides)
+    fields["num_taps"] = len(fields["aux_layer_ids"])
+    fields["own_embed_tokens"] = fields["hidden_size"] != fields["target_hidden_size"]
+    cfg = DraftConfig(**fields)
+    g = torch.Generator().manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight") or ".q_norm." in name or ".k_norm." in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        ids = torch.randperm(cfg.vocab_size, generator=g)[:cfg.draft_vocab_size]
+        d2t, t2d = vocab_maps(ids, cfg.vocab_size)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+    return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -1,0 +1,237 @@
+"""Load an EAGLE-3 draft checkpoint (any of formats.FORMATS) strictly, for a given target.
+
+Strict, as for targets: every tensor the draft needs is present with the shape the target
+implies (fc input = num_taps x target hidden; vocab sizes = the target's), nothing is left
+over, and the vocabulary maps satisfy nonzero(t2d) == d2t + arange(Vd). Any violation is a
+ValueError naming the tensor or field.
+
+Layer ids (taps) are resolved once, in this order: the `layer_ids` argument (output-of-layer)
+> the ids in the checkpoint config (converted from its convention) > the EAGLE-3 default
+[1, L//2-1, L-4]. They are sorted ascending, because SGLang, vLLM and EAGLE all capture taps
+in layer order, so a draft's fc was trained on them in that order. The resolution (source,
+convention, final ids) is logged and returned as LoadedDraft.message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specscope.config import ModelConfig
+from specscope.draft.eagle3 import (
+    INPUT_TO_LAYER,
+    OUTPUT_OF_LAYER,
+    DraftConfig,
+    Eagle3Draft,
+    check_vocab_maps,
+    default_layer_ids,
+)
+from specscope.draft.formats import (
+    ParsedConfig,
+    TensorSource,
+    canonical_name,
+    detect_format,
+    format_name,
+    is_ignored,
+    parse_config,
+)
+
+log = logging.getLogger("specscope.draft")
+
+
+@dataclass
+class LoadedDraft:
+    model: Eagle3Draft  # not yet attached: call model.attach_target(target)
+    config: DraftConfig
+    source_format: str  # sglang | eagle | speculators
+    message: str  # the layer-id resolution, then notes on borrowed or ignored weights
+
+
+def resolve_layer_ids(parsed: ParsedConfig, num_target_layers: int,
+                      override: list[int] | tuple[int, ...] | None = None
+                      ) -> tuple[tuple[int, ...], str, str, str]:
+    """Final output-of-layer ids for a parsed draft config and an optional override.
+
+    Returns (ids, source, convention of the source, message); ids out of [0, L) raise
+    ValueError naming where they came from.
+    """
+    L = num_target_layers
+    fmt = parsed.fmt
+    given = parsed.layer_ids
+    conv_given = "used as-is" if parsed.ids_convention == OUTPUT_OF_LAYER else "minus 1"
+    if override is not None:
+        ids = [int(i) for i in override]
+        source, conv = "override", OUTPUT_OF_LAYER
+        desc = "the layer_ids override"
+        if given is not None:
+            desc += f" (the config's {parsed.ids_field} {given}, {parsed.ids_convention}, " \
+                    f"is not used)"
+    elif given is not None:
+        shift = 1 if parsed.ids_convention == INPUT_TO_LAYER else 0
+        ids = [int(i) - shift for i in given]
+        source, conv = parsed.ids_field, parsed.ids_convention
+        desc = f"{parsed.ids_field} {given} ({conv}, {conv_given})"
+    elif fmt == "eagle":
+        ids = list(default_layer_ids(L))
+        source, conv = "eagle-hardwired", INPUT_TO_LAYER
+        desc = f"EAGLE's hard-wired taps {[i + 1 for i in ids]} (input-to-layer, minus 1)"
+    else:
+        ids = list(default_layer_ids(L))
+        source, conv = "default", OUTPUT_OF_LAYER
+        desc = f"the EAGLE-3 default [1, L//2-1, L-4] for a {L}-layer target (the config " \
+               f"has no {parsed.ids_field})"
+    bad = [i for i in ids if not 0 <= i < L]
+    if bad:
+        raise ValueError(f"draft layer ids {ids} (output-of-layer) from {desc}: {bad} out of "
+                         f"range for a {L}-layer target (valid: 0..{L - 1})")
+    final = tuple(sorted(ids))
+    order = "" if list(final) == ids else ", sorted into layer order (taps are captured " \
+                                          "in layer order)"
+    message = f"draft layer ids {list(final)} (output-of-layer) from {desc}{order} " \
+              f"({fmt} format)"
+    return final, source, conv, message
+
+
+def _resolve_dir(path: str | os.PathLike) -> Path:
+    p = Path(path).expanduser()
+    if p.is_file() and p.name == "config.json":
+        return p.parent
+    if p.is_dir() and (p / "config.json").exists():
+        return p
+    raise FileNotFoundError(f"draft {str(path)!r} is not a directory holding config.json")
+
+
+def _names(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               layer_ids: list[int] | None = None) -> LoadedDraft:
+    """Read, check and load the draft at `path` for a target of `target_config`.
+
+    layer_ids: output-of-layer ids overriding whatever the checkpoint says.
+    """
+    model_dir = _resolve_dir(path)
+    cfg_path = model_dir / "config.json"
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    fmt = detect_format(raw, str(cfg_path))
+    parsed = parse_config(raw, fmt, str(cfg_path))
+    tc = target_config
+    fields = dict(parsed.fields)
+    ids, ids_source, ids_conv, message = resolve_layer_ids(parsed, tc.num_layers, layer_ids)
+
+    # Fit to the target: vocabulary and the width the taps arrive with.
+    errors = []
+    if fields["vocab_size"] != tc.vocab_size:
+        errors.append(f"vocab_size {fields['vocab_size']} != the target's {tc.vocab_size}")
+    if fields["target_hidden_size"] != tc.hidden_size:
+        errors.append(f"target_hidden_size {fields['target_hidden_size']} != the target's "
+                      f"hidden_size {tc.hidden_size} (fc input width)")
+    if errors:
+        raise ValueError(f"draft {model_dir} does not fit the target {tc.name or ''}: "
+                         + "; ".join(errors))
+
+    # Map checkpoint names to canonical ones; d2t/t2d and ignorable tensors aside.
+    source = TensorSource(model_dir)
+    files: dict[str, str] = {}  # canonical -> name in the checkpoint
+    dupes = []
+    for name in source.names:
+        if is_ignored(name):
+            continue
+        canon = canonical_name(name)
+        if canon in files:
+            dupes.append(" and ".join(sorted((files[canon], name))))
+        files[canon] = name
+    if dupes:
+        raise ValueError(f"draft checkpoint {model_dir} holds the same tensor twice: "
+                         + "; ".join(dupes))
+
+    notes = []
+    has_lm_head = fields["draft_vocab_size"] is not None
+    if not has_lm_head:  # SGLang: draft_vocab_size null -> the target's lm_head, always
+        fields["draft_vocab_size"] = tc.vocab_size
+        notes.append("lm_head borrowed from the target (draft_vocab_size is null)")
+        if files.pop("lm_head.weight", None):
+            notes.append("the checkpoint's lm_head.weight is ignored, as SGLang does")
+    own_embed = fields["hidden_size"] != fields["target_hidden_size"]
+    if not own_embed and files.pop("embed_tokens.weight", None):
+        # SGLang replaces a draft's embedding with the target's whenever the widths match.
+        notes.append("the checkpoint's embed_tokens.weight is ignored: the draft uses the "
+                     "target's embedding, as SGLang does")
+    d2t_name, t2d_name = files.pop("d2t", None), files.pop("t2d", None)
+
+    cfg = DraftConfig(**fields, target_num_layers=tc.num_layers, aux_layer_ids=ids,
+                      num_taps=len(ids), has_lm_head=has_lm_head, own_embed_tokens=own_embed,
+                      source_format=fmt, layer_ids_source=ids_source,
+                      layer_ids_convention=ids_conv)
+    with torch.device("meta"):
+        model = Eagle3Draft(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+
+    layout = model.checkpoint_layout()
+    missing = [k for k in layout if k not in files]
+    if cfg.draft_vocab_size < cfg.vocab_size:  # a real draft vocabulary needs its maps
+        missing += [n for n, have in (("d2t", d2t_name), ("t2d", t2d_name)) if have is None]
+    elif (d2t_name is None) != (t2d_name is None):
+        missing.append("d2t" if d2t_name is None else "t2d")
+    unexpected = sorted(files[k] for k in files if k not in layout)
+    problems = []
+    if missing:
+        problems.append("missing tensors: " + _names(
+            [format_name(k, fmt) for k in missing]))
+        if "lm_head.weight" in missing:
+            problems[-1] += (f" (draft_vocab_size is {cfg.draft_vocab_size}; a draft that "
+                             f"borrows the target's lm_head has draft_vocab_size null)")
+    if unexpected:
+        problems.append("unexpected tensors: " + _names(unexpected))
+    if problems:
+        raise ValueError(f"draft checkpoint {model_dir} ({fmt} format) does not match its "
+                         f"config: " + "; ".join(problems))
+
+    bad_shapes = []
+    for canon, (_, _, want) in layout.items():
+        shape = source.shape(files[canon])
+        if shape != want:
+            bad_shapes.append(f"{files[canon]} has shape {list(shape)}, expected {list(want)}"
+                              + _shape_hint(canon, cfg))
+    if bad_shapes:
+        raise ValueError(f"draft checkpoint {model_dir} tensor shapes do not fit the draft "
+                         f"config and target: " + "; ".join(bad_shapes[:12]))
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for canon, (param, row, want) in layout.items():
+            params[param][row:row + want[0]].copy_(source.get(files[canon]))
+        if d2t_name is not None:
+            d2t, t2d = source.get(d2t_name), source.get(t2d_name)
+            check_vocab_maps(d2t, t2d, cfg.vocab_size, cfg.draft_vocab_size)
+            model.d2t.copy_(d2t.long())
+            model.t2d.copy_(t2d.bool())
+        else:
+            model.d2t.zero_()
+            model.t2d.fill_(True)
+    model.eval().requires_grad_(False)
+    full = ". ".join([message] + notes)
+    log.info("%s", full)
+    return LoadedDraft(model=model, config=cfg, source_format=fmt, message=full)
+
+
+def _shape_hint(canon: str, cfg: DraftConfig) -> str:
+    if canon == "fc.weight":
+        return (f" (fc input = num_taps {cfg.num_taps} x target hidden "
+                f"{cfg.target_hidden_size})")
+    if canon == "lm_head.weight":
+        return f" (draft_vocab_size {cfg.draft_vocab_size})"
+    if canon == "embed_tokens.weight":
+        return f" (target vocab {cfg.vocab_size} x draft hidden {cfg.hidden_size})"
+    return ""

@@ -1,0 +1,1 @@
+"""One speculative cycle: draft -> tree -> verify -> accept -> commit, as pure tensor functions."""

@@ -1,0 +1,57 @@
+"""The draft tree: the tokens one cycle proposes, and how they hang together.
+
+A chain (topk = 1) is the special case where every node has one child. Node 0 is the root:
+the last token already accepted (or the bonus token of the previous cycle); it is verified
+along with the draft tokens because the target has not yet processed it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """N nodes in topological order (parents[i] < i).
+
+    tokens [N] int64: target-vocabulary ids; tokens[0] is the root.
+    parents [N] int64: parent node index; parents[0] = -1.
+    depth [N] int64: distance from the root; depth[0] = 0.
+    draft_probs [N, V] fp32 or None: the draft's processed distribution at node i, from which
+        node i's children were *sampled* (chain drafting at temperature > 0). None when
+        children were chosen deterministically (greedy, or top-k tree expansion); the
+        verifier then treats each child as a one-hot proposal.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def children_table(self, max_children: int) -> torch.Tensor:
+        """[N, max_children] int64: the children of each node in index order, -1 padded."""
+        from specscope.spec.verify import children_table
+
+        return children_table(self.parents, max_children)
+
+    def ancestor_mask(self, max_depth: int) -> torch.Tensor:
+        """[N, N] bool: mask[i, j] = node j is node i or one of its ancestors.
+
+        max_depth (host-known: num_steps) bounds the walk, so no host sync is needed.
+        """
+        N = self.size
+        dev = self.tokens.device
+        mask = torch.eye(N, dtype=torch.bool, device=dev)
+        cur = self.parents
+        for _ in range(max_depth):
+            has = cur >= 0  # [N]
+            hit = torch.nn.functional.one_hot(cur.clamp_min(0), N).bool() & has[:, None]
+            mask = mask | hit
+            cur = torch.where(has, self.parents[cur.clamp_min(0)], cur)
+        return mask

@@ -1,0 +1,203 @@
+"""End-to-end speculative decoding on a tiny fp32 target (DESIGN.md's testing pyramid, 3-4).
+
+- greedy speculative output == greedy plain output, token for token, over a grid of
+  (num_steps, topk, num_draft_tokens), with a random draft (rejections everywhere) and with
+  a noisy oracle draft (partial acceptance: exercises accept, KV commit and draft extend);
+- an oracle draft (the target's own greedy tokens) gives acceptance 1.0, tau = num_steps + 1;
+- simulated acceptance keeps the KV cache consistent: every bonus token equals the target's
+  full-recompute argmax after the emitted prefix, and tau follows the requested profile.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+
+import pytest
+import torch
+
+import specscope.engine.speculative as speculative
+from specscope import LLM, SamplingParams
+from specscope.config import SpecConfig
+from specscope.spec.tree import DraftTree
+
+GRID = [  # (num_steps, topk, num_draft_tokens)
+    (1, 1, None), (3, 1, None), (5, 1, None), (7, 1, None),
+    (2, 2, 3), (3, 2, 6), (4, 3, 10), (3, 4, 12), (5, 2, 8),
+]
+PROMPT = "The quick brown fox"
+N_TOKENS = 40
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threading only adds overhead
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: pathlib.Path) -> LLM:
+    return LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=16)
+
+
+@pytest.fixture(scope="module")
+def reference(plain: LLM) -> tuple[list[int], list[int]]:
+    params = SamplingParams(max_tokens=N_TOKENS + 16, ignore_eos=True)
+    prompt_ids = plain.encode_prompt(PROMPT)
+    out = plain.generate(PROMPT, params)[0]
+    return prompt_ids, out.token_ids
+
+
+def _spec_llm(model_dir: pathlib.Path, steps: int, topk: int, ndt: int | None,
+              **kw) -> LLM:
+    spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt, **kw)
+    return LLM(str(model_dir), dtype="fp32", device="cpu", kv_block=16, spec=spec)
+
+
+def _oracle(monkeypatch, llm: LLM, reference, noise: float, seed: int = 0) -> None:
+    """Replace the drafter by one proposing the target's greedy continuation, each token
+    corrupted with probability `noise`; trees get wrong siblings at random ranks."""
+    prompt_ids, out_ids = reference
+    seq = prompt_ids + out_ids
+    rng = random.Random(seed)
+    V = llm.model_config.vocab_size
+    dec = llm.decoder
+    spec = llm.spec
+
+    def truth(i: int) -> int:
+        return seq[i] if i < len(seq) else 0
+
+    def wrong(t: int) -> int:
+        return (t + 1 + rng.randrange(V - 1)) % V
+
+    def fake_tree(*args, **kwargs) -> DraftTree:
+        n = dec.n
+        k, topk = spec.num_steps, spec.topk
+        budget = spec.num_draft_tokens - 1
+        tokens, parents, depth = [truth(n)], [-1], [0]
+        cur = 0
+        for d in range(1, k + 1):
+            if budget <= 0:
+                break
+            siblings = min(topk, budget - (k - d))  # leave room for the deeper levels
+            siblings = max(1, siblings)
+            correct_rank = rng.randrange(siblings)
+            nxt = cur
+            for r in range(siblings):
+                t = truth(n + d)
+                if r != correct_rank or rng.random() < noise:
+                    t = wrong(t)
+                tokens.append(t)
+                parents.append(cur)
+                depth.append(d)
+                if r == correct_rank:
+                    nxt = len(tokens) - 1
+                budget -= 1
+            cur = nxt
+        while len(tokens) < spec.num_draft_tokens:  # pad with wrong leaves under the root
+            tokens.append(wrong(truth(n + 1)))
+            parents.append(0)
+            depth.append(1)
+        t = torch.tensor
+        return DraftTree(tokens=t(tokens), parents=t(parents), depth=t(depth))
+
+    monkeypatch.setattr(speculative, "draft_chain", fake_tree)
+    monkeypatch.setattr(speculative, "draft_tree", fake_tree)
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), GRID)
+def test_greedy_spec_equals_plain_random_draft(tiny_model_dir, reference, steps, topk, ndt):
+    llm = _spec_llm(tiny_model_dir, steps, topk, ndt)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == reference[1][:N_TOKENS]
+    assert out.spec is not None and out.spec["cycles"] > 0 and not out.spec["simulated"]
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), GRID)
+def test_greedy_spec_equals_plain_noisy_oracle(monkeypatch, tiny_model_dir, reference, steps,
+                                               topk, ndt):
+    llm = _spec_llm(tiny_model_dir, steps, topk, ndt)
+    _oracle(monkeypatch, llm, reference, noise=0.3, seed=steps * 10 + topk)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == reference[1][:N_TOKENS]
+    if steps > 1:
+        assert out.spec["accept_length"] > 1.2  # really accepted (partial) paths
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(1, 1, None), (4, 1, None), (7, 1, None),
+                                                    (3, 2, 6), (4, 3, 10)])
+def test_oracle_draft_accepts_everything(monkeypatch, tiny_model_dir, reference, steps, topk,
+                                         ndt):
+    llm = _spec_llm(tiny_model_dir, steps, topk, ndt)
+    _oracle(monkeypatch, llm, reference, noise=0.0)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == reference[1][:N_TOKENS]
+    st = out.spec
+    assert st["accept_length"] == pytest.approx(steps + 1)
+    assert st["acceptance_by_position"] == [1.0] * steps
+
+
+def _full_recompute_argmax(llm: LLM, ids: list[int]) -> list[int]:
+    m = llm.runner.model
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        h, _ = m(x, torch.arange(len(ids))[None])
+        return m.compute_logits(h[0]).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(5, 1, None), (3, 2, 6), (4, 3, 10)])
+def test_simulated_acceptance_keeps_kv_consistent(tiny_model_dir, steps, topk, ndt):
+    llm = _spec_llm(tiny_model_dir, steps, topk, ndt, simulate_acceptance=3.0)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=90, ignore_eos=True))[0]
+    st = out.spec
+    assert st["simulated"]
+    prompt_ids = llm.encode_prompt(PROMPT)
+    seq = prompt_ids + out.token_ids
+    pred = _full_recompute_argmax(llm, seq)
+    # Bonus tokens: the first token, then the last token of each cycle.
+    bonus_at = [len(prompt_ids)]
+    for a in st["accepted_per_cycle"]:
+        bonus_at.append(bonus_at[-1] + a + 1)
+    for p in bonus_at:
+        if p < len(seq):
+            assert seq[p] == pred[p - 1], f"bonus at {p} is not the target's argmax"
+    if topk == 1:  # a chain has room for every drawn acceptance; trees may be shallower
+        assert 2.3 < st["accept_length"] < 3.7
+
+
+def test_spec_sampling_is_seeded(tiny_model_dir):
+    llm = _spec_llm(tiny_model_dir, 3, 1, None)
+    p = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
+    a = llm.generate(PROMPT, p)[0].token_ids
+    assert a == llm.generate(PROMPT, p)[0].token_ids
+    tree = _spec_llm(tiny_model_dir, 3, 2, 6)
+    b = tree.generate(PROMPT, p)[0].token_ids
+    assert b == tree.generate(PROMPT, p)[0].token_ids
+
+
+def test_spec_near_context_end_falls_back_to_plain(tiny_model_dir, plain):
+    """A request ending at the context limit completes (the last tokens decode plainly)."""
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=16, max_model_len=64,
+              spec=SpecConfig(draft="random", num_steps=5))
+    n_prompt = len(llm.encode_prompt(PROMPT))
+    params = SamplingParams(max_tokens=64 - n_prompt, ignore_eos=True)
+    out = llm.generate(PROMPT, params)[0]
+    ref = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=16, max_model_len=64)
+    assert out.token_ids == ref.generate(PROMPT, params)[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_steps": 0}, {"topk": 0}, {"num_steps": 3, "topk": 1, "num_draft_tokens": 5},
+    {"num_steps": 2, "topk": 2, "num_draft_tokens": 9}, {"simulate_acceptance": 9.0},
+    {"simulate_acceptance": (0.5, 1.5)},
+])
+def test_spec_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        SpecConfig(draft="random", **kwargs)
+
+
+def test_spec_needs_a_draft(tiny_model_dir):
+    with pytest.raises(ValueError, match="draft"):
+        LLM(str(tiny_model_dir), dtype="fp32", device="cpu", spec=SpecConfig())
