@@ -113,3 +113,33 @@ def test_cuda_seeded_sampling_repeats():
     a = [sample(logits, params, make_generator(7, "cuda")).item() for _ in range(5)]
     b = [sample(logits, params, make_generator(7, "cuda")).item() for _ in range(5)]
     assert a == b
+
+
+def _spec_llm(model, spec=None, graphs=True):
+    from specscope import LLM
+
+    return LLM.from_model(model, spec=spec, cuda_graphs=graphs, kv_block=16)
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(4, 1, None), (3, 2, 6)])
+def test_spec_cycle_graphs_match_eager_and_plain(steps, topk, ndt):
+    """Speculative cycles replayed as CUDA graphs: greedy output equals plain decoding, and
+    in simulated mode (many accepted paths) graphs equal eager token for token."""
+    from specscope import SamplingParams
+    from specscope.config import SpecConfig
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.float32, "cuda", seed=5)
+    params = SamplingParams(max_tokens=70, ignore_eos=True)
+    prompt = " ".join(str(i) for i in range(20, 45))
+    plain = _spec_llm(model).generate(prompt, params)[0].token_ids
+    spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    assert _spec_llm(model, spec).generate(prompt, params)[0].token_ids == plain
+    sim = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt,
+                     simulate_acceptance=2.5)
+    g = _spec_llm(model, sim).generate(prompt, params)[0]
+    e = _spec_llm(model, sim, graphs=False).generate(prompt, params)[0]
+    assert g.token_ids == e.token_ids
+    assert g.spec["accepted_per_cycle"] == e.spec["accepted_per_cycle"]
+    assert g.spec["accept_length"] > 1.5

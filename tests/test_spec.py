@@ -201,3 +201,18 @@ def test_spec_config_validation(kwargs):
 def test_spec_needs_a_draft(tiny_model_dir):
     with pytest.raises(ValueError, match="draft"):
         LLM(str(tiny_model_dir), dtype="fp32", device="cpu", spec=SpecConfig())
+
+
+def test_phase_timing_splits_the_cycle(tiny_model_dir):
+    llm = _spec_llm(tiny_model_dir, 3, 2, 6, simulate_acceptance=2.5)
+    timer = llm.enable_phase_timing(True)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    ms = timer.resolve()
+    cycles = out.spec["cycles"]
+    for phase in ("prefill", "draft_extend", "draft_step", "verify", "accept", "kv_commit"):
+        assert phase in ms and all(x >= 0 for x in ms[phase])
+    assert len(ms["verify"]) == cycles and len(ms["prefill"]) == 1
+    llm.set_spec(None)  # hot switch to plain decoding, same weights
+    timer.reset()
+    llm.generate(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(timer.resolve()["decode"]) == 4

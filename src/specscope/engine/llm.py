@@ -16,12 +16,20 @@ from typing import Any
 
 import torch
 
-from specscope.config import EngineConfig, SamplingParams, SpecConfig, normalize_dtype
+from specscope.config import (
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    SpecConfig,
+    normalize_dtype,
+)
 from specscope.engine.request import Request, RequestOutput
 from specscope.engine.runner import ModelRunner, PlainDecoder
-from specscope.engine.speculative import SpecStats
-from specscope.engine.tokenizer import Messages, Tokenizer, validate_messages
+from specscope.engine.speculative import SpecDecoder, SpecStats
+from specscope.engine.tokenizer import IdTokenizer, Messages, Tokenizer, validate_messages
+from specscope.models.llama import CausalLM
 from specscope.models.loader import load_model
+from specscope.profiler import PhaseTimer
 from specscope.sampling import make_generator
 
 log = logging.getLogger("specscope.llm")
@@ -89,25 +97,65 @@ class LLM:
             self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
         self.quantization = quantization
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization)
-        self.model_config = loaded.config
-        self.model_path = loaded.path
-        self.model_name = loaded.source
-        self.tokenizer = Tokenizer(loaded.path, loaded.config.eos_token_ids)
-        self.runner = ModelRunner(loaded.model, loaded.config, self.engine_config, self.device,
-                                  self.dtype)
-        self.spec = spec
-        self.draft_info = None
-        if spec is None:
-            self.decoder = PlainDecoder(self.runner)
-        else:
-            from specscope.engine.speculative import SpecDecoder, load_spec_draft
+        self._setup(loaded.model, loaded.config, loaded.path, loaded.source,
+                    Tokenizer(loaded.path, loaded.config.eos_token_ids), spec)
 
-            draft, self.draft_info = load_spec_draft(spec, loaded.model, self.dtype, self.device)
-            self.decoder = SpecDecoder(self.runner, draft, spec)
+    @classmethod
+    def from_model(cls, model: CausalLM, *, tokenizer: Tokenizer | IdTokenizer | None = None,
+                   spec: SpecConfig | None = None, name: str = "in-memory",
+                   **engine: Any) -> LLM:
+        """An engine around an already built model (e.g. random weights of a real shape for
+        benchmarks). Without a tokenizer, text is the token ids (IdTokenizer)."""
+        self = cls.__new__(cls)
+        self.engine_config = EngineConfig(**engine)
+        param = next(model.parameters())
+        self.device, self.dtype, self.quantization = param.device, param.dtype, "none"
+        self._setup(model, model.config, None, name, tokenizer or IdTokenizer(), spec)
+        return self
+
+    def _setup(self, model: CausalLM, config: ModelConfig, path, name: str, tokenizer,
+               spec: SpecConfig | None) -> None:
+        self.model_config = config
+        self.model_path = path
+        self.model_name = name
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, config, self.engine_config, self.device, self.dtype)
         self._ids = itertools.count()
         # One request runs at a time on this engine; callers on other threads queue here.
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id holding _lock
+        self.spec: SpecConfig | None = None
+        self.draft_info: str | None = None
+        self.timer: PhaseTimer | None = None
+        self.decoder: PlainDecoder | SpecDecoder = PlainDecoder(self.runner)
+        self.set_spec(spec)
+
+    def set_spec(self, spec: SpecConfig | None) -> None:
+        """Switch speculative decoding on (with this configuration) or off, keeping the
+        target weights loaded. A draft given by path is loaded again only if it changed."""
+        with self._lock:
+            if spec is None:
+                self.decoder = PlainDecoder(self.runner)
+            else:
+                from specscope.engine.speculative import load_spec_draft
+
+                same = (isinstance(self.decoder, SpecDecoder) and self.spec is not None
+                        and (self.spec.draft, self.spec.draft_layer_ids)
+                        == (spec.draft, spec.draft_layer_ids))
+                if same:
+                    draft = self.decoder.draft
+                else:
+                    draft, self.draft_info = load_spec_draft(spec, self.runner.model,
+                                                             self.dtype, self.device)
+                self.decoder = SpecDecoder(self.runner, draft, spec)
+            self.spec = spec
+            self.decoder.timer = self.timer
+
+    def enable_phase_timing(self, on: bool = True) -> PhaseTimer | None:
+        """Time every phase of every cycle (see profiler/phases.py); returns the timer."""
+        self.timer = PhaseTimer(self.device) if on else None
+        self.decoder.timer = self.timer
+        return self.timer
 
     @property
     def max_model_len(self) -> int:
@@ -129,6 +177,9 @@ class LLM:
                             f"got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty after tokenisation; give at least one token")
+        if max(ids) >= self.model_config.vocab_size:  # a tokenizer larger than the model
+            raise ValueError(f"the tokenizer produced id {max(ids)}, outside the model's "
+                             f"vocabulary of {self.model_config.vocab_size}")
         return ids
 
     def _check_length(self, n_prompt: int, params: SamplingParams) -> None:

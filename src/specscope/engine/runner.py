@@ -13,6 +13,7 @@ import torch
 from specscope.config import EngineConfig, ModelConfig, SamplingParams
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
+from specscope.profiler import Phase, PhaseTimer
 from specscope.sampling import sample
 
 
@@ -114,21 +115,30 @@ class PlainDecoder:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.timer: PhaseTimer | None = None
 
     def ensure_caches(self, tokens: int) -> None:
         self.runner.ensure_cache(tokens)
 
     def prefill(self, prompt_ids: list[int], params: SamplingParams,
                 gen: torch.Generator | None) -> torch.Tensor:
+        if self.timer:
+            self.timer.mark(Phase.PREFILL)
         self.n = len(prompt_ids)
         self.position = torch.tensor([[self.n]], dtype=torch.long, device=self.runner.device)
         self.token = sample(self.runner.prefill(prompt_ids), params, gen)  # [1]
+        if self.timer:
+            self.timer.stop()
         return self.token
 
     def cycle(self, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
         """-> [2] int64: the count (1) and the token."""
+        if self.timer:
+            self.timer.mark(Phase.DECODE)
         logits = self.runner.decode(self.token.view(1, 1), self.position, self.n)
         self.token = sample(logits, params, gen)
+        if self.timer:
+            self.timer.stop()
         return torch.cat([torch.ones_like(self.token), self.token])
 
     def advance(self, count: int) -> None:

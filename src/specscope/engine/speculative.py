@@ -28,6 +28,7 @@ from specscope.draft.loader import load_draft
 from specscope.engine.runner import ModelRunner
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
+from specscope.profiler import Phase, PhaseTimer
 from specscope.sampling import processed_logits, sample
 from specscope.spec.drafter import draft_chain, draft_tree
 from specscope.spec.simulate import simulated_verdict
@@ -35,6 +36,11 @@ from specscope.spec.tree import DraftTree
 from specscope.spec.verify import Verdict, emitted_tokens, verify_greedy, verify_sampling
 
 log = logging.getLogger("specscope.spec")
+
+
+def _capturing() -> bool:
+    """Inside a CUDA-graph capture, phase marks are skipped: graphs are timed whole."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass
@@ -66,7 +72,16 @@ class SpecStats:
 
 
 class SpecDecoder:
-    """Runs speculative cycles for one request at a time on a target runner and a draft."""
+    """Runs speculative cycles for one request at a time on a target runner and a draft.
+
+    A cycle is two segments, each a pure function of static device buffers:
+    - draft: extend the draft KV over the previous cycle's accepted pairs, then draft steps
+      and tree building;
+    - verify_commit: one target forward over the tree, accept, KV commit, and the next
+      extend's inputs.
+    On CUDA with greedy verification each segment is captured as a CUDA graph per KV window
+    and replayed; otherwise they run eagerly. Both paths run the same code.
+    """
 
     def __init__(self, runner: ModelRunner, draft: Eagle3Draft, spec: SpecConfig) -> None:
         self.runner = runner
@@ -75,12 +90,27 @@ class SpecDecoder:
         self.target = runner.model
         self.target.set_taps(draft.config.aux_layer_ids)
         self.draft_cache: KVCache | None = None
+        dev = runner.device
         rates = spec.acceptance_rates()
-        self.sim_rates = None if rates is None else torch.tensor(rates, device=runner.device)
-        self.sim_gen = torch.Generator(device=runner.device)
+        self.sim_rates = None if rates is None else torch.tensor(rates, device=dev)
+        self.sim_gen = torch.Generator(device=dev)
         self.sim_gen.manual_seed(spec.simulate_seed)
         draft.init_rope(runner.max_model_len)
         self.last_was_speculative = False
+        self.timer: PhaseTimer | None = None
+        k = spec.num_steps
+        n_taps = len(draft.config.aux_layer_ids) * runner.config.hidden_size
+        # Static state buffers (see the module docstring).
+        self.n_t = torch.zeros(1, dtype=torch.long, device=dev)  # committed length = root pos
+        self.root = torch.zeros(1, dtype=torch.long, device=dev)
+        self.ext_taps = torch.zeros(1, k + 1, n_taps, dtype=runner.dtype, device=dev)
+        self.ext_tokens = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
+        self.ext_start = torch.zeros(1, dtype=torch.long, device=dev)
+        self.ext_a = torch.zeros(1, dtype=torch.long, device=dev)
+        self.sim_u = torch.zeros(k, device=dev)
+        self.graphs: dict[int, tuple] = {}
+        self.use_graphs = dev.type == "cuda" and runner.engine.cuda_graphs
+        self._graph_caches: tuple | None = None
 
     @property
     def lookahead(self) -> int:
@@ -101,28 +131,40 @@ class SpecDecoder:
             self.draft_cache = None
             self.draft_cache = KVCache(dc.num_layers, 1, dc.num_kv_heads, cache.capacity,
                                        dc.head_dim, self.runner.dtype, self.runner.device)
+        if self._graph_caches != (id(cache), id(self.draft_cache)):
+            self.graphs.clear()  # captured graphs hold the old caches' addresses
+            self._graph_caches = (id(cache), id(self.draft_cache))
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], params: SamplingParams,
                 gen: torch.Generator | None) -> torch.Tensor:
-        """Target prefill (with taps), first token, and the draft extend over the prompt.
-        Returns the first token [1]."""
+        """Target prefill (with taps), the first token, and the draft extend over all prompt
+        pairs but the last, which becomes the first cycle's pending extend. -> root [1]."""
+        t = self.timer
+        if t:
+            t.mark(Phase.PREFILL)
         logits, taps = self.runner.prefill(prompt_ids, return_taps=True)  # [1,V], [1,P,nH]
         root = sample(logits, params, gen)  # [1]
         n = len(prompt_ids)
         dev = self.runner.device
-        next_tokens = torch.tensor(prompt_ids[1:], dtype=torch.long, device=dev)
-        next_tokens = torch.cat([next_tokens, root])[None]  # [1, P]: t_1 .. t_P
+        nxt = torch.cat([torch.tensor(prompt_ids[1:], dtype=torch.long, device=dev), root])
         pos = torch.arange(n, device=dev)[None]
         chunk = self.runner.engine.prefill_chunk_size
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            h, normed = self.draft(next_tokens[:, s:e], self.draft.project(taps[:, s:e]),
-                                   pos[:, s:e], self.draft_cache, kv_len=self._kv_len(e))
-        self.h0 = h[:, -1:]  # [1, 1, Hd]
-        self.logits0 = self.draft.compute_logits(normed[0, -1])  # [Vd]
+        for s in range(0, n - 1, chunk):  # pairs 0 .. n-2 now; pair n-1 in the first cycle
+            e = min(n - 1, s + chunk)
+            self.draft(nxt[None, s:e], self.draft.project(taps[:, s:e]), pos[:, s:e],
+                       self.draft_cache, kv_len=self._kv_len(e))
+        self.ext_taps.zero_()
+        self.ext_taps[:, 0] = taps[:, n - 1]
+        self.ext_tokens.zero_()
+        self.ext_tokens[0, 0] = root[0]
+        self.ext_start.fill_(n - 1)
+        self.ext_a.zero_()
+        self.n_t.fill_(n)
+        self.root.copy_(root)
         self.n = n
-        self.root = root
+        if t:
+            t.stop()
         return root
 
     def _kv_len(self, end: int) -> int:
@@ -135,24 +177,89 @@ class SpecDecoder:
         """Run one cycle; return [1 + num_steps + 1] int64: the number of emitted tokens
         followed by the emitted tokens (padded with -1). Read it once on the host, then
         call `advance` with the count."""
-        spec, n, dev = self.spec, self.n, self.runner.device
-        k = spec.num_steps
-        if n + self.lookahead > self.runner.cache.capacity:
+        if self.n + self.lookahead > self.runner.cache.capacity:
             return self._plain_step(params, gen)
         self.last_was_speculative = True
-        kv_len = self._kv_len(n + self.lookahead)
-        # 1. draft
+        kv_len = self._kv_len(self.n + self.lookahead)
+        if self.sim_rates is not None:
+            self.sim_u.copy_(torch.rand(self.spec.num_steps, generator=self.sim_gen,
+                                        device=self.sim_u.device))
+        t = self.timer
+        if self.use_graphs and params.greedy:
+            entry = self.graphs.get(kv_len)
+            if entry is None:
+                return self._run_and_capture(kv_len, params)
+            graph_a, graph_b, out = entry
+            if t:
+                t.mark(Phase.DRAFT)
+            graph_a.replay()
+            if t:
+                t.mark(Phase.VERIFY_COMMIT)
+            graph_b.replay()
+            if t:
+                t.stop()
+            return out
+        tree = self._draft_segment(params, gen, kv_len)
+        out = self._verify_segment(tree, params, gen, kv_len)
+        if t:
+            t.stop()
+        return out
+
+    def _run_and_capture(self, kv_len: int, params: SamplingParams) -> torch.Tensor:
+        """First cycle in a KV window on CUDA: run both segments eagerly (this is the real
+        cycle, on a side stream as capture requires), then capture them as graphs. Capture
+        records kernels without running them, so the state is not advanced twice."""
+        dev = self.runner.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            out = self._verify_segment(self._draft_segment(params, None, kv_len), params,
+                                       None, kv_len)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_a):
+            tree = self._draft_segment(params, None, kv_len)
+        with torch.cuda.graph(graph_b, pool=graph_a.pool()):
+            static_out = self._verify_segment(tree, params, None, kv_len)
+        self.graphs[kv_len] = (graph_a, graph_b, static_out)
+        if self.timer:
+            self.timer.stop()
+        return out
+
+    def _draft_segment(self, params: SamplingParams, gen: torch.Generator | None,
+                       kv_len: int) -> DraftTree:
+        """Draft extend over the pending pairs, then draft steps (chain) or tree expansion."""
+        spec, dev, t = self.spec, self.runner.device, self.timer
+        k = spec.num_steps
+        if t and not _capturing():
+            t.mark(Phase.DRAFT_EXTEND)
+        pos = (self.ext_start + torch.arange(k + 1, device=dev))[None]  # [1, k + 1]
+        h, normed = self.draft(self.ext_tokens, self.draft.project(self.ext_taps), pos,
+                               self.draft_cache, kv_len=kv_len)
+        # The output at the last accepted pair: an index_select, not h[:, a] (a 0-d index
+        # tensor would be turned into a host int, a sync).
+        h0 = h.index_select(1, self.ext_a)  # [1, 1, Hd]
+        logits0 = self.draft.compute_logits(normed[0].index_select(0, self.ext_a)[0])  # [Vd]
+        if t and not _capturing():
+            t.mark(Phase.DRAFT_STEP)
         if spec.topk == 1:
-            tree = draft_chain(self.draft, self.draft_cache, self.h0, self.logits0, self.root,
-                               n, k, kv_len, params, gen)
-        else:
-            tree = draft_tree(self.draft, self.draft_cache, self.h0, self.logits0, self.root,
-                              n, k, spec.topk, spec.num_draft_tokens, kv_len, params)
+            return draft_chain(self.draft, self.draft_cache, h0, logits0, self.root, self.n_t,
+                               k, kv_len, params, gen)
+        return draft_tree(self.draft, self.draft_cache, h0, logits0, self.root, self.n_t, k,
+                          spec.topk, spec.num_draft_tokens, kv_len, params)
+
+    def _verify_segment(self, tree: DraftTree, params: SamplingParams,
+                        gen: torch.Generator | None, kv_len: int) -> torch.Tensor:
+        """One target forward over the tree, accept, KV commit, next extend's inputs."""
+        k, dev, t = self.spec.num_steps, self.runner.device, self.timer
+        timing = t is not None and not _capturing()
+        if timing:
+            t.mark(Phase.VERIFY)
+        n = self.n_t
         N = tree.size
-        # 2. verify: one target forward over the tree
         k_pos = torch.arange(kv_len, device=dev)
         anc = tree.ancestor_mask(k)  # [N, N]
-        rel = k_pos - n
+        rel = k_pos - n  # [kv_len]
         in_tree = (rel >= 0) & (rel < N)
         mask = (k_pos < n)[None, :] | (anc[:, rel.clamp(0, N - 1)] & in_tree[None, :])
         slots = (n + torch.arange(N, device=dev))[None]  # [1, N]
@@ -160,41 +267,45 @@ class SpecDecoder:
                                    kv_len=kv_len, slots=slots, attn_mask=mask[None],
                                    return_taps=True)
         logits = self.target.compute_logits(hidden[0])  # [N, V]
-        # 3. accept
+        if timing:
+            t.mark(Phase.ACCEPT)
         verdict = self._accept(tree, logits, params, gen)
         out = emitted_tokens(tree, verdict)  # [k + 1], padded -1
-        # 4. commit: accepted path's K/V to contiguous slots n .. n + a
+        if timing:
+            t.mark(Phase.KV_COMMIT)
         path = verdict.path.clamp_min(0)  # [k + 1]; padding points at the root (harmless)
         src = n + path
         dst = n + torch.arange(k + 1, device=dev)
         for kc, vc in zip(self.runner.cache.k, self.runner.cache.v, strict=True):
             kc[0].index_copy_(1, dst, kc[0].index_select(1, src))
             vc[0].index_copy_(1, dst, vc[0].index_select(1, src))
-        # 5. draft extend over the accepted positions n .. n + a (padded to k + 1 pairs)
-        a = verdict.num_accepted
-        path_taps = taps[:, path]  # [1, k + 1, nH]
-        nxt = torch.where(out >= 0, out, 0)[None]  # pair i: (taps of path[i], token after it)
-        pos = (n + torch.arange(k + 1, device=dev))[None]
-        h, normed = self.draft(nxt, self.draft.project(path_taps), pos, self.draft_cache,
-                               kv_len=kv_len)
-        # The output at the last accepted pair: an index_select, not h[:, a] (a 0-d index
-        # tensor would be turned into a host int, a sync).
-        self.h0 = h.index_select(1, a.reshape(1))  # [1, 1, Hd]
-        self.logits0 = self.draft.compute_logits(normed[0].index_select(0, a.reshape(1))[0])
-        self.root = verdict.bonus.reshape(1)
-        return torch.cat([(a + 1).reshape(1), out])
+        a = verdict.num_accepted.reshape(1)
+        # Next extend: pair i = (taps of path[i], the token after it), at position n + i.
+        self.ext_taps.copy_(taps[:, path])
+        self.ext_tokens.copy_(torch.where(out >= 0, out, 0)[None])
+        self.ext_start.copy_(n)
+        self.ext_a.copy_(a)
+        self.root.copy_(verdict.bonus.reshape(1))
+        self.n_t.add_(a + 1)
+        return torch.cat([a + 1, out])
 
     def _plain_step(self, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
         """Too close to the end of the context for a whole cycle: decode one token plainly.
         The draft state is not kept up to date any more; no cycle follows at this length."""
         self.last_was_speculative = False
-        position = torch.full((1, 1), self.n, dtype=torch.long, device=self.runner.device)
+        if self.timer:
+            self.timer.mark(Phase.DECODE)
+        position = self.n_t.view(1, 1)
         logits = self.runner.decode(self.root.view(1, 1), position, self.n)
-        self.root = sample(logits, params, gen)
-        return torch.cat([torch.ones_like(self.root), self.root])
+        tok = sample(logits, params, gen)
+        self.root.copy_(tok)
+        self.n_t.add_(1)
+        if self.timer:
+            self.timer.stop()
+        return torch.cat([torch.ones_like(tok), tok])
 
     def advance(self, count: int) -> None:
-        """Host bookkeeping after reading the cycle's count."""
+        """Host bookkeeping after reading the cycle's count (the device side already moved)."""
         self.n += count
 
     def _accept(self, tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
@@ -202,8 +313,8 @@ class SpecDecoder:
         k = self.spec.num_steps
         if self.sim_rates is not None:
             probs = None if params.greedy else processed_logits(logits, params).softmax(-1)
-            return simulated_verdict(tree, logits, probs, self.sim_rates, k, self.spec.topk,
-                                     self.sim_gen, gen)
+            return simulated_verdict(tree, logits, probs, self.sim_rates, self.sim_u, k,
+                                     self.spec.topk, gen)
         if params.greedy:
             return verify_greedy(tree, logits, k)
         probs = processed_logits(logits, params).softmax(-1)  # [N, V]

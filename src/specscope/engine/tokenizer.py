@@ -49,6 +49,23 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+class IdTokenizer:
+    """For models without a tokenizer (random weights of a real shape, in benchmarks): the
+    text of a token is its id in angle brackets; there is no EOS and no chat template."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+    has_chat_template = False
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.replace("<", " ").replace(">", " ").split()]
+
+    def apply_chat_template(self, messages: Messages) -> list[int]:
+        raise ValueError("this model has no tokenizer and no chat template")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
 def validate_messages(messages: Any) -> None:
     """Check the OpenAI message shape, naming what is wrong."""
     if not isinstance(messages, list) or not messages:

@@ -43,12 +43,13 @@ def _to_target_probs(draft: Eagle3Draft, q: torch.Tensor) -> torch.Tensor:
 
 
 def draft_chain(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: torch.Tensor,
-                root: torch.Tensor, n: int, num_steps: int, kv_len: int,
+                root: torch.Tensor, n: torch.Tensor, num_steps: int, kv_len: int,
                 params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
     """A chain of num_steps draft tokens after `root` (the token at position n).
 
-    h0 [1, 1, Hd], logits0 [Vd]: the extend's output at position n - 1.
-    Draft step j (1-based, j < num_steps) runs at draft position n + j - 1.
+    h0 [1, 1, Hd], logits0 [Vd]: the extend's output at position n - 1. n [1] int64 on the
+    device (a tensor, so a captured graph replays for any n). Draft step j (1-based,
+    j < num_steps) runs at draft position n + j - 1.
     At temperature > 0 tokens are sampled from the processed draft distribution q, which is
     returned (in target vocabulary) for lossless verification.
     """
@@ -67,7 +68,7 @@ def draft_chain(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: t
         t = draft.to_target(d)  # [1] target id
         tokens.append(t)
         if j < num_steps:
-            pos = torch.full((1, 1), n + j - 1, dtype=torch.long, device=dev)
+            pos = (n + (j - 1)).view(1, 1)
             h, normed = draft(t[None], h, pos, cache, kv_len=kv_len)
             logits = draft.compute_logits(normed[0, -1])  # [Vd]
     k = num_steps
@@ -80,7 +81,8 @@ def draft_chain(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: t
 
 
 def draft_tree(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: torch.Tensor,
-               root: torch.Tensor, n: int, num_steps: int, topk: int, num_draft_tokens: int,
+               root: torch.Tensor, n: torch.Tensor, num_steps: int, topk: int,
+               num_draft_tokens: int,
                kv_len: int, params: SamplingParams) -> DraftTree:
     """An EAGLE-2 dynamic tree of num_draft_tokens nodes (root included), children chosen
     deterministically (top-k of the processed draft distribution)."""
@@ -101,12 +103,12 @@ def draft_tree(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: to
     k_pos = torch.arange(kv_len, device=dev)
     for j in range(1, num_steps):
         own = (j - 1) * k + torch.arange(k, device=dev)  # this step's tree slots
-        anc = beam_anc | torch.nn.functional.one_hot(own, tree_slots).bool()  # [k, slots]
+        anc = beam_anc | (own[:, None] == torch.arange(tree_slots, device=dev)[None, :])
         # Mask [1, k, kv_len]: the committed prefix, plus own and ancestors' tree slots.
         rel = k_pos - n  # tree slot of each key, negative for the prefix
         in_tree = (rel >= 0) & (rel < tree_slots)
         mask = (k_pos < n)[None, :] | (anc[:, rel.clamp(0, tree_slots - 1)] & in_tree[None, :])
-        pos = torch.full((1, k), n + j - 1, dtype=torch.long, device=dev)
+        pos = (n + (j - 1)).expand(k)[None]  # [1, k]
         h_out, normed = draft(beam_tok[None], beam_h, pos, cache, kv_len=kv_len,
                               slots=(n + own)[None], attn_mask=mask[None])
         lp = _draft_scores(draft.compute_logits(normed[0]), params)  # [k, Vd]

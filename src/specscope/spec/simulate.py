@@ -17,12 +17,12 @@ from specscope.spec.verify import Verdict, _at
 
 
 def simulated_verdict(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None,
-                      rates: torch.Tensor, max_depth: int, topk: int,
-                      sim_gen: torch.Generator, gen: torch.Generator | None) -> Verdict:
+                      rates: torch.Tensor, u: torch.Tensor, max_depth: int, topk: int,
+                      gen: torch.Generator | None) -> Verdict:
     """logits [N, V]; probs [N, V] processed target probabilities (None: greedy bonus);
-    rates [max_depth]. Walks the first-child path of the tree (the best-scored branch)."""
+    rates, u [max_depth]: acceptance rates and uniforms (drawn by the caller, so the
+    function stays replayable in a CUDA graph). Walks the first-child path of the tree."""
     dev = tree.tokens.device
-    u = torch.rand(max_depth, generator=sim_gen, device=dev)
     want = (u < rates).long().cumprod(0).sum()  # [] accepted count drawn from the profile
     children = tree.children_table(max(topk, 1))  # [N, topk]
     path = torch.full((max_depth + 1,), -1, dtype=torch.long, device=dev)

@@ -49,9 +49,11 @@ class DraftTree:
         dev = self.tokens.device
         mask = torch.eye(N, dtype=torch.bool, device=dev)
         cur = self.parents
+        cols = torch.arange(N, device=dev)
         for _ in range(max_depth):
             has = cur >= 0  # [N]
-            hit = torch.nn.functional.one_hot(cur.clamp_min(0), N).bool() & has[:, None]
+            # A comparison, not F.one_hot: one_hot validates its input with a host sync.
+            hit = (cur[:, None] == cols[None, :]) & has[:, None]  # [N, N]
             mask = mask | hit
             cur = torch.where(has, self.parents[cur.clamp_min(0)], cur)
         return mask
