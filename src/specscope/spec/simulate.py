@@ -25,14 +25,13 @@ def simulated_verdict(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor
     dev = tree.tokens.device
     want = (u < rates).long().cumprod(0).sum()  # [] accepted count drawn from the profile
     children = tree.children_table(max(topk, 1))  # [N, topk]
-    path = torch.full((max_depth + 1,), -1, dtype=torch.long, device=dev)
-    path[0] = 0
     cur = torch.zeros((), dtype=torch.long, device=dev)
+    path = [cur]  # built from device tensors only: no host->device copy (graph capture)
     n_acc = torch.zeros((), dtype=torch.long, device=dev)
     for i in range(1, max_depth + 1):
         child = _at(children[:, 0], cur)
         take = (child >= 0) & (i <= want)
-        path[i] = torch.where(take, child, -1)
+        path.append(torch.where(take, child, -1))
         cur = torch.where(take, child, cur)
         n_acc = n_acc + take.long()
     if probs is None:
@@ -41,4 +40,4 @@ def simulated_verdict(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor
         p = _at(probs, cur)  # [V]
         race = torch.empty_like(p).exponential_(generator=gen)
         bonus = (p / race.clamp_min_(torch.finfo(race.dtype).tiny)).argmax(-1)
-    return Verdict(path=path, num_accepted=n_acc, bonus=bonus)
+    return Verdict(path=torch.stack(path), num_accepted=n_acc, bonus=bonus)
