@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 
 from specscope.config import SamplingParams
 
@@ -107,7 +109,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-              compile=args.compile, spec=spec)
+              compile=args.compile, spec=spec, profile=args.profile,
+              profile_interval=args.profile_interval)
     load_s = time.perf_counter() - t0
     if args.messages is not None:
         try:
@@ -146,6 +149,85 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_spec_list(values: list[str], base: argparse.Namespace) -> list:
+    """--spec STEPS,TOPK[,NDT] (repeatable) -> SpecConfigs sharing the draft and sim flags."""
+    from specscope.config import SpecConfig
+
+    first = _spec(base)
+    out = []
+    for v in values:
+        try:
+            parts = [int(x) for x in v.split(",")]
+        except ValueError:
+            raise ValueError(f"--spec must be STEPS,TOPK[,NUM_DRAFT_TOKENS], got {v!r}") from None
+        if len(parts) not in (2, 3):
+            raise ValueError(f"--spec must be STEPS,TOPK[,NUM_DRAFT_TOKENS], got {v!r}")
+        out.append(SpecConfig(draft=first.draft, num_steps=parts[0], topk=parts[1],
+                              num_draft_tokens=parts[2] if len(parts) == 3 else None,
+                              draft_layer_ids=first.draft_layer_ids,
+                              simulate_acceptance=first.simulate_acceptance))
+    return out or [first]
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from specscope.bench.datasets import load_prompts
+    from specscope.engine.llm import LLM
+    from specscope.profiler import format_summary
+    from specscope.profiler.report import write_report
+    from specscope.profiler.trace import write_chrome_trace
+
+    params = _sampling(args)
+    specs = _parse_spec_list(args.spec, args) if args.draft else []
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+              compile=args.compile, profile=False)
+    configs = ([None] if not args.no_baseline else []) + specs
+    if not configs:
+        raise ValueError("nothing to profile: give --draft (and --spec) or drop --no-baseline")
+    prof = llm.enable_profiling(True, interval=args.profile_interval)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers
+        tqdm = None
+    summaries: list[dict] = []
+    records: list = []
+    for spec in configs:
+        llm.set_spec(spec)
+        llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        prof.reset()  # drop the warm-up's cycles (graph capture, first-call costs)
+        it = prompts if tqdm is None else tqdm(prompts, desc=prof.config, unit="prompt")
+        for prompt in it:
+            llm.generate(prompt, params, chat=isinstance(prompt, str) and args.chat)
+        summaries.append(prof.summary(prof.config))
+        records.extend(prof.records.get(prof.config, []))
+    base = summaries[0]["tok_per_s"] if summaries else 0.0
+    for s in summaries:
+        print(format_summary(s))
+    print(f"\n{'configuration':<44} {'tok/s':>8} {'speedup':>8} {'accept len':>10} "
+          f"{'attributed':>10}")
+    for s in summaries:
+        tau = f"{s['accept_length']:.2f}" if s["accept_length"] else "1.00"
+        print(f"{s['config']:<44} {s['tok_per_s']:>8.1f} {s['tok_per_s'] / base:>7.2f}x "
+              f"{tau:>10} {s['attributed']:>9.1%}")
+    meta = {"model": llm.model_name, "dtype": str(llm.dtype), "device": str(llm.device),
+            "dataset": args.dataset, "num_prompts": len(prompts),
+            "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "draft": llm.draft_info}
+    (out_dir / "profile.json").write_text(json.dumps({"meta": meta, "summaries": summaries},
+                                                     indent=1))
+    write_chrome_trace(records, out_dir / "trace.json", last=args.trace_cycles)
+    write_report(summaries, records, out_dir / "report.html")
+    print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'trace.json'} (open in "
+          f"ui.perfetto.dev), {out_dir / 'report.html'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -160,18 +242,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true",
                    help="send --prompt as a user message through the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--profile", action="store_true", default=None,
+                   help="time every phase of every cycle (also SPECSCOPE_PROFILE=1)")
+    g.add_argument("--profile-interval", type=int, default=None,
+                   help="log a phase summary every N cycles (default 100 when profiling)")
     g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("profile", help="phase table of plain and speculative decoding on a "
+                                       "workload, in one process")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    _add_spec_args(p)
+    p.add_argument("--spec", action="append", default=[],
+                   help="a speculative configuration STEPS,TOPK[,NUM_DRAFT_TOKENS] "
+                        "(repeatable; default: --num-steps/--topk/--num-draft-tokens)")
+    p.add_argument("--dataset", default="mt_bench",
+                   help="mt_bench | humaneval | gsm8k | a JSONL file of prompts/messages")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--chat", action="store_true",
+                   help="send raw string prompts through the chat template")
+    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding")
+    p.add_argument("--out", default="specscope-profile",
+                   help="directory for profile.json, trace.json and report.html")
+    p.add_argument("--trace-cycles", type=int, default=200,
+                   help="cycles per configuration kept in the trace")
+    p.add_argument("--profile-interval", type=int, default=None,
+                   help="also log a summary every N cycles")
+    p.set_defaults(func=cmd_profile, max_tokens=128)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    verbose = args.verbose or getattr(args, "profile", None) or \
+        getattr(args, "profile_interval", None) or os.environ.get("SPECSCOPE_PROFILE")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TypeError, RuntimeError) as e:
+    except (ValueError, OSError, TypeError, RuntimeError) as e:
         print(f"specscope: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from specscope.engine.speculative import SpecDecoder, SpecStats
 from specscope.engine.tokenizer import IdTokenizer, Messages, Tokenizer, validate_messages
 from specscope.models.llama import CausalLM
 from specscope.models.loader import load_model
-from specscope.profiler import PhaseTimer
+from specscope.profiler import Phase, Profiler
 from specscope.sampling import make_generator
 
 log = logging.getLogger("specscope.llm")
@@ -78,6 +79,8 @@ class LLM:
     cuda_graphs: replay the decode step as CUDA graphs (CUDA only; False = eager).
     kv_block: KV windows are multiples of this many slots (fewer distinct shapes/graphs).
     spec: speculative decoding with an EAGLE-3 draft (SpecConfig); None = plain decoding.
+    profile: time every phase of every cycle (None: on when SPECSCOPE_PROFILE=1);
+    profile_interval: log a summary every N cycles (default 100 when profiling).
     compile: torch.compile the decode step (slow first request, faster decoding after).
     """
 
@@ -85,7 +88,8 @@ class LLM:
                  max_model_len: int | None = None, prefill_chunk_size: int = 512,
                  cache_dir: str | None = None, quantization: str = "none",
                  cuda_graphs: bool = True, kv_block: int = 256,
-                 compile: bool = False, spec: SpecConfig | None = None) -> None:
+                 compile: bool = False, spec: SpecConfig | None = None,
+                 profile: bool | None = None, profile_interval: int | None = None) -> None:
         self.engine_config = EngineConfig(dtype=dtype, device=device,
                                           max_model_len=max_model_len,
                                           prefill_chunk_size=prefill_chunk_size,
@@ -99,6 +103,14 @@ class LLM:
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization)
         self._setup(loaded.model, loaded.config, loaded.path, loaded.source,
                     Tokenizer(loaded.path, loaded.config.eos_token_ids), spec)
+        self._profile_from_env(profile, profile_interval)
+
+    def _profile_from_env(self, profile: bool | None, interval: int | None) -> None:
+        """profile=None follows SPECSCOPE_PROFILE=1; the summary interval defaults to 100."""
+        if profile is None:
+            profile = os.environ.get("SPECSCOPE_PROFILE", "") not in ("", "0")
+        if profile:
+            self.enable_profiling(True, interval if interval is not None else 100)
 
     @classmethod
     def from_model(cls, model: CausalLM, *, tokenizer: Tokenizer | IdTokenizer | None = None,
@@ -111,6 +123,7 @@ class LLM:
         param = next(model.parameters())
         self.device, self.dtype, self.quantization = param.device, param.dtype, "none"
         self._setup(model, model.config, None, name, tokenizer or IdTokenizer(), spec)
+        self._profile_from_env(None, None)
         return self
 
     def _setup(self, model: CausalLM, config: ModelConfig, path, name: str, tokenizer,
@@ -126,7 +139,7 @@ class LLM:
         self._owner: int | None = None  # thread id holding _lock
         self.spec: SpecConfig | None = None
         self.draft_info: str | None = None
-        self.timer: PhaseTimer | None = None
+        self.timer: Profiler | None = None
         self.decoder: PlainDecoder | SpecDecoder = PlainDecoder(self.runner)
         self.set_spec(spec)
 
@@ -150,12 +163,33 @@ class LLM:
                 self.decoder = SpecDecoder(self.runner, draft, spec)
             self.spec = spec
             self.decoder.timer = self.timer
+            self._label_config()
 
-    def enable_phase_timing(self, on: bool = True) -> PhaseTimer | None:
-        """Time every phase of every cycle (see profiler/phases.py); returns the timer."""
-        self.timer = PhaseTimer(self.device) if on else None
+    def enable_profiling(self, on: bool = True, interval: int | None = 100) -> Profiler | None:
+        """Time every phase of every cycle (profiler/); log a summary every `interval`
+        cycles (None: never). Off (the default) adds no work at all. Returns the profiler."""
+        self.timer = Profiler(self.device, interval=interval) if on else None
         self.decoder.timer = self.timer
+        self._label_config()
         return self.timer
+
+    def _label_config(self) -> None:
+        if self.timer is None:
+            return
+        s = self.spec
+        if s is None:
+            self.timer.set_config("plain")
+        else:
+            label = f"spec steps={s.num_steps} topk={s.topk} ndt={s.num_draft_tokens}"
+            self.timer.set_config(label + (" SIMULATED" if s.simulated else ""), s.simulated,
+                                  s.num_steps)
+
+    def profile_summary(self) -> list[dict]:
+        """Per-configuration phase summaries (see profiler/profiler.py for the fields)."""
+        if self.timer is None:
+            raise RuntimeError("profiling is off: LLM(..., profile=True), "
+                               "llm.enable_profiling() or SPECSCOPE_PROFILE=1")
+        return self.timer.summary()
 
     @property
     def max_model_len(self) -> int:
@@ -270,19 +304,29 @@ class LLM:
         dec.ensure_caches(len(prompt_ids) + params.max_tokens)
         gen = None if params.greedy else make_generator(params.seed, self.device)
         stats = SpecStats(self.spec.num_steps, self.spec.simulated) if self.spec else None
+        prof = self.timer
+        cycling, accepted = False, None  # the prefill's token is not a cycle's
         emitted = self._read_tokens(dec.prefill(prompt_ids, params, gen))
         while True:
+            if prof and cycling:
+                prof.mark(Phase.DETOKENIZE)
             text = req.append(emitted)
+            if prof and cycling:
+                prof.end_cycle(len(emitted), accepted)
             if req.finished:
                 out = req.output()
                 out.spec = stats.as_dict() if stats else None
                 yield StreamDelta(req.request_id, text, emitted, True, out)
                 return
             yield StreamDelta(req.request_id, text, emitted, False)
+            if prof:
+                prof.begin_cycle()
             result = self._read_tokens(dec.cycle(params, gen))
             count = result[0]
             dec.advance(count)
             emitted = result[1:1 + count]
+            cycling = True
+            accepted = count - 1 if dec.last_was_speculative else None
             if stats is not None and dec.last_was_speculative:
                 stats.cycles += 1
                 stats.accepted.append(count - 1)

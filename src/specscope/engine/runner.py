@@ -13,7 +13,7 @@ import torch
 from specscope.config import EngineConfig, ModelConfig, SamplingParams
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
-from specscope.profiler import Phase, PhaseTimer
+from specscope.profiler import Phase, Profiler
 from specscope.sampling import sample
 
 
@@ -115,7 +115,7 @@ class PlainDecoder:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.timer: PhaseTimer | None = None
+        self.timer: Profiler | None = None
 
     def ensure_caches(self, tokens: int) -> None:
         self.runner.ensure_cache(tokens)

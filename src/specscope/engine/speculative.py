@@ -28,7 +28,7 @@ from specscope.draft.loader import load_draft
 from specscope.engine.runner import ModelRunner
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
-from specscope.profiler import Phase, PhaseTimer
+from specscope.profiler import Phase, Profiler
 from specscope.sampling import processed_logits, sample
 from specscope.spec.drafter import draft_chain, draft_tree
 from specscope.spec.simulate import simulated_verdict
@@ -97,7 +97,7 @@ class SpecDecoder:
         self.sim_gen.manual_seed(spec.simulate_seed)
         draft.init_rope(runner.max_model_len)
         self.last_was_speculative = False
-        self.timer: PhaseTimer | None = None
+        self.timer: Profiler | None = None
         k = spec.num_steps
         n_taps = len(draft.config.aux_layer_ids) * runner.config.hidden_size
         # Static state buffers (see the module docstring).
@@ -240,13 +240,12 @@ class SpecDecoder:
         # tensor would be turned into a host int, a sync).
         h0 = h.index_select(1, self.ext_a)  # [1, 1, Hd]
         logits0 = self.draft.compute_logits(normed[0].index_select(0, self.ext_a)[0])  # [Vd]
-        if t and not _capturing():
-            t.mark(Phase.DRAFT_STEP)
+        prof = t if t and not _capturing() else None
         if spec.topk == 1:
             return draft_chain(self.draft, self.draft_cache, h0, logits0, self.root, self.n_t,
-                               k, kv_len, params, gen)
+                               k, kv_len, params, gen, prof)
         return draft_tree(self.draft, self.draft_cache, h0, logits0, self.root, self.n_t, k,
-                          spec.topk, spec.num_draft_tokens, kv_len, params)
+                          spec.topk, spec.num_draft_tokens, kv_len, params, prof)
 
     def _verify_segment(self, tree: DraftTree, params: SamplingParams,
                         gen: torch.Generator | None, kv_len: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from specscope.config import SamplingParams
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.kvcache import KVCache
+from specscope.profiler import Phase, Profiler
 from specscope.sampling import processed_logits
 from specscope.spec.tree import DraftTree
 
@@ -44,7 +45,8 @@ def _to_target_probs(draft: Eagle3Draft, q: torch.Tensor) -> torch.Tensor:
 
 def draft_chain(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: torch.Tensor,
                 root: torch.Tensor, n: torch.Tensor, num_steps: int, kv_len: int,
-                params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+                params: SamplingParams, generator: torch.Generator | None,
+                prof: Profiler | None = None) -> DraftTree:
     """A chain of num_steps draft tokens after `root` (the token at position n).
 
     h0 [1, 1, Hd], logits0 [Vd]: the extend's output at position n - 1. n [1] int64 on the
@@ -58,6 +60,8 @@ def draft_chain(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: t
     probs = []
     logits, h = logits0, h0
     for j in range(1, num_steps + 1):
+        if prof:
+            prof.mark(Phase.DRAFT_STEP, step=j)
         if params.greedy:
             d = logits.argmax(-1, keepdim=True)  # [1] draft-vocab id
         else:
@@ -71,6 +75,8 @@ def draft_chain(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: t
             pos = (n + (j - 1)).view(1, 1)
             h, normed = draft(t[None], h, pos, cache, kv_len=kv_len)
             logits = draft.compute_logits(normed[0, -1])  # [Vd]
+    if prof:
+        prof.mark(Phase.TREE_BUILD)
     k = num_steps
     draft_probs = None
     if probs:
@@ -82,8 +88,8 @@ def draft_chain(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: t
 
 def draft_tree(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: torch.Tensor,
                root: torch.Tensor, n: torch.Tensor, num_steps: int, topk: int,
-               num_draft_tokens: int,
-               kv_len: int, params: SamplingParams) -> DraftTree:
+               num_draft_tokens: int, kv_len: int, params: SamplingParams,
+               prof: Profiler | None = None) -> DraftTree:
     """An EAGLE-2 dynamic tree of num_draft_tokens nodes (root included), children chosen
     deterministically (top-k of the processed draft distribution)."""
     dev = root.device
@@ -102,6 +108,8 @@ def draft_tree(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: to
     n_cand = k
     k_pos = torch.arange(kv_len, device=dev)
     for j in range(1, num_steps):
+        if prof:
+            prof.mark(Phase.DRAFT_STEP, step=j)
         own = (j - 1) * k + torch.arange(k, device=dev)  # this step's tree slots
         anc = beam_anc | (own[:, None] == torch.arange(tree_slots, device=dev)[None, :])
         # Mask [1, k, kv_len]: the committed prefix, plus own and ancestors' tree slots.
@@ -126,6 +134,8 @@ def draft_tree(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: to
         beam_h = h_out[:, parent_beam]
         beam_anc = anc[parent_beam]
         n_cand += k * k
+    if prof:
+        prof.mark(Phase.TREE_BUILD)
     tok = torch.cat(cand_tok)
     par = torch.cat(cand_par)
     score = torch.cat(cand_score)

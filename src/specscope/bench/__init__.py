@@ -1,0 +1,1 @@
+"""Workloads and benchmark clients."""

@@ -1,0 +1,1 @@
+"""Built-in evaluation prompt sets (see LICENSES.md)."""

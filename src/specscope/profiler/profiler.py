@@ -1,0 +1,228 @@
+"""The profiler: every cycle's phases, recorded without host syncs, summarised on demand.
+
+The engine brackets each cycle with `begin_cycle` / `end_cycle` and the decoders call
+`mark(phase)` at each phase boundary (`stop()` closes a phase without opening another).
+Each mark is one timestamp: a CUDA event recorded on the stream (no synchronisation) or
+perf_counter_ns on the CPU. Events are turned into milliseconds lazily, in `resolve`, which
+synchronises once — at summary time, never per cycle. Marks outside a cycle (the prefill)
+are kept per request. For every cycle, other = wall - sum(named phases): the time no phase
+claims (host reads, Python between phases), so phases + other = wall by construction, and
+`attributed` = named / wall says how much the named phases explain.
+
+Off means no Profiler object at all (callers hold None): zero added work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specscope.profiler.phases import Phase
+from specscope.profiler.trace import CycleRecord
+
+log = logging.getLogger("specscope.profile")
+
+
+@dataclass
+class _Pending:
+    config: str
+    index: int
+    start: object
+    end: object = None
+    marks: list[tuple[str, object, object]] = field(default_factory=list)
+    tokens: int = 0
+    accepted: int | None = None
+
+
+class Profiler:
+    """Phase timing for an engine. interval: log a summary every N cycles (None: never)."""
+
+    def __init__(self, device: torch.device, interval: int | None = 100,
+                 keep: int = 4096) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.interval = interval
+        self.keep = keep
+        self._origin = self._now()
+        self._origin_ns = time.perf_counter_ns()
+        self.config = "plain"
+        self.simulated: dict[str, bool] = {}
+        self.positions: dict[str, int] = {}
+        self._cycle: _Pending | None = None
+        self._open: tuple[str, object] | None = None
+        self._loose: list[tuple[str, str, object, object]] = []  # (config, phase, a, b)
+        self._pending: list[_Pending] = []
+        self.records: dict[str, deque[CycleRecord]] = defaultdict(lambda: deque(maxlen=keep))
+        self.loose_ms: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self._count: dict[str, int] = defaultdict(int)
+        self._since_log = 0
+
+    # -- recording (hot path: no syncs) -----------------------------------------------------
+
+    def _now(self) -> object:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter_ns()
+
+    def set_config(self, label: str, simulated: bool = False, positions: int = 0) -> None:
+        """Label the cycles that follow (one label per engine configuration); positions =
+        draft tokens per cycle (num_steps), for acceptance by position."""
+        self.config = label
+        self.simulated[label] = simulated
+        self.positions[label] = positions
+
+    def begin_cycle(self) -> None:
+        self._cycle = _Pending(self.config, self._count[self.config], self._now())
+        self._count[self.config] += 1
+
+    def mark(self, phase: Phase | str, step: int | None = None) -> None:
+        """Close the open phase and open `phase` (draft steps: `step` = 1, 2, ...)."""
+        now = self._now()
+        self._close(now)
+        name = Phase(phase).value if step is None else f"{Phase(phase).value}[{step}]"
+        self._open = (name, now)
+
+    def stop(self) -> None:
+        """Close the open phase without opening another."""
+        if self._open is not None:
+            self._close(self._now())
+
+    def _close(self, now: object) -> None:
+        if self._open is None:
+            return
+        name, start = self._open
+        if self._cycle is not None:
+            self._cycle.marks.append((name, start, now))
+        else:
+            self._loose.append((self.config, name, start, now))
+        self._open = None
+
+    def end_cycle(self, tokens: int, accepted: int | None = None) -> None:
+        c = self._cycle
+        if c is None:
+            return
+        self._close(self._now()) if self._open is not None else None
+        c.end = self._now()
+        c.tokens, c.accepted = tokens, accepted
+        self._pending.append(c)
+        self._cycle = None
+        self._since_log += 1
+        if self.interval and self._since_log >= self.interval:
+            self._since_log = 0
+            log.info("%s", format_summary(self.summary(self.config)))
+
+    # -- resolution and summaries (syncs once) --------------------------------------------
+
+    def _ms(self, a: object, b: object) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) / 1e6
+
+    def _at(self, ev: object) -> float:
+        return self._origin.elapsed_time(ev) if self.cuda else (ev - self._origin) / 1e6
+
+    def resolve(self) -> None:
+        """Turn recorded marks into CycleRecords (one device synchronisation, here only)."""
+        if not self._pending and not self._loose:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for c in self._pending:
+            phases = [(n, self._at(a), self._ms(a, b)) for n, a, b in c.marks]
+            self.records[c.config].append(CycleRecord(
+                index=c.index, config=c.config, start_ms=self._at(c.start),
+                wall_ms=self._ms(c.start, c.end), phases=phases, tokens=c.tokens,
+                accepted=c.accepted))
+        for config, name, a, b in self._loose:
+            self.loose_ms[config][name].append(self._ms(a, b))
+        self._pending.clear()
+        self._loose.clear()
+
+    def all_records(self) -> list[CycleRecord]:
+        self.resolve()
+        return [r for q in self.records.values() for r in q]
+
+    def reset(self) -> None:
+        self.resolve()
+        self.records.clear()
+        self.loose_ms.clear()
+        self._count.clear()
+
+    def summary(self, config: str | None = None) -> dict | list[dict]:
+        """Summary of one configuration (or a list, one per configuration seen)."""
+        self.resolve()
+        if config is None:
+            return [self.summary(c) for c in self.records]
+        recs = list(self.records.get(config, ()))
+        return summarise(config, recs, self.loose_ms.get(config, {}),
+                         self.simulated.get(config, False), self.positions.get(config, 0))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else 0.0
+
+
+def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]],
+              simulated: bool, positions: int = 0) -> dict:
+    """Per-phase mean/p50/p90/share over cycles, throughput and acceptance."""
+    wall = sum(r.wall_ms for r in recs)
+    per: dict[str, list[float]] = defaultdict(list)
+    for r in recs:
+        seen: dict[str, float] = defaultdict(float)
+        for name, _, dur in r.phases:
+            seen[name] += dur
+        for name, dur in seen.items():
+            per[name].append(dur)
+        per["other"].append(r.other_ms)
+    n = max(len(recs), 1)
+    phases = {name: {"mean_ms": sum(xs) / n, "p50_ms": _pct(xs, 0.5), "p90_ms": _pct(xs, 0.9),
+                     "share": (sum(xs) / wall) if wall else 0.0}
+              for name, xs in per.items()}
+    tokens = sum(r.tokens for r in recs)
+    acc = [r.accepted for r in recs if r.accepted is not None]
+    by_pos = None
+    if acc:
+        k = max(positions, max(acc), 1)
+        by_pos = []
+        for i in range(1, k + 1):
+            reached = sum(1 for a in acc if a >= i - 1)
+            by_pos.append(sum(1 for a in acc if a >= i) / reached if reached else 0.0)
+    return {
+        "config": config, "cycles": len(recs), "tokens": tokens, "wall_ms": wall,
+        "tok_per_s": tokens / wall * 1e3 if wall else 0.0,
+        "cycles_per_s": len(recs) / wall * 1e3 if wall else 0.0,
+        "accept_length": (sum(acc) / len(acc) + 1.0) if acc else None,
+        "acceptance_by_position": by_pos, "simulated": simulated, "phases": phases,
+        "attributed": 1.0 - (phases.get("other", {}).get("share", 0.0) if wall else 0.0),
+        "request_phases_ms": {name: sum(xs) / len(xs) for name, xs in loose.items() if xs},
+    }
+
+
+def format_summary(s: dict) -> str:
+    """A compact text table of one summary (what --profile-interval logs)."""
+    lines = [f"[profile] {s['config']}: {s['cycles']} cycles, {s['tok_per_s']:.1f} tok/s, "
+             f"{s['cycles_per_s']:.1f} cycles/s"
+             + (f", accept length {s['accept_length']:.2f}" if s["accept_length"] else "")
+             + (" (SIMULATED)" if s["simulated"] else "")
+             + f", attributed {s['attributed']:.1%}"]
+    if s["acceptance_by_position"]:
+        lines.append("  acceptance by position: " + " ".join(
+            f"{x:.2f}" for x in s["acceptance_by_position"]))
+    lines.append(f"  {'phase':<16} {'mean ms':>9} {'p50':>8} {'p90':>8} {'share':>7}")
+    for name, p in sorted(s["phases"].items(), key=_phase_order):
+        lines.append(f"  {name:<16} {p['mean_ms']:>9.3f} {p['p50_ms']:>8.3f} "
+                     f"{p['p90_ms']:>8.3f} {p['share']:>6.1%}")
+    return "\n".join(lines)
+
+
+_ORDER = [p.value for p in Phase]
+
+
+def _phase_order(item: tuple[str, dict]) -> tuple[int, str]:
+    base = item[0].split("[")[0]
+    return (_ORDER.index(base) if base in _ORDER else len(_ORDER), item[0])

@@ -1,0 +1,117 @@
+"""Cycle records and their export as a Chrome-trace / Perfetto timeline.
+
+A `CycleRecord` is what the engine hands the profiler for each decode cycle: plain Python,
+already resolved to milliseconds on one clock (ms since the profiler's origin). The trace
+shows one lane (thread) per configuration, a "cycle" slice per cycle and its phases nested
+under it. Open the file in ui.perfetto.dev or chrome://tracing.
+
+Chrome-trace times are in MICROseconds; records are in milliseconds (x 1000 here, once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PID = 1  # one process: the engine
+
+
+@dataclass
+class CycleRecord:
+    index: int  # cycle number within its configuration, from 0
+    config: str  # label of the engine configuration, e.g. "spec steps=5 topk=1 ndt=6"
+    start_ms: float  # cycle start, ms since the profiler's origin (same clock for all records)
+    wall_ms: float  # cycle wall time
+    # (phase name, start_ms, dur_ms); names are Phase values, draft steps "draft_step[1]", ...
+    phases: list[tuple[str, float, float]]
+    tokens: int  # tokens emitted by the cycle
+    accepted: int | None = None  # draft tokens accepted (None for plain decoding)
+
+    @property
+    def other_ms(self) -> float:
+        """Wall time in no named phase. >= 0 up to rounding; not clamped, so errors show."""
+        return self.wall_ms - sum(dur for _, _, dur in self.phases)
+
+
+def _last_per_config(
+    records: list[CycleRecord], last: int | None
+) -> dict[str, list[CycleRecord]]:
+    """Records grouped by configuration (first-seen order), keeping the last `last` of each."""
+    if last is not None and last < 0:
+        raise ValueError(f"last must be >= 0 or None, got {last}")
+    groups: dict[str, list[CycleRecord]] = {}
+    for r in records:
+        groups.setdefault(r.config, []).append(r)
+    if last is None:
+        return groups
+    # `rs[-0:]` would keep everything, hence the explicit slice start.
+    return {c: rs[max(len(rs) - last, 0) :] for c, rs in groups.items()}
+
+
+def chrome_trace(records: list[CycleRecord], last: int | None = None) -> dict:
+    """A Chrome-trace JSON object of the last `last` cycles of each configuration.
+
+    Lane (tid) k+1 is the k-th configuration seen. Within a lane, events are sorted by start
+    time, a cycle before the phases it contains (longer first at equal start), which is the
+    order trace viewers need to nest complete ("X") events.
+    """
+    groups = _last_per_config(records, last)
+    events: list[dict] = [
+        {"name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": "specscope"}}
+    ]
+    for tid, (config, recs) in enumerate(groups.items(), start=1):
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": config}}
+        )
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid,
+             "args": {"sort_index": tid}}
+        )
+        lane: list[dict] = []
+        for r in recs:
+            lane.append({
+                "name": "cycle", "cat": "cycle", "ph": "X", "pid": PID, "tid": tid,
+                "ts": r.start_ms * 1000.0, "dur": r.wall_ms * 1000.0,
+                "args": {"config": config, "index": r.index, "tokens": r.tokens,
+                         "accepted": r.accepted, "other_ms": r.other_ms},
+            })
+            for name, start_ms, dur_ms in r.phases:
+                lane.append({
+                    "name": name, "cat": "phase", "ph": "X", "pid": PID, "tid": tid,
+                    "ts": start_ms * 1000.0, "dur": dur_ms * 1000.0,
+                    "args": {"cycle": r.index, "ms": dur_ms},
+                })
+        lane.sort(key=lambda e: (e["ts"], -e["dur"], e["name"] != "cycle"))
+        events.extend(lane)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` via a temp file in the same folder and os.replace.
+
+    Readers see the old file or the new one, never half of one; on failure the temp file
+    is removed and the old file is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_chrome_trace(
+    records: list[CycleRecord], path: str | os.PathLike, last: int | None = None
+) -> Path:
+    """Write `chrome_trace(records, last)` to `path` atomically; returns the path."""
+    return write_text_atomic(path, json.dumps(chrome_trace(records, last)))
