@@ -45,6 +45,7 @@ class Profiler:
                  keep: int = 4096) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self._free: list = []  # resolved CUDA events, ready for reuse
         self.interval = interval
         self.keep = keep
         self._origin = self._now()
@@ -65,7 +66,8 @@ class Profiler:
 
     def _now(self) -> object:
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            # Reuse resolved events: creating one costs more than recording it.
+            ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
         return time.perf_counter_ns()
@@ -131,14 +133,19 @@ class Profiler:
             return
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        used = []
         for c in self._pending:
             phases = [(n, self._at(a), self._ms(a, b)) for n, a, b in c.marks]
             self.records[c.config].append(CycleRecord(
                 index=c.index, config=c.config, start_ms=self._at(c.start),
                 wall_ms=self._ms(c.start, c.end), phases=phases, tokens=c.tokens,
                 accepted=c.accepted))
+            used += [c.start, c.end] + [e for _, a, b in c.marks for e in (a, b)]
         for config, name, a, b in self._loose:
             self.loose_ms[config][name].append(self._ms(a, b))
+            used += [a, b]
+        if self.cuda:  # a mark's event closes one phase and opens the next: dedupe
+            self._free.extend({id(e): e for e in used}.values())
         self._pending.clear()
         self._loose.clear()
 
