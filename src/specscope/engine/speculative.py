@@ -112,6 +112,11 @@ class SpecDecoder:
         self.use_graphs = dev.type == "cuda" and runner.engine.cuda_graphs
         self._graph_caches: tuple | None = None
 
+    def reset_simulation(self) -> None:
+        """Restart the simulated-acceptance random stream (identical accept decisions on
+        identical workloads, e.g. profiling on vs off)."""
+        self.sim_gen.manual_seed(self.spec.simulate_seed)
+
     @property
     def lookahead(self) -> int:
         """Slots a cycle may write past the committed length."""
