@@ -42,10 +42,13 @@ class Profiler:
     """Phase timing for an engine. interval: log a summary every N cycles (None: never)."""
 
     def __init__(self, device: torch.device, interval: int | None = 100,
-                 keep: int = 4096) -> None:
+                 keep: int = 4096, prealloc: int = 4096) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
-        self._free: list = []  # resolved CUDA events, ready for reuse
+        # CUDA events ready for use: created up front (cudaEventCreate costs several times a
+        # record) and refilled by `resolve`.
+        self._free: list = ([torch.cuda.Event(enable_timing=True) for _ in range(prealloc)]
+                            if self.cuda else [])
         self._stream = torch.cuda.current_stream(device) if self.cuda else None
         self._last_end: object = None  # the previous cycle's end: the next one's start
         self.interval = interval
