@@ -143,3 +143,18 @@ def test_spec_cycle_graphs_match_eager_and_plain(steps, topk, ndt):
     assert g.token_ids == e.token_ids
     assert g.spec["accepted_per_cycle"] == e.spec["accepted_per_cycle"]
     assert g.spec["accept_length"] > 1.5
+
+
+def test_plain_greedy_cycle_graph_equals_eager():
+    """Plain greedy cycles replay one graph that samples and feeds itself; across KV
+    windows, repeated requests and a cache reallocation it matches eager decoding."""
+    from specscope import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.float32, "cuda", seed=6)
+    graphs, eager = _spec_llm(model), _spec_llm(model, graphs=False)
+    for n_prompt, n_new in ((25, 50), (12, 30), (60, 120)):
+        prompt = " ".join(str(i) for i in range(30, 30 + n_prompt))
+        p = SamplingParams(max_tokens=n_new, ignore_eos=True)
+        assert graphs.generate(prompt, p)[0].token_ids == eager.generate(prompt, p)[0].token_ids

@@ -25,7 +25,7 @@ class DecodeGraphs:
         self.device = device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
         self.position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict = {}  # kv_len or ("greedy", kv_len) -> (graph, output)
         self.pool = None
         self.cache: KVCache | None = None
 
@@ -51,6 +51,43 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
+        self.pool = graph.pool()
+        return graph, out
+
+    def run_greedy(self, cache: KVCache, token: torch.Tensor | None,
+                   position: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+        """A whole greedy plain cycle in one replay: step, argmax, and feeding the token and
+        position to the next replay, all inside the graph; the host launches one replay and
+        reads [1, token]. token/position: the request's first inputs (None afterwards: the
+        graph fed itself). -> [2] int64 static buffer."""
+        if cache is not self.cache:
+            self.reset()
+            self.cache = cache
+        if token is not None:
+            self.token.copy_(token)
+            self.position.copy_(position)
+        key = ("greedy", kv_len)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture_greedy(kv_len)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture_greedy(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up the step alone (writes this step's K/V at its own slot, as the replay will);
+        # the token/position updates are only captured, never run twice.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.step_fn(self.token, self.position, kv_len).argmax(-1)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            tok = self.step_fn(self.token, self.position, kv_len).argmax(-1)  # [1]
+            out = torch.cat([torch.ones_like(tok), tok])  # [2]: count, token
+            self.token.copy_(tok.view(1, 1))
+            self.position.add_(1)
         self.pool = graph.pool()
         return graph, out
 

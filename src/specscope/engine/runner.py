@@ -127,6 +127,7 @@ class PlainDecoder:
         self.n = len(prompt_ids)
         self.position = torch.tensor([[self.n]], dtype=torch.long, device=self.runner.device)
         self.token = sample(self.runner.prefill(prompt_ids), params, gen)  # [1]
+        self._fresh = True  # the greedy graph has not been fed this request's inputs yet
         if self.timer:
             self.timer.stop()
         return self.token
@@ -135,6 +136,17 @@ class PlainDecoder:
         """-> [2] int64: the count (1) and the token."""
         if self.timer:
             self.timer.mark(Phase.DECODE)
+        graphs = self.runner.graphs
+        if graphs is not None and params.greedy:
+            # One replay per cycle: the graph samples and feeds itself (see run_greedy).
+            first = self._fresh
+            self._fresh = False
+            out = graphs.run_greedy(self.runner.cache, self.token.view(1, 1) if first else None,
+                                    self.position if first else None,
+                                    self.runner._kv_len(self.n + 1))
+            if self.timer:
+                self.timer.stop()
+            return out
         logits = self.runner.decode(self.token.view(1, 1), self.position, self.n)
         self.token = sample(logits, params, gen)
         if self.timer:
@@ -142,5 +154,6 @@ class PlainDecoder:
         return torch.cat([torch.ones_like(self.token), self.token])
 
     def advance(self, count: int) -> None:
-        self.position += count
+        if self._fresh or self.runner.graphs is None:
+            self.position += count  # the greedy graph advances its own position
         self.n += count
