@@ -37,6 +37,8 @@ from specscope.spec.verify import Verdict, emitted_tokens, verify_greedy, verify
 
 log = logging.getLogger("specscope.spec")
 
+SIM_BLOCK = 1024  # cycles of simulated-acceptance uniforms drawn at once
+
 
 def _capturing() -> bool:
     """Inside a CUDA-graph capture, phase marks are skipped: graphs are timed whole."""
@@ -107,7 +109,11 @@ class SpecDecoder:
         self.ext_tokens = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
         self.ext_start = torch.zeros(1, dtype=torch.long, device=dev)
         self.ext_a = torch.zeros(1, dtype=torch.long, device=dev)
-        self.sim_u = torch.zeros(k, device=dev)
+        # Simulated acceptance draws its uniforms a block of cycles at a time, so a cycle
+        # launches nothing extra between graph replays (the graph indexes the block).
+        self.sim_block = torch.zeros(SIM_BLOCK, k, device=dev)
+        self.sim_idx = torch.zeros(1, dtype=torch.long, device=dev)
+        self._sim_used = 0
         self.graphs: dict[int, tuple] = {}
         self.use_graphs = dev.type == "cuda" and runner.engine.cuda_graphs
         self._graph_caches: tuple | None = None
@@ -116,6 +122,7 @@ class SpecDecoder:
         """Restart the simulated-acceptance random stream (identical accept decisions on
         identical workloads, e.g. profiling on vs off)."""
         self.sim_gen.manual_seed(self.spec.simulate_seed)
+        self._sim_used = 0
 
     @property
     def lookahead(self) -> int:
@@ -187,8 +194,12 @@ class SpecDecoder:
         self.last_was_speculative = True
         kv_len = self._kv_len(self.n + self.lookahead)
         if self.sim_rates is not None:
-            self.sim_u.copy_(torch.rand(self.spec.num_steps, generator=self.sim_gen,
-                                        device=self.sim_u.device))
+            if self._sim_used % SIM_BLOCK == 0:
+                self.sim_block.copy_(torch.rand(SIM_BLOCK, self.spec.num_steps,
+                                                generator=self.sim_gen,
+                                                device=self.sim_block.device))
+                self.sim_idx.zero_()
+            self._sim_used += 1
         t = self.timer
         if self.use_graphs and params.greedy:
             entry = self.graphs.get(kv_len)
@@ -317,7 +328,9 @@ class SpecDecoder:
         k = self.spec.num_steps
         if self.sim_rates is not None:
             probs = None if params.greedy else processed_logits(logits, params).softmax(-1)
-            return simulated_verdict(tree, logits, probs, self.sim_rates, self.sim_u, k,
+            u = self.sim_block.index_select(0, self.sim_idx)[0]  # [k]: this cycle's row
+            self.sim_idx.add_(1)
+            return simulated_verdict(tree, logits, probs, self.sim_rates, u, k,
                                      self.spec.topk, gen)
         if params.greedy:
             return verify_greedy(tree, logits, k)
