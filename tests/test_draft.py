@@ -22,13 +22,12 @@ from specscope.config import ModelConfig
 from specscope.draft.eagle3 import (
     DraftConfig,
     Eagle3Draft,
-    check_vocab_maps,
     default_layer_ids,
     random_draft,
-    vocab_maps,
 )
 from specscope.draft.formats import FORMATS, config_dict, save_draft
 from specscope.draft.loader import load_draft
+from specscope.draft.vocab import check_vocab_maps, vocab_maps
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
 from specscope.models.loader import random_model

@@ -28,7 +28,6 @@ from specscope.draft.eagle3 import (
     OUTPUT_OF_LAYER,
     DraftConfig,
     Eagle3Draft,
-    check_vocab_maps,
     default_layer_ids,
 )
 from specscope.draft.formats import (
@@ -40,6 +39,7 @@ from specscope.draft.formats import (
     is_ignored,
     parse_config,
 )
+from specscope.draft.vocab import check_vocab_maps
 
 log = logging.getLogger("specscope.draft")
 
