@@ -31,6 +31,7 @@ class ModelRunner:
         self.max_model_len = ctx
         model.init_rope(ctx)
         self.cache: KVCache | None = None
+        self.cache_generation = 0  # bumped whenever the KV buffers are reallocated
         # The decode step, optionally compiled: torch.compile fuses each layer's small
         # elementwise ops (norms, rope, residual adds), which dominate at batch 1 once the
         # weights are small or the launches are cheap. Prefill stays eager: its shapes vary
@@ -49,7 +50,12 @@ class ModelRunner:
         block = self.engine.kv_block
         capacity = min(-(-tokens // block) * block, self.max_model_len)
         if self.cache is None or not self.cache.fits(batch, capacity, self.dtype, self.device):
-            self.cache = None  # free the old buffers before allocating the new ones
+            # Graphs captured over the old buffers must go before the buffers do (they hold
+            # raw addresses); then free the old buffers before allocating the new ones.
+            if self.graphs is not None:
+                self.graphs.reset()
+            self.cache_generation += 1
+            self.cache = None
             cfg = self.config
             self.cache = KVCache(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim,
                                  self.dtype, self.device)

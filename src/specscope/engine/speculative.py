@@ -116,7 +116,6 @@ class SpecDecoder:
         self._sim_used = 0
         self.graphs: dict[int, tuple] = {}
         self.use_graphs = dev.type == "cuda" and runner.engine.cuda_graphs
-        self._graph_caches: tuple | None = None
 
     def reset_simulation(self) -> None:
         """Restart the simulated-acceptance random stream (identical accept decisions on
@@ -135,17 +134,20 @@ class SpecDecoder:
     def ensure_caches(self, tokens: int) -> None:
         # Room for a full cycle past the last token when the context allows; near the end
         # of the context the cycle falls back to plain steps (see `cycle`).
+        gen = self.runner.cache_generation
         cache = self.runner.ensure_cache(min(tokens + self.lookahead, self.runner.max_model_len))
         dc = self.draft.config
+        stale = gen != self.runner.cache_generation
         if self.draft_cache is None or not self.draft_cache.fits(1, cache.capacity,
                                                                  self.runner.dtype,
                                                                  self.runner.device):
+            stale = True
+            self.graphs.clear()  # captured graphs hold the old buffers' addresses
             self.draft_cache = None
             self.draft_cache = KVCache(dc.num_layers, 1, dc.num_kv_heads, cache.capacity,
                                        dc.head_dim, self.runner.dtype, self.runner.device)
-        if self._graph_caches != (id(cache), id(self.draft_cache)):
-            self.graphs.clear()  # captured graphs hold the old caches' addresses
-            self._graph_caches = (id(cache), id(self.draft_cache))
+        if stale:
+            self.graphs.clear()
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], params: SamplingParams,
