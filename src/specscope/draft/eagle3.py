@@ -36,7 +36,15 @@ from specscope.config import ModelConfig
 from specscope.draft.vocab import vocab_maps
 from specscope.kvcache import KVCache, causal_mask
 from specscope.kvcache.attention import fold_mask
-from specscope.models.llama import MLP, Attention, CausalLM, DecoderLayer, ForwardContext, RMSNorm
+from specscope.models.llama import (
+    MLP,
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    ForwardContext,
+    RMSNorm,
+    decoder_layer_layout,
+)
 from specscope.models.rope import rope_tables
 
 OUTPUT_OF_LAYER = "output-of-layer"
@@ -316,30 +324,13 @@ class Eagle3Draft(nn.Module):
             out["embed_tokens.weight"] = ("embed_tokens.weight", 0, (cfg.vocab_size, H))
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
-            a, m = p + "self_attn.", p + "mlp."
-            width = 2 * H if layer == 0 else H  # the first layer attends over cat(emb, hidden)
-            norms = ["input_layernorm", "post_attention_layernorm"]
+            # The first layer attends over cat(embedding, hidden): 2H inputs, and a hidden_norm.
+            out.update(decoder_layer_layout(
+                p, hidden=H, in_width=2 * H if layer == 0 else H, q=q, kv=kv, head_dim=d,
+                intermediate=i, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias))
             if layer == 0:
-                norms.append("hidden_norm")
-            for name in norms:
-                out[p + f"{name}.weight"] = (p + f"{name}.weight", 0, (H,))
-            for name, row, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                out[a + f"{name}_proj.weight"] = (a + "qkv_proj.weight", row, (rows, width))
-                if cfg.attention_bias:
-                    out[a + f"{name}_proj.bias"] = (a + "qkv_proj.bias", row, (rows,))
-            out[a + "o_proj.weight"] = (a + "o_proj.weight", 0, (H, q))
-            if cfg.attention_bias:
-                out[a + "o_proj.bias"] = (a + "o_proj.bias", 0, (H,))
-            if cfg.qk_norm:
-                out[a + "q_norm.weight"] = (a + "q_norm.weight", 0, (d,))
-                out[a + "k_norm.weight"] = (a + "k_norm.weight", 0, (d,))
-            out[m + "gate_proj.weight"] = (m + "gate_up_proj.weight", 0, (i, H))
-            out[m + "up_proj.weight"] = (m + "gate_up_proj.weight", i, (i, H))
-            out[m + "down_proj.weight"] = (m + "down_proj.weight", 0, (H, i))
-            if cfg.mlp_bias:
-                out[m + "gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
-                out[m + "up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
-                out[m + "down_proj.bias"] = (m + "down_proj.bias", 0, (H,))
+                out[p + "hidden_norm.weight"] = (p + "hidden_norm.weight", 0, (H,))
         return out
 
     def canonical_state(self) -> dict[str, torch.Tensor]:

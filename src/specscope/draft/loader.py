@@ -40,6 +40,7 @@ from specscope.draft.formats import (
     parse_config,
 )
 from specscope.draft.vocab import check_vocab_maps
+from specscope.models.loader import name_list
 
 log = logging.getLogger("specscope.draft")
 
@@ -104,11 +105,6 @@ def _resolve_dir(path: str | os.PathLike) -> Path:
     if p.is_dir() and (p / "config.json").exists():
         return p
     raise FileNotFoundError(f"draft {str(path)!r} is not a directory holding config.json")
-
-
-def _names(names: list[str], limit: int = 12) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
@@ -187,13 +183,13 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
     unexpected = sorted(files[k] for k in files if k not in layout)
     problems = []
     if missing:
-        problems.append("missing tensors: " + _names(
+        problems.append("missing tensors: " + name_list(
             [format_name(k, fmt) for k in missing]))
         if "lm_head.weight" in missing:
             problems[-1] += (f" (draft_vocab_size is {cfg.draft_vocab_size}; a draft that "
                              f"borrows the target's lm_head has draft_vocab_size null)")
     if unexpected:
-        problems.append("unexpected tensors: " + _names(unexpected))
+        problems.append("unexpected tensors: " + name_list(unexpected))
     if problems:
         raise ValueError(f"draft checkpoint {model_dir} ({fmt} format) does not match its "
                          f"config: " + "; ".join(problems))

@@ -228,27 +228,42 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = ("lm_head.weight", 0, (cfg.vocab_size, h))
         for n in range(cfg.num_layers):
-            p = f"model.layers.{n}."
-            a = p + "self_attn."
-            out[p + "input_layernorm.weight"] = (p + "input_layernorm.weight", 0, (h,))
-            out[p + "post_attention_layernorm.weight"] = (
-                p + "post_attention_layernorm.weight", 0, (h,))
-            for name, row, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                out[a + f"{name}_proj.weight"] = (a + "qkv_proj.weight", row, (rows, h))
-                if cfg.qkv_bias:
-                    out[a + f"{name}_proj.bias"] = (a + "qkv_proj.bias", row, (rows,))
-            out[a + "o_proj.weight"] = (a + "o_proj.weight", 0, (h, q))
-            if cfg.o_bias:
-                out[a + "o_proj.bias"] = (a + "o_proj.bias", 0, (h,))
-            if cfg.qk_norm:
-                out[a + "q_norm.weight"] = (a + "q_norm.weight", 0, (d,))
-                out[a + "k_norm.weight"] = (a + "k_norm.weight", 0, (d,))
-            m = p + "mlp."
-            out[m + "gate_proj.weight"] = (m + "gate_up_proj.weight", 0, (i, h))
-            out[m + "up_proj.weight"] = (m + "gate_up_proj.weight", i, (i, h))
-            out[m + "down_proj.weight"] = (m + "down_proj.weight", 0, (h, i))
-            if cfg.mlp_bias:
-                out[m + "gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
-                out[m + "up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
-                out[m + "down_proj.bias"] = (m + "down_proj.bias", 0, (h,))
+            out.update(decoder_layer_layout(
+                f"model.layers.{n}.", hidden=h, in_width=h, q=q, kv=kv, head_dim=d,
+                intermediate=i, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias))
         return out
+
+
+def decoder_layer_layout(p: str, *, hidden: int, in_width: int, q: int, kv: int,
+                         head_dim: int, intermediate: int, qkv_bias: bool, o_bias: bool,
+                         qk_norm: bool, mlp_bias: bool) -> dict[str, tuple[str, int, tuple]]:
+    """Checkpoint layout of one decoder layer under prefix `p` (HF names -> fused rows).
+
+    in_width is the attention input width (hidden, or 2 * hidden for an EAGLE-3 draft's
+    first layer, which attends over cat(embedding, hidden)).
+    """
+    h, i = hidden, intermediate
+    a, m = p + "self_attn.", p + "mlp."
+    out: dict[str, tuple[str, int, tuple]] = {
+        p + "input_layernorm.weight": (p + "input_layernorm.weight", 0, (h,)),
+        p + "post_attention_layernorm.weight": (p + "post_attention_layernorm.weight", 0, (h,)),
+    }
+    for name, row, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+        out[a + f"{name}_proj.weight"] = (a + "qkv_proj.weight", row, (rows, in_width))
+        if qkv_bias:
+            out[a + f"{name}_proj.bias"] = (a + "qkv_proj.bias", row, (rows,))
+    out[a + "o_proj.weight"] = (a + "o_proj.weight", 0, (h, q))
+    if o_bias:
+        out[a + "o_proj.bias"] = (a + "o_proj.bias", 0, (h,))
+    if qk_norm:
+        out[a + "q_norm.weight"] = (a + "q_norm.weight", 0, (head_dim,))
+        out[a + "k_norm.weight"] = (a + "k_norm.weight", 0, (head_dim,))
+    out[m + "gate_proj.weight"] = (m + "gate_up_proj.weight", 0, (i, h))
+    out[m + "up_proj.weight"] = (m + "gate_up_proj.weight", i, (i, h))
+    out[m + "down_proj.weight"] = (m + "down_proj.weight", 0, (h, i))
+    if mlp_bias:
+        out[m + "gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
+        out[m + "up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
+        out[m + "down_proj.bias"] = (m + "down_proj.bias", 0, (h,))
+    return out

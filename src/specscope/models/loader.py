@@ -145,7 +145,8 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
                             f"{model_dir}{hint}")
 
 
-def _names(names: list[str], limit: int = 12) -> str:
+def name_list(names: list[str], limit: int = 12) -> str:
+    """The first `limit` names, comma-separated, and how many there are in all."""
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
@@ -162,9 +163,9 @@ def load_weights(model: CausalLM, files: dict[str, Path]) -> None:
     unexpected = sorted(present - set(layout) - ignored)
     errors = []
     if missing:
-        errors.append(f"missing tensors: {_names(missing)}")
+        errors.append(f"missing tensors: {name_list(missing)}")
     if unexpected:
-        errors.append(f"unexpected tensors: {_names(unexpected)}")
+        errors.append(f"unexpected tensors: {name_list(unexpected)}")
     if errors:
         raise ValueError(f"checkpoint does not match {model.config.architecture} "
                          f"({model.config.name}): " + "; ".join(errors))
