@@ -228,6 +228,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specscope.engine.llm import LLM
+    from specscope.server import create_app
+
+    args.model = args.target or args.model
+    spec = _spec(args)  # validate before the (slow) model load
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+              compile=args.compile, spec=spec, profile=args.profile,
+              profile_interval=args.profile_interval)
+    app = create_app(llm, served_model_name=args.served_model_name, max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -269,6 +287,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-interval", type=int, default=None,
                    help="also log a summary every N cycles")
     p.set_defaults(func=cmd_profile, max_tokens=128)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, "
+                                     "/v1/completions, /metrics, /profile)")
+    s.add_argument("target", nargs="?", default=None,
+                   help="the model (same as --model; default: the embedded SmolLM2)")
+    _add_model_args(s)
+    _add_spec_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model path or hub id)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait behind the running one; more get 503")
+    s.add_argument("--profile", action="store_true", default=None,
+                   help="time every phase of every cycle; enables /profile and "
+                        "/profile/trace (also SPECSCOPE_PROFILE=1)")
+    s.add_argument("--profile-interval", type=int, default=None,
+                   help="log a phase summary every N cycles (default 100 when profiling)")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,399 @@
+"""The OpenAI-compatible FastAPI app.
+
+The engine runs one request at a time, so one worker thread owns it: handlers put jobs on
+a FIFO queue and the worker runs them in order, pushing each StreamDelta back to the
+handler's asyncio.Queue with `loop.call_soon_threadsafe`. Each request therefore gets
+exactly what the engine produces for it alone. A handler whose client went away sets the
+job's cancel flag; the worker checks it after every delta (one cycle) and closes the
+engine's generator, freeing the engine for the next job. At most `max_queue` requests wait
+behind the running one; more get 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specscope.config import SamplingParams
+from specscope.engine.llm import LLM, StreamDelta
+from specscope.engine.request import RequestOutput
+from specscope.profiler.trace import chrome_trace
+from specscope.server.metrics import Metrics
+from specscope.server.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error,
+)
+from specscope.server.worker import _END, EngineWorker, _Job
+
+log = logging.getLogger("specscope.server")
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _engine_error(e: BaseException, param: str | None = None) -> APIError:
+    if isinstance(e, (ValueError, TypeError)):
+        msg = str(e)
+        field = msg.split(" ", 1)[0]
+        return APIError(400, msg, param=field if field in SAMPLING_FIELDS else param)
+    log.exception("engine error", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors(), data) from None
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(out: RequestOutput) -> dict:
+    p, c = out.metrics.prompt_tokens, out.metrics.completion_tokens
+    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if out.spec is not None:
+        usage["spec"] = out.spec
+    return usage
+
+
+# -- the app ------------------------------------------------------------------------------
+
+
+def create_app(llm: LLM, *, served_model_name: str | None = None,
+               max_queue: int = 64) -> FastAPI:
+    """An OpenAI-compatible app serving `llm` (see the module docstring for concurrency)."""
+    served = served_model_name or llm.model_name
+    metrics = Metrics(served)
+    worker = EngineWorker(llm, max_queue, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        worker.stop()
+
+    app = FastAPI(title="specscope", lifespan=lifespan)
+    app.state.llm, app.state.worker, app.state.metrics = llm, worker, metrics
+
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _req_validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(validation_error(list(e.errors())))
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _bad_json(request: Request, e: json.JSONDecodeError) -> JSONResponse:
+        return _error_response(APIError(400, f"the body is not valid JSON: {e}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=e)
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}",
+                                        type="server_error"))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (served, llm.model_name):
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{served!r}", type="invalid_request_error", param="model",
+                           code="model_not_found")
+
+    def sampling(req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
+                 prompt_field: str) -> SamplingParams:
+        room = llm.max_model_len - n_prompt
+        if room < 1:
+            raise APIError(400, f"the prompt ({n_prompt} tokens) fills the model's context "
+                           f"length ({llm.max_model_len}); shorten it", param=prompt_field,
+                           code="context_length_exceeded")
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
+                           f"{n_prompt + max_tokens} exceeds the model's context length "
+                           f"({llm.max_model_len})", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else float(req.temperature),
+                top_p=1.0 if req.top_p is None else float(req.top_p),
+                top_k=req.top_k or 0, seed=req.seed, stop=req.stop or (),
+                ignore_eos=req.ignore_eos)
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e) from None
+
+    async def first_item(job: _Job) -> Any:
+        """Wait for the first delta, so engine errors still become error responses."""
+        try:
+            item = await job.items.get()
+        except BaseException:
+            job.cancel.set()
+            raise
+        if isinstance(item, BaseException):
+            raise _engine_error(item)
+        if item is _END:
+            raise closed(job)
+        return item
+
+    def closed(job: _Job) -> APIError:
+        if job.cancel.is_set():  # the watcher saw the client leave; nobody reads this
+            return APIError(499, "client closed the request", code="client_closed")
+        return APIError(500, "generation ended without output", type="server_error")
+
+    async def watch(request: Request, job: _Job) -> None:
+        """Until cancelled: poll for the client leaving while its request waits or runs."""
+        while not job.cancel.is_set():
+            if await request.is_disconnected():
+                job.cancel.set()
+                metrics.cancel()
+                return
+            await asyncio.sleep(0.1)
+
+    async def collect(job: _Job, item: Any) -> RequestOutput:
+        try:
+            while True:
+                if isinstance(item, BaseException):
+                    raise _engine_error(item)
+                if item is _END:
+                    raise closed(job)
+                if item.finished:
+                    return item.output
+                item = await job.items.get()
+        finally:
+            job.cancel.set()  # a no-op when finished; frees the engine if we were cancelled
+
+    def record(out: RequestOutput, t0: float) -> None:
+        metrics.generation_done(out.metrics.prompt_tokens, out.metrics.completion_tokens,
+                                out.spec, time.perf_counter() - t0)
+
+    async def generate(request: Request, ids: list[int],
+                       req: ChatCompletionRequest | CompletionRequest, prompt_field: str,
+                       chunk: Callable[[str | None, str | None], dict],
+                       full: Callable[[RequestOutput], dict]):
+        t0 = time.perf_counter()
+        params = sampling(req, len(ids), prompt_field)
+        job = worker.submit_generation(ids, params)
+        # Streams notice a departed client when a chunk fails to send; until the first
+        # chunk (queued, prefill) and for whole non-streaming requests, a watcher polls.
+        watcher = asyncio.create_task(watch(request, job))
+        try:
+            first = await first_item(job)
+            if not req.stream:
+                out = await collect(job, first)
+                record(out, t0)
+                return JSONResponse(full(out))
+        finally:
+            watcher.cancel()
+
+        async def events() -> AsyncIterator[str]:
+            finished = False
+            try:
+                item = first
+                while item is not _END:
+                    if isinstance(item, BaseException):
+                        err = _engine_error(item)
+                        yield _sse(err.body())
+                        break
+                    delta: StreamDelta = item
+                    if delta.text:
+                        yield _sse(chunk(delta.text, None))
+                    if delta.finished:
+                        out = delta.output
+                        assert out is not None
+                        finished = True
+                        record(out, t0)
+                        yield _sse(chunk(None, out.finish_reason))
+                        if req.include_usage:
+                            final = chunk(None, None)
+                            final["choices"], final["usage"] = [], _usage(out)
+                            yield _sse(final)
+                        break
+                    item = await job.items.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancel.set()
+                if not finished:
+                    metrics.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = llm.encode_prompt(messages, chat=True)
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e, "messages") from None
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        sent_role = False
+
+        def chunk(text: str | None, finish: str | None) -> dict:
+            nonlocal sent_role
+            delta: dict[str, Any] = {}
+            if not sent_role:
+                delta["role"], sent_role = "assistant", True
+            if text is not None:
+                delta["content"] = text
+            return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": served, "choices": [{"index": 0, "delta": delta,
+                                                  "logprobs": None, "finish_reason": finish}]}
+
+        def full(out: RequestOutput) -> dict:
+            return {"id": rid, "object": "chat.completion", "created": created,
+                    "model": served,
+                    "choices": [{"index": 0, "logprobs": None,
+                                 "message": {"role": "assistant", "content": out.text},
+                                 "finish_reason": out.finish_reason}],
+                    "usage": _usage(out)}
+
+        return await generate(request, ids, req, "messages", chunk, full)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = await _parse(request, CompletionRequest)
+        check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            V = llm.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < V]
+            if bad:
+                raise APIError(400, f"prompt holds token ids outside [0, {V}): {bad[:8]}",
+                               param="prompt")
+            ids = list(prompt)
+        else:
+            text = prompt[0] if isinstance(prompt, list) else prompt
+            try:
+                ids = llm.encode_prompt(text)
+            except (ValueError, TypeError) as e:
+                raise _engine_error(e, "prompt") from None
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str | None, finish: str | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": served, "choices": [{"index": 0, "text": text or "",
+                                                  "logprobs": None, "finish_reason": finish}]}
+
+        def full(out: RequestOutput) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": served,
+                    "choices": [{"index": 0, "text": out.text, "logprobs": None,
+                                 "finish_reason": out.finish_reason}],
+                    "usage": _usage(out)}
+
+        return await generate(request, ids, req, "prompt", chunk, full)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served, "object": "model", "created": 0, "owned_by": "specscope",
+            "root": llm.model_name, "max_model_len": llm.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": served, "queue_depth": worker.inflight}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def profiling_off() -> APIError:
+        return APIError(404, "profiling is off: start the server with profiling on "
+                        "(LLM(..., profile=True) or SPECSCOPE_PROFILE=1)",
+                        type="not_found_error", code="profiling_off")
+
+    @app.get("/profile")
+    async def profile():
+        if llm.timer is None:
+            raise profiling_off()
+        try:
+            summaries = await worker.call(llm.profile_summary)
+        except RuntimeError:
+            raise profiling_off() from None
+        return {"object": "profile", "model": served, "summaries": summaries}
+
+    @app.get("/profile/trace")
+    async def profile_trace(cycles: int | None = None):
+        if cycles is not None and cycles < 1:
+            raise APIError(400, "cycles must be a positive integer", param="cycles")
+
+        def trace() -> dict:
+            timer = llm.timer
+            if timer is None:
+                raise RuntimeError("profiling is off")
+            return chrome_trace(timer.all_records(), cycles)
+
+        try:
+            return await worker.call(trace)
+        except RuntimeError:
+            raise profiling_off() from None
+
+    return app
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting /v1 requests by endpoint and status code (a
+    BaseHTTPMiddleware would interfere with streaming and client-disconnect detection)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            self.metrics.request_done(path if path in ENDPOINTS else "other", status)

@@ -1,0 +1,113 @@
+"""Server counters in the Prometheus text exposition format (written by hand).
+
+All names carry the `specscope_` prefix. Updated from the event loop and read by /metrics;
+a lock keeps a scrape consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+# Request latency histogram bucket upper bounds, seconds.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _labels(**kv: str) -> str:
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in kv.items())
+    return "{" + inner + "}"
+
+
+def _escape(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Metrics:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._lock = threading.Lock()
+        self.requests: Counter[tuple[str, str]] = Counter()  # (endpoint, status code)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.spec_cycles = 0
+        self.accept_length_sum = 0.0  # tokens emitted by speculative cycles (tau summed)
+        self.accept_length_count = 0  # speculative cycles
+        self.latency_buckets = [0] * len(LATENCY_BUCKETS)
+        self.latency_sum = 0.0
+        self.latency_count = 0
+        self.cancelled = 0
+        self.queue_depth = 0  # requests waiting or running (set by the app)
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, str(status))] += 1
+
+    def generation_done(self, prompt_tokens: int, completion_tokens: int,
+                        spec: dict | None, latency_s: float) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += completion_tokens
+            if spec:
+                cycles = int(spec.get("cycles", 0))
+                self.spec_cycles += cycles
+                per_cycle = spec.get("accepted_per_cycle")
+                if per_cycle is not None:  # exact: tau = accepted draft tokens + the bonus
+                    self.accept_length_sum += sum(per_cycle) + len(per_cycle)
+                else:
+                    self.accept_length_sum += float(spec.get("accept_length", 0.0)) * cycles
+                self.accept_length_count += cycles
+            self.latency_sum += latency_s
+            self.latency_count += 1
+            for i, bound in enumerate(LATENCY_BUCKETS):
+                if latency_s <= bound:
+                    self.latency_buckets[i] += 1
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled += 1
+
+    def render(self) -> str:
+        m = _labels(model=self.model)
+        with self._lock:
+            out = [
+                "# HELP specscope_requests_total HTTP requests by endpoint and status code.",
+                "# TYPE specscope_requests_total counter",
+            ]
+            for (endpoint, status), n in sorted(self.requests.items()):
+                out.append(f"specscope_requests_total"
+                           f"{_labels(model=self.model, endpoint=endpoint, status=status)} {n}")
+            out += _counter("specscope_prompt_tokens_total", "Prompt tokens processed.", m,
+                            self.prompt_tokens)
+            out += _counter("specscope_generation_tokens_total", "Completion tokens generated.",
+                            m, self.generation_tokens)
+            out += _counter("specscope_spec_cycles_total", "Speculative decode cycles.", m,
+                            self.spec_cycles)
+            out += _counter("specscope_requests_cancelled_total",
+                            "Requests whose client went away before the end.", m,
+                            self.cancelled)
+            out += [
+                "# HELP specscope_spec_accept_length Tokens emitted per speculative cycle "
+                "(tau, bonus token included).",
+                "# TYPE specscope_spec_accept_length summary",
+                f"specscope_spec_accept_length_sum{m} {self.accept_length_sum:.6g}",
+                f"specscope_spec_accept_length_count{m} {self.accept_length_count}",
+                "# HELP specscope_request_latency_seconds Time from arrival to the last token.",
+                "# TYPE specscope_request_latency_seconds histogram",
+            ]
+            for bound, n in zip(LATENCY_BUCKETS, self.latency_buckets, strict=True):
+                le = _labels(model=self.model, le=f"{bound:g}")
+                out.append(f"specscope_request_latency_seconds_bucket{le} {n}")
+            inf = _labels(model=self.model, le="+Inf")
+            out += [
+                f"specscope_request_latency_seconds_bucket{inf} {self.latency_count}",
+                f"specscope_request_latency_seconds_sum{m} {self.latency_sum:.6g}",
+                f"specscope_request_latency_seconds_count{m} {self.latency_count}",
+                "# HELP specscope_queue_depth Requests waiting or running.",
+                "# TYPE specscope_queue_depth gauge",
+                f"specscope_queue_depth{m} {self.queue_depth}",
+            ]
+        return "\n".join(out) + "\n"
+
+
+def _counter(name: str, help: str, labels: str, value: int) -> list[str]:
+    return [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name}{labels} {value}"]

@@ -1,0 +1,443 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on a free local port
+serving the tiny random Llama, driven by the official `openai` client and by httpx."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import uvicorn  # noqa: E402
+
+from specscope.config import SamplingParams  # noqa: E402
+from specscope.engine.llm import LLM  # noqa: E402
+from specscope.server import create_app  # noqa: E402
+
+NAME = "tiny"
+GREEDY = {"temperature": 0}
+
+
+class Running:
+    def __init__(self, app) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            assert self.thread.is_alive(), "server thread died"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0,
+                             timeout=60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), dtype="fp32", device="cpu", profile=True)
+
+
+@pytest.fixture(scope="module")
+def srv(llm):
+    running = Running(create_app(llm, served_model_name=NAME))
+    yield running
+    running.stop()
+
+
+def ref(llm: LLM, prompt, max_tokens: int, chat: bool, **kw):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+    return llm.generate(prompt, params, chat=chat)[0]
+
+
+def slow_stream(monkeypatch, llm: LLM, delay: float, produced: list):
+    """Make each engine delta take `delay` seconds longer (and record it)."""
+    orig = llm.stream
+
+    def stream(*args, **kwargs):
+        gen = orig(*args, **kwargs)
+        try:
+            for delta in gen:
+                produced.append(delta)
+                time.sleep(delay)
+                yield delta
+        finally:
+            gen.close()
+
+    monkeypatch.setattr(llm, "stream", stream)
+
+
+# -- basic endpoints ----------------------------------------------------------------------
+
+
+def test_health_and_models(srv, llm):
+    r = httpx.get(f"{srv.url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    models = srv.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    r = httpx.get(f"{srv.url}/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_chat_matches_generate(srv, llm):
+    prompt = "Tell me about the sea."
+    want = ref(llm, prompt, 20, chat=True)
+    resp = srv.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20, **GREEDY)
+    assert resp.choices[0].message.content == want.text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == want.finish_reason
+    u = resp.usage
+    assert u.prompt_tokens == len(want.prompt_token_ids) == want.metrics.prompt_tokens
+    assert u.completion_tokens == want.metrics.completion_tokens == len(want.token_ids)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    # content as a list of text parts is the same message
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30, json={
+        "model": NAME, "max_tokens": 20, "temperature": 0, "messages": [{"role": "user",
+        "content": [{"type": "text", "text": "Tell me "}, {"type": "text",
+                                                         "text": "about the sea."}]}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want.text
+    # max_completion_tokens is the same limit
+    resp2 = srv.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": prompt}],
+        max_completion_tokens=20, **GREEDY)
+    assert resp2.choices[0].message.content == want.text
+
+
+def test_completion_matches_generate(srv, llm):
+    prompt = "The capital of France is"
+    want = ref(llm, prompt, 16, chat=False, ignore_eos=True)
+    resp = srv.client().completions.create(model=NAME, prompt=prompt, max_tokens=16,
+                                           extra_body={"ignore_eos": True}, **GREEDY)
+    assert resp.choices[0].text == want.text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 16
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+    # token-id prompts give the same result
+    r = httpx.post(f"{srv.url}/v1/completions", json={
+        "model": NAME, "prompt": want.prompt_token_ids, "max_tokens": 16, "ignore_eos": True,
+        "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+
+
+def test_chat_stream_with_usage(srv, llm):
+    prompt = "Write a haiku about rain."
+    want = ref(llm, prompt, 24, chat=True)
+    stream = srv.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=24,
+        stream=True, stream_options={"include_usage": True}, **GREEDY)
+    text, finish, usage, roles = "", None, None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            continue
+        d = chunk.choices[0].delta
+        if d.role:
+            roles.append(d.role)
+        text += d.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert text == want.text and finish == want.finish_reason
+    assert roles == ["assistant"]
+    assert usage is not None and usage.completion_tokens == want.metrics.completion_tokens
+    assert usage.prompt_tokens == want.metrics.prompt_tokens
+
+
+def test_completion_stream_raw_sse(srv, llm):
+    prompt = "Once upon a time"
+    want = ref(llm, prompt, 12, chat=False, ignore_eos=True)
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    lines = []
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)  # include_usage not asked for
+
+
+def test_stop_and_seeded_sampling(srv, llm):
+    prompt = "List some colours:"
+    params = dict(model=NAME, prompt=prompt, max_tokens=20, temperature=0.8, seed=7,
+                  extra_body={"top_k": 50})
+    a = srv.client().completions.create(**params).choices[0].text
+    b = srv.client().completions.create(**params).choices[0].text
+    assert a == b  # a seed makes sampling reproducible
+    want = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.8, seed=7,
+                                               top_k=50))[0]
+    assert a == want.text
+    full = ref(llm, prompt, 20, chat=False, ignore_eos=True).text
+    if len(full.strip()) > 4:
+        stop = full.strip()[2:4]
+        got = srv.client().completions.create(model=NAME, prompt=prompt, max_tokens=20,
+                                              stop=[stop], extra_body={"ignore_eos": True},
+                                              **GREEDY)
+        assert got.choices[0].finish_reason == "stop"
+        assert stop not in got.choices[0].text
+        assert full.startswith(got.choices[0].text)
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("chat", "{not json", 400, None),
+    ("chat", "[1, 2]", 400, None),
+    ("chat", "[" * 100000, 400, None),
+    ("chat", {"model": NAME}, 400, "messages"),
+    ("chat", {"model": NAME, "messages": []}, 400, "messages"),
+    ("chat", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages[0].role"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("chat", {"model": NAME, "messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    ("chat", {"model": NAME, "messages": "hello"}, 400, "messages"),
+    ("chat", {"model": NAME, "messages": MSG, "max_tokens": -1}, 400, "max_tokens"),
+    ("chat", {"model": NAME, "messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"model": NAME, "messages": MSG, "max_tokens": 10**12}, 400, "max_tokens"),
+    ("chat", {"model": NAME, "messages": MSG, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("chat", {"model": NAME, "messages": MSG, "max_tokens": 1.5}, 400, "max_tokens"),
+    ("chat", {"model": NAME, "messages": MSG, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("chat", {"model": NAME, "messages": MSG, "temperature": 2.5}, 400, "temperature"),
+    ("chat", {"model": NAME, "messages": MSG, "temperature": -0.1}, 400, "temperature"),
+    ("chat", {"model": NAME, "messages": MSG, "temperature": "hot"}, 400, "temperature"),
+    ("chat", {"model": NAME, "messages": MSG, "top_p": 0}, 400, "top_p"),
+    ("chat", {"model": NAME, "messages": MSG, "temperature": True}, 400, "temperature"),
+    ("chat", {"model": NAME, "messages": MSG, "seed": 2**70}, 400, "seed"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": None}]}, 400,
+     "messages[0].content"),
+    ("chat", {"model": NAME, "messages": MSG, "stream_options": 3}, 400, "stream_options"),
+    ("chat", {"model": NAME, "messages": MSG, "top_k": -5}, 400, "top_k"),
+    ("chat", {"model": NAME, "messages": MSG, "seed": -1}, 400, "seed"),
+    ("chat", {"model": NAME, "messages": MSG, "stop": 5}, 400, "stop"),
+    ("chat", {"model": NAME, "messages": MSG, "stop": [""]}, 400, "stop"),
+    ("chat", {"model": NAME, "messages": MSG, "n": 2}, 400, "n"),
+    ("chat", {"model": NAME, "messages": MSG, "stream": "yes please"}, 400, "stream"),
+    ("chat", {"model": "gpt-9", "messages": MSG}, 404, "model"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "word " * 400}]}, 400,
+     "messages"),
+    ("chat", {"model": NAME, "messages": MSG, "max_tokens": 250}, 400, "max_tokens"),
+    ("cmpl", {"model": NAME}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": []}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": [1, 10**9]}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": 42}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": "word " * 400}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", BAD)
+def test_bad_input(srv, endpoint, body, status, param):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{srv.url}{path}", content=content,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if status == 400:
+        assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    if body == {"model": "gpt-9", "messages": MSG}:
+        assert err["code"] == "model_not_found"
+    if isinstance(body, dict) and body.get("n") == 2:
+        assert "n > 1 is not supported" in err["message"]
+
+
+# -- concurrency, disconnects, back-pressure -----------------------------------------------
+
+
+def test_concurrent_streams_match_references(srv, llm):
+    prompts = [f"Question {i}: what is {i} plus {i * 3}?" for i in range(8)]
+    wants = [ref(llm, p, 16 + i, chat=True).text for i, p in enumerate(prompts)]
+
+    def one(i: int) -> str:
+        stream = srv.client().chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": prompts[i]}],
+            max_tokens=16 + i, stream=True, **GREEDY)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(8)))
+    assert got == wants
+
+
+def _wait_idle(srv, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while srv.app.state.worker.inflight:
+        assert time.time() < deadline, "the engine was not freed"
+        time.sleep(0.01)
+
+
+def test_disconnect_frees_engine(srv, llm, monkeypatch):
+    produced: list = []
+    slow_stream(monkeypatch, llm, 0.02, produced)
+    body = {"model": NAME, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(ln.startswith("data: ") for ln in got)
+    t0 = time.time()
+    _wait_idle(srv)
+    assert time.time() - t0 < 2.0
+    assert len(produced) < 100  # stopped well before its 200 tokens
+    monkeypatch.undo()
+    want = ref(llm, "Count:", 10, chat=False, ignore_eos=True)
+    resp = srv.client().completions.create(model=NAME, prompt="Count:", max_tokens=10,
+                                           extra_body={"ignore_eos": True}, **GREEDY)
+    assert resp.choices[0].text == want.text
+    assert "specscope_requests_cancelled_total" in httpx.get(f"{srv.url}/metrics").text
+
+
+def test_non_streaming_disconnect_frees_engine(srv, llm, monkeypatch):
+    produced: list = []
+    slow_stream(monkeypatch, llm, 0.02, produced)
+    body = {"model": NAME, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{srv.url}/v1/completions", json=body, timeout=0.3)
+    _wait_idle(srv, timeout=3.0)
+    assert len(produced) < 100
+    monkeypatch.undo()
+    resp = srv.client().completions.create(model=NAME, prompt="Count:", max_tokens=4,
+                                           extra_body={"ignore_eos": True}, **GREEDY)
+    assert resp.choices[0].text == ref(llm, "Count:", 4, chat=False, ignore_eos=True).text
+
+
+def test_speculative_usage_has_spec(tiny_model_dir, llm):
+    from specscope.config import SpecConfig
+
+    spec_llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
+                   spec=SpecConfig(draft="random", num_steps=3))
+    spec_srv = Running(create_app(spec_llm, served_model_name=NAME))
+    try:
+        prompt = "Speculate about the weather."
+        want = ref(llm, prompt, 20, chat=True)  # plain greedy: the speculative output equals it
+        resp = spec_srv.client().chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=20,
+            **GREEDY)
+        assert resp.choices[0].message.content == want.text
+        spec = resp.model_dump()["usage"]["spec"]
+        assert spec["cycles"] >= 1 and spec["accept_length"] >= 1.0
+        assert "acceptance_by_position" in spec
+        text = httpx.get(f"{spec_srv.url}/metrics").text
+        assert _metric(text, "specscope_spec_cycles_total") == spec["cycles"]
+        assert _metric(text, "specscope_spec_accept_length_count") == spec["cycles"]
+        assert _metric(text, "specscope_spec_accept_length_sum") \
+            == pytest.approx(spec["accept_length"] * spec["cycles"], rel=1e-4)
+    finally:
+        spec_srv.stop()
+
+
+def test_queue_full_gives_503(llm, monkeypatch):
+    produced: list = []
+    slow_stream(monkeypatch, llm, 0.02, produced)
+    small = Running(create_app(llm, served_model_name=NAME, max_queue=0))
+    try:
+        body = {"model": NAME, "prompt": "Count:", "max_tokens": 100, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{small.url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # (dropping this iterator would close the connection)
+            next(lines)  # the first request is running
+            busy = httpx.post(f"{small.url}/v1/completions", timeout=30,
+                              json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+            assert busy.status_code == 503
+            assert busy.headers["retry-after"]
+            assert busy.json()["error"]["code"] == "queue_full"
+        _wait_idle(small)
+        ok = httpx.post(f"{small.url}/v1/completions", timeout=30,
+                        json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        small.stop()
+
+
+# -- metrics and profile ------------------------------------------------------------------
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_move(srv):
+    before = httpx.get(f"{srv.url}/metrics")
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    srv.client().completions.create(model=NAME, prompt="Hello", max_tokens=5,
+                                    extra_body={"ignore_eos": True}, **GREEDY)
+    httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": "x", "n": 2})
+    after = httpx.get(f"{srv.url}/metrics").text
+    ok = dict(endpoint="/v1/completions", status="200")
+    bad = dict(endpoint="/v1/completions", status="400")
+    assert _metric(after, "specscope_requests_total", **ok) \
+        == _metric(before.text, "specscope_requests_total", **ok) + 1
+    assert _metric(after, "specscope_requests_total", **bad) \
+        == _metric(before.text, "specscope_requests_total", **bad) + 1
+    assert _metric(after, "specscope_generation_tokens_total") \
+        == _metric(before.text, "specscope_generation_tokens_total") + 5
+    assert _metric(after, "specscope_prompt_tokens_total") \
+        > _metric(before.text, "specscope_prompt_tokens_total")
+    assert _metric(after, "specscope_request_latency_seconds_count") \
+        == _metric(before.text, "specscope_request_latency_seconds_count") + 1
+    for name in ("specscope_spec_cycles_total", "specscope_spec_accept_length_sum",
+                 "specscope_spec_accept_length_count", "specscope_queue_depth"):
+        assert name in after
+    for line in after.splitlines():  # every sample line is `name{labels} value`
+        if line and not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
+
+
+def test_profile_endpoints(srv, llm):
+    srv.client().completions.create(model=NAME, prompt="Profile me", max_tokens=8,
+                                    extra_body={"ignore_eos": True}, **GREEDY)
+    r = httpx.get(f"{srv.url}/profile")
+    assert r.status_code == 200, r.text
+    summaries = r.json()["summaries"]
+    assert isinstance(summaries, list) and summaries
+    t = httpx.get(f"{srv.url}/profile/trace", params={"cycles": 3})
+    assert t.status_code == 200
+    events = t.json()["traceEvents"] if "traceEvents" in t.json() else t.json()
+    assert any(e.get("name") == "cycle" for e in events)
+    assert httpx.get(f"{srv.url}/profile/trace", params={"cycles": "abc"}).status_code == 400
+    timer = llm.timer
+    try:
+        llm.enable_profiling(False)
+        off = httpx.get(f"{srv.url}/profile")
+        assert off.status_code == 404
+        assert off.json()["error"]["code"] == "profiling_off"
+        assert httpx.get(f"{srv.url}/profile/trace").status_code == 404
+    finally:
+        llm.timer = timer
+        llm.decoder.timer = timer
