@@ -34,8 +34,7 @@ from torch import nn
 
 from specscope.config import ModelConfig
 from specscope.draft.vocab import vocab_maps
-from specscope.kvcache import KVCache, causal_mask
-from specscope.kvcache.attention import fold_mask
+from specscope.kvcache import KVCache
 from specscope.models.llama import (
     MLP,
     Attention,
@@ -44,6 +43,7 @@ from specscope.models.llama import (
     ForwardContext,
     RMSNorm,
     decoder_layer_layout,
+    forward_context,
 )
 from specscope.models.rope import rope_tables
 
@@ -262,18 +262,8 @@ class Eagle3Draft(nn.Module):
         assert hidden.shape == (B, T, cfg.hidden_size), hidden.shape
         if self._rope is None:  # the engine sizes it to its context; this is a fallback
             self.init_rope(cfg.max_position_embeddings)
-        cos_t, sin_t = self._rope
-        groups = cfg.num_heads // cfg.num_kv_heads
-        if cache is not None:
-            kv_len = kv_len if kv_len is not None else cache.capacity
-            k_pos = torch.arange(kv_len, device=input_ids.device)  # slot s holds position s
-            slots = positions if slots is None else slots
-        else:
-            kv_len, k_pos, slots = T, positions, None
-        mask = fold_mask(attn_mask, groups) if attn_mask is not None \
-            else causal_mask(positions, k_pos, groups)
-        ctx = ForwardContext(cos=cos_t[positions][:, None], sin=sin_t[positions][:, None],
-                             mask=mask, slots=slots, kv_len=kv_len)
+        ctx = forward_context(self._rope, positions, cache, kv_len, slots, attn_mask,
+                              cfg.num_heads // cfg.num_kv_heads)
 
         def kv(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             return (cache.k[i], cache.v[i]) if cache is not None else None

@@ -49,6 +49,32 @@ class ForwardContext:
     kv_len: int  # keys visible: cache slots [0, kv_len)
 
 
+def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                    cache: KVCache | None, kv_len: int | None, slots: torch.Tensor | None,
+                    attn_mask: torch.Tensor | None, groups: int,
+                    sliding_window: int | None = None) -> ForwardContext:
+    """Rope rows, mask and cache window for one forward (shared by target and draft).
+
+    With a cache, slot s holds position s: keys are slots [0, kv_len) and this step writes
+    at `slots` (default `positions`). Without one, the T tokens attend to each other.
+    attn_mask [B, T, S] overrides the causal mask (tree attention).
+    """
+    cos_t, sin_t = rope
+    T = positions.shape[1]
+    if cache is not None:
+        kv_len = kv_len if kv_len is not None else cache.capacity
+        k_pos = torch.arange(kv_len, device=positions.device)
+        slots = positions if slots is None else slots
+    else:
+        kv_len, k_pos, slots = T, positions, None
+    if attn_mask is not None:
+        mask = fold_mask(attn_mask, groups)
+    else:
+        mask = causal_mask(positions, k_pos, groups, sliding_window)
+    return ForwardContext(cos=cos_t[positions][:, None], sin=sin_t[positions][:, None],
+                          mask=mask, slots=slots, kv_len=kv_len)  # cos/sin [B, 1, T, D]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -173,25 +199,11 @@ class CausalLM(nn.Module):
         Returns hidden [B, T, hidden] after the final norm, and taps [B, T, n_taps * hidden]
         (None unless return_taps).
         """
-        B, T = input_ids.shape
         cfg = self.config
         if self._rope is None:  # the engine builds it sized to its context; this is a fallback
             self.init_rope(cfg.max_position_embeddings)
-        cos_t, sin_t = self._rope
-        cos = cos_t[positions][:, None]  # [B, 1, T, D]
-        sin = sin_t[positions][:, None]
-        groups = cfg.num_heads // cfg.num_kv_heads
-        if cache is not None:
-            kv_len = kv_len if kv_len is not None else cache.capacity
-            k_pos = torch.arange(kv_len, device=input_ids.device)  # slot s holds position s
-            slots = positions if slots is None else slots
-        else:
-            kv_len, k_pos, slots = T, positions, None
-        if attn_mask is not None:
-            mask = fold_mask(attn_mask, groups)
-        else:
-            mask = causal_mask(positions, k_pos, groups, cfg.sliding_window)
-        ctx = ForwardContext(cos=cos, sin=sin, mask=mask, slots=slots, kv_len=kv_len)
+        ctx = forward_context(self._rope, positions, cache, kv_len, slots, attn_mask,
+                              cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
 
         h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         if return_taps and not self.tap_layer_ids:
