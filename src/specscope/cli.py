@@ -246,6 +246,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specscope.bench.client import main_bench
+
+    return main_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -308,6 +314,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (specscope, "
+                                     "SGLang, vLLM): throughput, TTFT/TPOT/ITL, accept length")
+    b.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    b.add_argument("--model", default=None,
+                   help="model id to send (default: the first id from GET /v1/models)")
+    b.add_argument("--dataset", default="mt_bench",
+                   help="mt_bench | humaneval | gsm8k | a JSONL file of prompts/messages")
+    b.add_argument("--num-prompts", type=int, default=80)
+    b.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    b.add_argument("--max-tokens", type=int, default=256)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    b.add_argument("--out", default=None, help="write the result as JSON here")
+    b.add_argument("--compare", default=None, metavar="URL2",
+                   help="also run the same prompts against URL2 and print B/A ratios")
+    b.add_argument("--compare-model", default=None,
+                   help="model id for --compare (default: URL2's first /v1/models id)")
+    b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
