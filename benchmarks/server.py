@@ -15,35 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-
-class Running:
-    """A uvicorn server for `app` on a free local port, in a background thread."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 def main() -> None:
@@ -65,6 +41,7 @@ def main() -> None:
     from specscope.bench.client import run_bench
     from specscope.bench.datasets import load_prompts
     from specscope.server import create_app
+    from specscope.server.background import BackgroundServer
 
     spec = None
     if args.draft:
@@ -87,7 +64,7 @@ def main() -> None:
     local_tokens = sum(len(o.token_ids) for o in local)
     local_tps = local_tokens / local_wall
 
-    server = Running(create_app(llm))
+    server = BackgroundServer(create_app(llm))
     try:
         same_acceptance()
         http = asyncio.run(run_bench(server.url, model=None, prompts=prompts, concurrency=1,

@@ -18,6 +18,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny models: intra-op threads only add hand-off overhead (10-100x slower on a small
+    shared CPU). Modules opt in with `pytestmark = pytest.mark.usefixtures("single_thread")`;
+    the previous setting is restored after the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def specscope_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """Cache root for GGUF conversions: $SPECSCOPE_CACHE_DIR if set, else a session tmp dir."""

@@ -6,8 +6,6 @@ import argparse
 import asyncio
 import json
 import socket
-import threading
-import time
 
 import pytest
 
@@ -15,41 +13,19 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
 
 from specscope.bench.client import compare, format_table, main_bench, run_bench  # noqa: E402
 from specscope.engine.llm import LLM  # noqa: E402
 from specscope.server import create_app  # noqa: E402
+from specscope.server.background import BackgroundServer  # noqa: E402
 
 PROMPTS = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(4)] \
     + ["def add(a, b):", "Once upon a time"]
 
 
-class Running:
-    def __init__(self, app) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            assert self.thread.is_alive(), "server thread died"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir):
-    running = Running(create_app(LLM(str(tiny_model_dir), dtype="fp32", device="cpu"),
+    running = BackgroundServer(create_app(LLM(str(tiny_model_dir), dtype="fp32", device="cpu"),
                                  served_model_name="tiny"))
     yield running
     running.stop()
@@ -86,7 +62,7 @@ def test_accept_length_from_spec_server(tiny_model_dir):
 
     spec_llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
                    spec=SpecConfig(draft="random", num_steps=3))
-    running = Running(create_app(spec_llm, served_model_name="tiny"))
+    running = BackgroundServer(create_app(spec_llm, served_model_name="tiny"))
     try:
         res = asyncio.run(run_bench(running.url, model="tiny", prompts=PROMPTS[:3],
                                     concurrency=2, max_tokens=8, progress=False))

@@ -32,6 +32,8 @@ from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
 from specscope.models.loader import random_model
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 V, L, HT, VD = 96, 8, 32, 40
 IDS = (0, 3, 6)  # output-of-layer, not the default, so conversions show
 LLAMA3_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
@@ -52,15 +54,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
                      "mlp_bias": True, "norm_output": True}, ("speculators",)),
 }
 ROUNDTRIPS = [(f, v) for v, (_, fmts) in VARIANTS.items() for f in fmts]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    """Tiny matmuls gain nothing from intra-op threads (and lose to contention)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 from specscope.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specscope.models.loader import LoadedModel, load_model, weight_files
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
@@ -26,15 +28,6 @@ BASE: dict[str, Any] = dict(
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    """Tiny matmuls gain nothing from intra-op threads; on a small shared CPU they cost."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def build_hf(cls_name: str = "LlamaConfig", seed: int = 0, **overrides: Any):

@@ -19,6 +19,8 @@ from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
 from specscope.models.loader import load_model
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
@@ -73,16 +75,6 @@ def build_hf(family: str, seed: int = 0, attn: str | None = None, **extra: Any):
         hf_config(family, **extra), dtype=torch.float32, **kwargs)
     randomize_(model, seed)
     return model.eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    """Tiny matmuls gain nothing from intra-op threads, and on a small shared CPU the thread
-    hand-offs made these tests 10-100x slower (seconds per decode loop instead of ms)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,15 @@ import logging
 import pathlib
 
 import pytest
-import torch
 
 from specscope import LLM, SamplingParams
 from specscope.bench.datasets import load_prompts
 from specscope.config import SpecConfig
 from specscope.profiler import Profiler, chrome_trace
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ serving the tiny random Llama, driven by the official `openai` client and by htt
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,41 +14,20 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-import uvicorn  # noqa: E402
 
 from specscope.config import SamplingParams  # noqa: E402
 from specscope.engine.llm import LLM  # noqa: E402
 from specscope.server import create_app  # noqa: E402
+from specscope.server.background import BackgroundServer  # noqa: E402
 
 NAME = "tiny"
 GREEDY = {"temperature": 0}
 
 
-class Running:
-    def __init__(self, app) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            assert self.thread.is_alive(), "server thread died"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
+class Running(BackgroundServer):
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0,
                              timeout=60)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

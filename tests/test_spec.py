@@ -21,20 +21,14 @@ from specscope import LLM, SamplingParams
 from specscope.config import SpecConfig
 from specscope.spec.tree import DraftTree
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 GRID = [  # (num_steps, topk, num_draft_tokens)
     (1, 1, None), (3, 1, None), (5, 1, None), (7, 1, None),
     (2, 2, 3), (3, 2, 6), (4, 3, 10), (3, 4, 12), (5, 2, 8),
 ]
 PROMPT = "The quick brown fox"
 N_TOKENS = 40
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threading only adds overhead
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

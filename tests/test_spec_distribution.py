@@ -61,8 +61,8 @@ def _exact_joint(model) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("steps", "topk", "ndt"), [(2, 1, None), (2, 2, 4)])
-def test_sampled_speculative_output_has_the_target_law(target, steps, topk, ndt):
-    torch.set_num_threads(1)
+def test_sampled_speculative_output_has_the_target_law(single_thread, target, steps, topk,
+                                                       ndt):
     spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt)
     llm = LLM.from_model(target, spec=spec, kv_block=16)
     joint = _exact_joint(target).reshape(-1)
