@@ -252,6 +252,82 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return main_bench(args)
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from specscope.train.trainer import TrainConfig, train_draft
+
+    layer_ids = tuple(int(x) for x in args.layer_ids.split(",")) if args.layer_ids else None
+    cfg = TrainConfig(
+        target=args.target, data=args.data, out=args.out,
+        draft_vocab_size=args.draft_vocab_size, layer_ids=layer_ids,
+        num_layers=args.num_layers, ttt_length=args.ttt_length, epochs=args.epochs,
+        max_steps=args.max_steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
+        grad_clip=args.grad_clip, batch_tokens=args.batch_tokens, max_len=args.max_len,
+        eval_fraction=args.eval_fraction, eval_every=args.eval_every,
+        save_every=args.save_every, seed=args.seed, regenerate=args.regenerate,
+        regen_temperature=args.regen_temperature,
+        regen_max_new_tokens=args.regen_max_new_tokens,
+        regen_batch_size=args.regen_batch_size, device=args.device,
+        budget_minutes=args.budget_minutes, resume=args.resume,
+        export_formats=tuple(args.export_formats.split(",")), export_dtype=args.export_dtype,
+        cache_dir=args.cache_dir, tap_cache=args.tap_cache)
+    out = train_draft(cfg)
+    print(f"draft written to {out}; serve it with: specscope serve "
+          f"{args.target or ''} --draft {out}".replace("  ", " "))
+    return 0
+
+
+def _add_train_args(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--target", default=None,
+                   help="target model: HF dir, .gguf or hub id (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    t.add_argument("--data", nargs="+", required=True,
+                   help="JSONL files: OpenAI 'messages', ShareGPT 'conversations', or "
+                        "prompts ('prompt' / 'question' / 'instruction')")
+    t.add_argument("--out", required=True, help="run directory: regenerated data, "
+                                                "checkpoints, metrics, exported draft")
+    t.add_argument("--no-regenerate", dest="regenerate", action="store_false",
+                   help="train on the dataset's own answers instead of the target's")
+    t.add_argument("--regen-temperature", type=float, default=0.0,
+                   help="sampling temperature of the regenerated answers (0: greedy)")
+    t.add_argument("--regen-max-new-tokens", type=int, default=512)
+    t.add_argument("--regen-batch-size", type=int, default=64)
+    t.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="default: 12288 for targets under 2048 hidden, else 32000 (capped "
+                        "at the target vocab)")
+    t.add_argument("--layer-ids", default=None,
+                   help="target tap layers, output-of-layer ids (default: EAGLE-3's "
+                        "[1, L/2-1, L-4])")
+    t.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
+    t.add_argument("--ttt-length", type=int, default=7,
+                   help="training-time-test unroll depth (loss weight 0.8^i per step)")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
+    t.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default 3e-4 small targets, 1e-4 large)")
+    t.add_argument("--warmup-ratio", type=float, default=0.02)
+    t.add_argument("--grad-clip", type=float, default=0.5)
+    t.add_argument("--batch-tokens", type=int, default=None,
+                   help="padded tokens per batch (default: 2048 CPU, 32768/8192 CUDA)")
+    t.add_argument("--max-len", type=int, default=2048, help="tokens per conversation")
+    t.add_argument("--eval-fraction", type=float, default=0.02)
+    t.add_argument("--eval-every", type=int, default=200)
+    t.add_argument("--save-every", type=int, default=500)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--budget-minutes", type=float, default=None,
+                   help="stop after this long (checkpoint and export); --resume continues")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the last complete checkpoint in --out")
+    t.add_argument("--export-formats", default="sglang",
+                   help="comma list of sglang, eagle, speculators (first: OUT/draft)")
+    t.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16",
+                                                                   "float32"])
+    t.add_argument("--tap-cache", default=None,
+                   help="optional directory caching the target's taps per example on disk "
+                        "(size printed first); default: computed online each step")
+    t.add_argument("--cache-dir", default=None, help="converted-GGUF cache directory")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -334,13 +410,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id for --compare (default: URL2's first /v1/models id)")
     b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("train-draft", help="train an EAGLE-3 draft for a target (regenerates "
+                                           "the data with the target, TTT, exports SGLang)")
+    _add_train_args(t)
+    t.set_defaults(func=cmd_train_draft)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    verbose = args.verbose or getattr(args, "profile", None) or \
+    verbose = args.verbose or args.command == "train-draft" or \
+        getattr(args, "profile", None) or \
         getattr(args, "profile_interval", None) or os.environ.get("SPECSCOPE_PROFILE")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

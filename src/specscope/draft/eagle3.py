@@ -245,8 +245,8 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None = None, *, kv_len: int | None = None,
-                slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                ttt: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass over T tokens.
 
         input_ids, positions: [B, T]; hidden: [B, T, H], either `project(taps)` (draft extend)
@@ -256,6 +256,8 @@ class Eagle3Draft(nn.Module):
         Returns (next_hidden, normed), both [B, T, H]: `normed` = norm(h) feeds
         `compute_logits`; `next_hidden` is what the next draft step takes as `hidden`: the
         pre-norm output h, or `normed` for EAGLE-3.1 drafts with config.norm_output.
+        ttt: a train.ttt.StepKeys (training-time test, no cache): attention sees the keys of
+        the earlier unrolled steps it holds, instead of a causal window over T.
         """
         B, T = input_ids.shape
         cfg = self.config
@@ -264,6 +266,7 @@ class Eagle3Draft(nn.Module):
             self.init_rope(cfg.max_position_embeddings)
         ctx = forward_context(self._rope, positions, cache, kv_len, slots, attn_mask,
                               cfg.num_heads // cfg.num_kv_heads)
+        ctx.ttt = ttt
 
         def kv(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             return (cache.k[i], cache.v[i]) if cache is not None else None

@@ -27,6 +27,8 @@ the only behaviour SGLang implements.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -321,28 +323,50 @@ def config_dict(cfg: DraftConfig, fmt: str, dtype: str = "float32") -> dict[str,
     return out
 
 
-def save_draft(model: Eagle3Draft, config: DraftConfig, out_dir: str | Path, fmt: str) -> Path:
+def save_draft(model: Eagle3Draft, config: DraftConfig, out_dir: str | Path, fmt: str,
+               provenance: dict[str, Any] | None = None, dtype: torch.dtype | None = None
+               ) -> Path:
     """Write `model` as a draft checkpoint of format `fmt` (config.json + weights) to out_dir.
 
-    Weights: model.safetensors (sglang, speculators) or pytorch_model.bin (eagle). d2t/t2d
-    are always written except by speculators when the draft vocabulary is the whole target
-    vocabulary (speculators then has no maps). Borrowed target weights are not written.
+    Weights: model.safetensors (sglang, speculators) or pytorch_model.bin (eagle), in `dtype`
+    (default: the model's). d2t/t2d are always written except by speculators when the draft
+    vocabulary is the whole target vocabulary (speculators then has no maps). Borrowed target
+    weights are not written. `provenance` goes into config.json as `specscope_provenance`.
+    The directory is written under a temporary name and renamed into place, so out_dir is
+    either the previous checkpoint or the whole new one, never a mix.
     """
     if config != model.config:
         raise ValueError("save_draft: config differs from model.config")
-    cfg_json = config_dict(config, fmt, _dtype_name(model))
+    state = model.canonical_state()
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.") if state \
+        else _dtype_name(model)
+    cfg_json = config_dict(config, fmt, dtype_name)
+    if provenance:
+        cfg_json["specscope_provenance"] = provenance
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {format_name(k, fmt): v.contiguous().cpu()
-               for k, v in model.canonical_state().items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    tensors = {format_name(k, fmt): v.contiguous().cpu() for k, v in state.items()}
     if not (fmt == "speculators" and config.draft_vocab_size == config.vocab_size):
         tensors["d2t"] = model.d2t.detach().cpu().clone()
         tensors["t2d"] = model.t2d.detach().cpu().clone()
-    (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
     if fmt == "eagle":
-        torch.save({k: v.clone() for k, v in tensors.items()}, out / "pytorch_model.bin")
+        torch.save({k: v.clone() for k, v in tensors.items()}, tmp / "pytorch_model.bin")
     else:
         # safetensors refuses tensors that share storage (fused rows are views): copy them.
-        save_file({k: v.clone() for k, v in tensors.items()}, str(out / "model.safetensors"),
+        save_file({k: v.clone() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
+    for f in tmp.iterdir():
+        with f.open("rb") as fh:
+            os.fsync(fh.fileno())
+    old = out.parent / f".old-{out.name}-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     return out

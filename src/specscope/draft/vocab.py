@@ -38,3 +38,22 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int,
         raise ValueError(
             f"d2t/t2d are inconsistent: nonzero(t2d) ({selected.numel()} ids) must equal "
             f"d2t + arange({draft_vocab_size}) (the draft vocabulary as ascending target ids)")
+
+
+def frequent_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent target ids (ties and unseen ids: lowest id first), ascending.
+
+    counts [V]: how often each target id occurs in the draft's training labels.
+    """
+    V = counts.numel()
+    if not 0 < size <= V:
+        raise ValueError(f"draft vocabulary size {size} must be in [1, {V}] (the target vocab)")
+    # Stable sort on -count keeps ascending ids among equal counts.
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices
+    return order[:size].sort().values
+
+
+def vocab_coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """Fraction of the counted label tokens that the draft vocabulary `ids` can propose."""
+    total = int(counts.sum())
+    return float(counts[ids].sum()) / total if total else 0.0

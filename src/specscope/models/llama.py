@@ -13,6 +13,7 @@ layer k, 0-based, i.e. HF's hidden_states[k + 1]).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ class ForwardContext:
     mask: torch.Tensor  # [B, 1, G*T, S] bool, folded GQA layout
     slots: torch.Tensor | None  # [B, T] cache slots to write, None without a cache
     kv_len: int  # keys visible: cache slots [0, kv_len)
+    # Training-time test (train/ttt.py): attention over the keys of earlier unrolled draft
+    # steps instead of a cache. None at inference.
+    ttt: Any = None
 
 
 def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
@@ -91,8 +95,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext,
-                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> rotated q [B, H, T, D], rotated k and v [B, Hkv, T, D]."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) D]
@@ -101,9 +106,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
         # q and k heads sit side by side in the fused projection: rotate them in one pass.
-        qk = apply_rope(qk.transpose(1, 2), ctx.cos, ctx.sin)  # [B, H + Hkv, T, D]
-        q, k = qk[:, :H], qk[:, H:]  # [B, H, T, D], [B, Hkv, T, D]
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, H + Hkv, T, D]
         v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+        return qk[:, :H], qk[:, H:], v
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        q, k, v = self.project(x, ctx.cos, ctx.sin)
+        if ctx.ttt is not None:
+            return self.o_proj(ctx.ttt.attend(self, q, k, v, self.scale))
         if kv is not None:
             k_cache, v_cache = kv
             write_kv(k_cache, v_cache, k, v, ctx.slots)

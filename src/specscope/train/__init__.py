@@ -1,0 +1,1 @@
+"""EAGLE-3 draft training: data, regeneration, training-time test, checkpoints, export."""

@@ -1,0 +1,451 @@
+"""The EAGLE-3 draft trainer: data -> (regenerated) conversations -> TTT training -> export.
+
+One run, end to end (`specscope train-draft`):
+  1. read JSONL conversations or prompts; regenerate every assistant turn with the target
+     (on by default: a draft must learn its target's distribution), resumably;
+  2. tokenize with the chat template, assistant-only loss mask; hold out an eval split;
+  3. draft vocabulary = the most frequent assistant tokens (d2t/t2d);
+  4. train: target taps and target distribution computed online per batch (no hidden-state
+     dumps), the draft unrolled for ttt_length steps (train/ttt.py), AdamW, linear warmup and
+     cosine decay, gradient clipping, bf16 autocast on CUDA; periodic held-out evaluation of
+     acceptance by position and predicted accept length;
+  5. atomic checkpoints (resume continues bit-for-bit), and an export in the SGLang/SpecForge
+     format (plus others on request) with a provenance block the engine loads as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specscope import __version__
+from specscope.draft.eagle3 import (
+    OUTPUT_OF_LAYER,
+    DraftConfig,
+    Eagle3Draft,
+    default_layer_ids,
+    random_draft,
+)
+from specscope.draft.formats import FORMATS, save_draft
+from specscope.draft.vocab import frequent_vocab, vocab_coverage, vocab_maps
+from specscope.engine.llm import resolve_device
+from specscope.engine.tokenizer import Tokenizer
+from specscope.models.llama import CausalLM
+from specscope.models.loader import load_model
+from specscope.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial,
+    save_checkpoint,
+)
+from specscope.train.data import (
+    Example,
+    collate,
+    read_conversations,
+    split_examples,
+    token_batches,
+    token_counts,
+    tokenize_conversation,
+)
+from specscope.train.regenerate import regenerate
+from specscope.train.tap_cache import TapCache
+from specscope.train.ttt import TTTBatch, acceptance, predicted_accept_length, ttt_loss
+
+log = logging.getLogger("specscope.train")
+TRAINER_VERSION = f"specscope-train-draft {__version__}"
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on. None means: pick by target size (see `resolved`)."""
+
+    target: str | None  # model path / .gguf / hub id; None: the default model
+    data: list[str]
+    out: str
+    draft_vocab_size: int | None = None
+    layer_ids: tuple[int, ...] | None = None  # output-of-layer; None: EAGLE-3's defaults
+    num_layers: int = 1
+    ttt_length: int = 7
+    loss_decay: float = 0.8
+    epochs: int = 1
+    max_steps: int | None = None
+    lr: float | None = None
+    warmup_ratio: float = 0.02
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    batch_tokens: int | None = None
+    max_len: int = 2048
+    eval_fraction: float = 0.02
+    max_eval: int = 256
+    eval_every: int = 200
+    save_every: int = 500
+    log_every: int = 10
+    seed: int = 0
+    regenerate: bool = True
+    regen_temperature: float = 0.0
+    regen_top_p: float = 1.0
+    regen_max_new_tokens: int = 512
+    regen_batch_size: int = 64
+    device: str = "auto"
+    budget_minutes: float | None = None  # stop (checkpoint + export) after this long
+    resume: bool = False
+    export_formats: tuple[str, ...] = ("sglang",)
+    export_dtype: str = "bfloat16"
+    cache_dir: str | None = None  # converted-GGUF cache
+    tap_cache: str | None = None  # optional on-disk cache of target taps/outputs
+    progress: bool = True
+    stop_after_steps: int | None = field(default=None, repr=False)  # tests: emulate a kill
+
+    def resolved(self, hidden: int, vocab: int, device: torch.device) -> TrainConfig:
+        """Defaults that depend on the target: small targets (hidden < 2048) get a smaller
+        draft vocabulary and a higher learning rate; CUDA gets bigger batches."""
+        small = hidden < 2048
+        upd: dict[str, Any] = {}
+        if self.draft_vocab_size is None:
+            upd["draft_vocab_size"] = min(vocab, 12288 if small else 32000)
+        if self.lr is None:
+            upd["lr"] = 3e-4 if small else 1e-4
+        if self.batch_tokens is None:
+            upd["batch_tokens"] = (32768 if small else 8192) if device.type == "cuda" else 2048
+        return dataclasses.replace(self, **upd)
+
+
+def _fingerprint(cfg: TrainConfig, n_examples: int) -> str:
+    """What must not change across a resume: data identity and anything that shapes batches
+    or the draft."""
+    files = []
+    for p in cfg.data:
+        st = Path(p).stat()
+        files.append((Path(p).name, st.st_size))
+    key = dict(files=files, n=n_examples, seed=cfg.seed, batch_tokens=cfg.batch_tokens,
+               max_len=cfg.max_len, vocab=cfg.draft_vocab_size, layer_ids=cfg.layer_ids,
+               ttt=cfg.ttt_length, num_layers=cfg.num_layers, epochs=cfg.epochs,
+               max_steps=cfg.max_steps, eval_fraction=cfg.eval_fraction, lr=cfg.lr,
+               regenerate=cfg.regenerate)
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def new_draft(target: CausalLM, layer_ids: tuple[int, ...], vocab_ids: torch.Tensor,
+              num_layers: int, seed: int) -> Eagle3Draft:
+    """A fresh draft for `target`: decoder weights N(0, 0.02), norms 1, lm_head = the
+    target's lm_head rows of the draft vocabulary, final norm = the target's (a draft that
+    starts by reading the target's own output head learns much faster)."""
+    tc = target.config
+    draft = random_draft(tc, torch.float32, "cpu", layer_ids=layer_ids,
+                         draft_vocab_size=int(vocab_ids.numel()), seed=seed,
+                         num_layers=num_layers, source_format="sglang",
+                         layer_ids_source="trainer")
+    d2t, t2d = vocab_maps(vocab_ids, tc.vocab_size)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        draft.lm_head.weight.copy_(target.lm_head.weight.detach()[vocab_ids].float().cpu())
+        draft.norm.weight.copy_(target.model.norm.weight.detach().float().cpu())
+    return draft.requires_grad_(True).train()
+
+
+def _lr_lambda(total: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+    return f
+
+
+@torch.no_grad()
+def target_batch(target: CausalLM, examples: list[Example], draft_ids: torch.Tensor,
+                 device: torch.device, indices: list[int] | None = None,
+                 cache: TapCache | None = None) -> TTTBatch:
+    """Run the target over a padded batch (or read it from the tap cache): taps, its
+    distribution over the draft vocabulary and its greedy token at every position."""
+    ids, mask = collate(examples)
+    ids, mask = ids.to(device), mask.to(device)
+    B, T = ids.shape
+    cached = [cache.get(i) for i in indices] if cache is not None and indices else [None] * B
+    if any(c is None for c in cached):
+        pos = torch.arange(T, device=device).expand(B, T)
+        hidden, taps = target(ids, pos, return_taps=True)  # [B, T, Ht], [B, T, n * Ht]
+        if cache is not None and indices:
+            for b, (i, c) in enumerate(zip(indices, cached, strict=True)):
+                if c is None:
+                    n = len(examples[b].ids)
+                    cache.put(i, taps[b, :n], hidden[b, :n])
+    else:
+        w = target.lm_head.weight
+        taps = torch.zeros(B, T, cached[0][0].shape[-1], dtype=w.dtype, device=device)
+        hidden = torch.zeros(B, T, w.shape[1], dtype=w.dtype, device=device)
+        for b, (tp, hd) in enumerate(cached):
+            taps[b, :tp.shape[0]] = tp.to(device)
+            hidden[b, :hd.shape[0]] = hd.to(device)
+    logits = target.compute_logits(hidden)  # [B, T, V] fp32
+    top = logits.argmax(-1)
+    logp = F.log_softmax(logits[..., draft_ids], dim=-1)  # [B, T, Vd]
+    return TTTBatch(input_ids=ids, label_mask=mask, taps=taps, target_logp=logp,
+                    target_top=top)
+
+
+def evaluate(draft: Eagle3Draft, target: CausalLM, examples: list[Example],
+             cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """Held-out loss, top-1 agreement and acceptance by position (engine definitions)."""
+    if not examples:
+        return {}
+    was_training = draft.training
+    draft.eval()
+    draft_ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=device))
+    sums = None
+    losses = torch.zeros(cfg.ttt_length)
+    n_batches = 0
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for idx in token_batches(examples, cfg.batch_tokens, cfg.seed, epoch=-1):
+        batch = target_batch(target, [examples[i] for i in idx], draft_ids, device)
+        with torch.no_grad(), autocast:
+            _, step_losses, m = ttt_loss(draft, batch, cfg.ttt_length, cfg.loss_decay)
+        vals = torch.stack([m.count, m.correct, m.chain, m.reached]).cpu()
+        sums = vals if sums is None else sums + vals
+        losses += torch.stack(step_losses).float().cpu()
+        n_batches += 1
+    draft.train(was_training)
+    count, correct, chain, reached = sums
+    rates = acceptance(chain, reached)
+    return {
+        "loss_by_position": [round(x, 4) for x in (losses / n_batches).tolist()],
+        "top1_by_position": [round(float(c / n), 4) if n else 0.0
+                             for c, n in zip(correct, count, strict=True)],
+        "acceptance_by_position": [round(a, 4) for a in rates],
+        "predicted_accept_length": {k: round(predicted_accept_length(rates, k), 3)
+                                    for k in sorted({1, 3, 5, cfg.ttt_length})
+                                    if k <= cfg.ttt_length},
+        "labels": int(count[0]),
+    }
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, desc="train-draft", unit="step", file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def train_draft(cfg: TrainConfig) -> Path:
+    """Run the whole pipeline; returns the exported draft directory (SGLang format)."""
+    for fmt in cfg.export_formats:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if cfg.ttt_length < 1:
+        raise ValueError(f"--ttt-length must be >= 1, got {cfg.ttt_length}")
+    t_start = time.perf_counter()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    convs = read_conversations(cfg.data)  # before the (slow) model load: bad data fails fast
+    device = resolve_device(cfg.device)
+    tdtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    loaded = load_model(cfg.target, dtype=tdtype, device=device, cache_dir=cfg.cache_dir)
+    target, tcfg = loaded.model, loaded.config
+    cfg = cfg.resolved(tcfg.hidden_size, tcfg.vocab_size, device)
+    tokenizer = Tokenizer(loaded.path, tcfg.eos_token_ids)
+    if not tokenizer.has_chat_template:
+        raise ValueError(f"{loaded.path}: the target's tokenizer has no chat template; "
+                         f"train-draft needs one to find the assistant tokens")
+
+    log.info("train-draft: %d conversations from %s", len(convs), ", ".join(cfg.data))
+    if cfg.regenerate:
+        convs = regenerate(target, tokenizer, convs, out / "regenerated.jsonl",
+                           batch_size=cfg.regen_batch_size,
+                           max_new_tokens=cfg.regen_max_new_tokens,
+                           temperature=cfg.regen_temperature, top_p=cfg.regen_top_p,
+                           seed=cfg.seed, max_prompt_len=cfg.max_len,
+                           progress=cfg.progress)
+    examples = [tokenize_conversation(tokenizer.hf, c, cfg.max_len) for c in convs]
+    examples = [e for e in examples if len(e.ids) >= 3 and any(e.mask[2:])]
+    if not examples:
+        raise ValueError("no training example has assistant tokens to learn from (are the "
+                         "conversations prompt-only with --no-regenerate?)")
+    train, held = split_examples(examples, cfg.eval_fraction, cfg.seed, cfg.max_eval)
+    n_tokens = sum(len(e.ids) for e in train)
+    n_labels = sum(sum(e.mask) for e in train)
+    log.info("train-draft: %d train / %d eval examples, %d tokens (%d assistant)",
+             len(train), len(held), n_tokens, n_labels)
+
+    layer_ids = tuple(sorted(cfg.layer_ids)) if cfg.layer_ids else \
+        default_layer_ids(tcfg.num_layers)
+    target.set_taps(layer_ids)
+    ckpt_root = out / "checkpoints"
+    fingerprint = _fingerprint(cfg, len(examples))
+    ckpt = latest_checkpoint(ckpt_root) if cfg.resume else None
+    if cfg.resume and ckpt is None:
+        log.info("train-draft: --resume but no checkpoint in %s; starting fresh", ckpt_root)
+    remove_partial(ckpt_root)
+    counts = token_counts(train, tcfg.vocab_size)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt)
+        if state["fingerprint"] != fingerprint:
+            raise ValueError(f"cannot resume from {ckpt}: it was made with other data or "
+                             f"settings (fingerprint {state['fingerprint']} != {fingerprint}); "
+                             f"use the same arguments, or a new --out")
+        draft = Eagle3Draft(DraftConfig(**state["draft_config"]))
+        draft.load_state_dict(state["draft"])
+        draft.requires_grad_(True).train()
+        log.info("train-draft: resumed from %s (step %d)", ckpt, state["step"])
+    else:
+        state = None
+        vocab_ids = frequent_vocab(counts, cfg.draft_vocab_size)
+        draft = new_draft(target, layer_ids, vocab_ids, cfg.num_layers, cfg.seed)
+    coverage = vocab_coverage(counts, draft.to_target(torch.arange(
+        draft.config.draft_vocab_size)))
+    log.info("train-draft: draft vocab %d covers %.2f%% of assistant tokens",
+             draft.config.draft_vocab_size, 100 * coverage)
+    draft.to(device)
+    draft.attach_target(target)
+    draft.init_rope(cfg.max_len + cfg.ttt_length + 2)
+    draft_ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=device))
+
+    batches_per_epoch = len(token_batches(train, cfg.batch_tokens, cfg.seed, 0))
+    total = cfg.max_steps or cfg.epochs * batches_per_epoch
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
+                            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, _lr_lambda(total, max(1, int(cfg.warmup_ratio * total)), cfg.min_lr_ratio))
+    step, epoch, pos_in_epoch = 0, 0, 0
+    history: list[dict[str, Any]] = []
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step, epoch, pos_in_epoch = state["step"], state["epoch"], state["pos_in_epoch"]
+        history = state["history"]
+        torch.set_rng_state(state["rng_cpu"])
+    metrics_path = out / "metrics.jsonl"
+
+    def record(entry: dict[str, Any]) -> None:
+        history.append(entry)
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def checkpoint() -> None:
+        save_checkpoint(ckpt_root, step, {
+            "fingerprint": fingerprint, "draft_config": dataclasses.asdict(draft.config),
+            "draft": {k: v.detach().cpu() for k, v in draft.state_dict().items()},
+            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+            "epoch": epoch, "pos_in_epoch": pos_in_epoch, "history": history,
+            "rng_cpu": torch.get_rng_state(), "train_config": dataclasses.asdict(cfg)})
+
+    tap_cache = None
+    if cfg.tap_cache:
+        size = TapCache.estimate_bytes(n_tokens, len(layer_ids), tcfg.hidden_size)
+        print(f"train-draft: the tap cache in {cfg.tap_cache} will take about "
+              f"{size / 1e9:.2f} GB ({n_tokens} tokens x {len(layer_ids) + 1} x "
+              f"{tcfg.hidden_size} bf16)", file=sys.stderr)
+        tap_cache = TapCache(cfg.tap_cache, fingerprint)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    bar = _progress(total, step, cfg.progress)
+    stopped = "finished"
+    run_sums = torch.zeros(4, cfg.ttt_length)
+    run_loss = 0.0
+    run_n = 0
+    t_train = time.perf_counter()
+    while step < total:
+        order = token_batches(train, cfg.batch_tokens, cfg.seed, epoch)
+        while pos_in_epoch < len(order) and step < total:
+            idx = order[pos_in_epoch]
+            batch = target_batch(target, [train[i] for i in idx], draft_ids, device, idx,
+                                 tap_cache)
+            with autocast:
+                loss, _, m = ttt_loss(draft, batch, cfg.ttt_length, cfg.loss_decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            pos_in_epoch += 1
+            run_sums += torch.stack([m.count, m.correct, m.chain, m.reached]).float().cpu()
+            run_loss += float(loss.detach())
+            run_n += 1
+            if bar is not None:
+                acc = (run_sums[1] / run_sums[0].clamp_min(1)).tolist()
+                bar.set_postfix_str(f"loss {run_loss / run_n:.3f} acc " +
+                                    " ".join(f"{a:.2f}" for a in acc[:4]), refresh=False)
+                bar.update(1)
+            if step % cfg.log_every == 0 or step == total:
+                rates = acceptance(run_sums[2], run_sums[3])
+                record({"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
+                        "loss": round(run_loss / run_n, 5), "grad_norm": round(float(gnorm), 4),
+                        "top1_by_position": [round(float(c / max(n, 1)), 4) for c, n in
+                                             zip(run_sums[1], run_sums[0], strict=True)],
+                        "acceptance_by_position": [round(a, 4) for a in rates],
+                        "elapsed_s": round(time.perf_counter() - t_train, 1)})
+                run_sums.zero_()
+                run_loss, run_n = 0.0, 0
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                record({"step": step, "eval": evaluate(draft, target, held, cfg, device)})
+            if cfg.save_every and step % cfg.save_every == 0:
+                checkpoint()
+            if cfg.stop_after_steps is not None and step >= cfg.stop_after_steps:
+                if bar is not None:
+                    bar.close()
+                return ckpt_root  # emulated kill: only checkpoints survive
+            if cfg.budget_minutes is not None and \
+                    time.perf_counter() - t_start > cfg.budget_minutes * 60:
+                stopped = f"time budget of {cfg.budget_minutes} min reached"
+                break
+        if stopped != "finished":
+            break
+        if pos_in_epoch >= len(order):
+            epoch += 1
+            pos_in_epoch = 0
+    if bar is not None:
+        bar.close()
+    final_eval = evaluate(draft, target, held, cfg, device)
+    record({"step": step, "eval": final_eval, "final": True, "stopped": stopped})
+    checkpoint()
+    log.info("train-draft: %s at step %d/%d; held-out acceptance %s, predicted accept "
+             "length %s", stopped, step, total, final_eval.get("acceptance_by_position"),
+             final_eval.get("predicted_accept_length"))
+    provenance = {
+        "trainer": TRAINER_VERSION,
+        "target": loaded.source,
+        "target_architecture": tcfg.architecture,
+        "target_num_layers": tcfg.num_layers,
+        "target_hidden_size": tcfg.hidden_size,
+        "target_vocab_size": tcfg.vocab_size,
+        "aux_layer_ids": list(layer_ids),
+        "aux_layer_ids_convention": OUTPUT_OF_LAYER,
+        "draft_vocab_size": draft.config.draft_vocab_size,
+        "draft_vocab_coverage": round(coverage, 4),
+        "data": [Path(p).name for p in cfg.data],
+        "regenerated": cfg.regenerate,
+        "regen_temperature": cfg.regen_temperature if cfg.regenerate else None,
+        "train_examples": len(train), "train_tokens": n_tokens,
+        "steps": step, "epochs_completed": epoch, "stopped": stopped,
+        "ttt_length": cfg.ttt_length, "lr": cfg.lr, "batch_tokens": cfg.batch_tokens,
+        "heldout": final_eval,
+    }
+    export_dtype = getattr(torch, cfg.export_dtype)
+    exported = None
+    for fmt in cfg.export_formats:
+        name = "draft" if fmt == cfg.export_formats[0] else f"draft-{fmt}"
+        d = save_draft(draft, draft.config, out / name, fmt, provenance=provenance,
+                       dtype=export_dtype)
+        exported = exported or d
+        log.info("train-draft: exported %s (%s format)", d, fmt)
+    assert exported is not None
+    return exported

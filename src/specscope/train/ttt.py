@@ -1,0 +1,161 @@
+"""Training-time test (TTT): the draft unrolled over its own outputs, as at inference.
+
+EAGLE-3 trains the draft the way the engine runs it. Index t of a training sequence holds the
+pair (taps_t, tok_{t+1}) at rope position t, exactly what the draft extend writes into the
+draft KV at position t (engine/speculative.py). Step 0 is that extend; its output at t
+predicts tok_{t+2}. Step j >= 1 at index t is the draft step run at position t + j: it takes
+tok_{t+1+j} (what step j-1 should have proposed) and step j-1's output at t as `hidden`, and
+predicts tok_{t+2+j}. Its query attends to
+
+    step-0 keys at indices <= t   (the committed prefix, causal)
+    step-i keys at index t only, 1 <= i <= j   (its own chain: positions t+1 .. t+j)
+
+which is the draft KV at inference after an extend ending at t and j chain steps. A test
+checks that unrolled logits equal the engine's cached chain to float precision.
+
+Loss (per step j, weight 0.8^j): cross-entropy against the target's own next-token
+distribution at position t+1+j, restricted to the draft vocabulary and renormalised, on
+positions whose label tok_{t+2+j} is an assistant token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specscope.draft.eagle3 import Eagle3Draft
+
+
+class StepKeys:
+    """The K/V of every unrolled step so far, per attention module (draft layer)."""
+
+    def __init__(self) -> None:
+        self.kv: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def attend(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q [B, H, T, D], k/v [B, Hkv, T, D] of this step -> attention output [B, T, H*D]."""
+        steps = self.kv.setdefault(module, [])
+        steps.append((k, v))
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        qg = q.view(B, Hkv, H // Hkv, T, D)  # GQA folded: head h uses kv head h // G
+        k0, v0 = steps[0]
+        s0 = torch.matmul(qg, k0[:, :, None].transpose(-1, -2)).float() * scale  # [B,Hkv,G,T,T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        # Each later step contributes one key per query: its own index (the diagonal).
+        diag = [(qg * ki[:, :, None]).sum(-1, keepdim=True).float() * scale
+                for ki, _ in steps[1:]]  # each [B, Hkv, G, T, 1]
+        p = torch.cat([s0, *diag], dim=-1).softmax(-1).to(q.dtype)  # [B, Hkv, G, T, T + j]
+        out = torch.matmul(p[..., :T], v0[:, :, None])  # [B, Hkv, G, T, D]
+        for i, (_, vi) in enumerate(steps[1:]):
+            out = out + p[..., T + i:T + i + 1] * vi[:, :, None]
+        return out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+
+
+def shift_left(x: torch.Tensor, s: int, fill: int | float | bool = 0) -> torch.Tensor:
+    """x[:, t + s] at index t along dim 1, `fill` past the end. [B, T, ...] -> same shape."""
+    if s == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(s, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat((x[:, s:], pad), dim=1)
+
+
+def unroll(draft: Eagle3Draft, taps: torch.Tensor, input_ids: torch.Tensor,
+           steps: int) -> list[torch.Tensor]:
+    """Draft logits of every unrolled step.
+
+    taps [B, T, n * Ht] (the target's, at every index); input_ids [B, T] (the sequence).
+    Returns `steps` tensors [B, T, Vd] fp32: entry j at index t predicts tok_{t+2+j}.
+    The rope table must cover positions T + steps (Eagle3Draft.init_rope).
+    """
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    keys = StepKeys()
+    hidden = draft.project(taps)  # [B, T, H]
+    out = []
+    for j in range(steps):
+        ids_j = shift_left(input_ids, j + 1)  # tok_{t+1+j} at index t
+        hidden, normed = draft(ids_j, hidden, positions + j, ttt=keys)
+        out.append(draft.compute_logits(normed))
+    return out
+
+
+@dataclass
+class TTTBatch:
+    """What one TTT loss needs from the target, all [B, T, ...] on the draft's device."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    label_mask: torch.Tensor  # [B, T] bool: token t is an assistant token (a label)
+    taps: torch.Tensor  # [B, T, n * Ht]
+    target_logp: torch.Tensor  # [B, T, Vd] fp32: log-softmax of the target over the draft vocab
+    target_top: torch.Tensor  # [B, T] int64: the target's argmax over its full vocabulary
+
+
+@dataclass
+class StepMetrics:
+    """Per unrolled step j: label count, top-1 agreement and on-policy chain hits."""
+
+    count: torch.Tensor  # [steps] labels (float)
+    correct: torch.Tensor  # [steps] draft top-1 == target top-1
+    chain: torch.Tensor  # [steps] positions where steps 0..j all hit on-policy
+    reached: torch.Tensor  # [steps] positions where steps 0..j-1 all hit (j=0: all labels)
+
+
+def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
+             ) -> tuple[torch.Tensor, list[torch.Tensor], StepMetrics]:
+    """(weighted loss, per-step losses, metrics) of one unrolled batch.
+
+    A hit at step j for index t: the draft's top-1 equals the sequence's tok_{t+2+j} AND that
+    token is the target's own greedy choice, so a greedy chain at inference would have fed
+    exactly the tokens the unrolled steps were fed. chain / reached per step is then the
+    engine's acceptance-by-position (StepStats definition).
+    """
+    logits = unroll(draft, batch.taps, batch.input_ids, steps)
+    total = torch.zeros((), device=batch.taps.device)
+    losses = []
+    count, correct, chain, reached = [], [], [], []
+    alive = None
+    for j, lg in enumerate(logits):
+        valid = shift_left(batch.label_mask, j + 2, False)  # label tok_{t+2+j} exists, is ours
+        p = shift_left(batch.target_logp, j + 1, 0.0).exp()  # target at position t+1+j
+        logq = F.log_softmax(lg, dim=-1)
+        ce = -(p * logq).sum(-1)  # [B, T]
+        n = valid.sum()
+        loss = (ce * valid).sum() / n.clamp_min(1)
+        losses.append(loss.detach())
+        total = total + (decay ** j) * loss
+        with torch.no_grad():
+            top = draft.to_target(lg.argmax(-1))  # [B, T] target ids
+            tgt = shift_left(batch.target_top, j + 1, -1)
+            label = shift_left(batch.input_ids, j + 2, -1)
+            hit = valid & (top == label) & (label == tgt)
+            reach = valid if alive is None else valid & alive
+            alive = hit if alive is None else alive & hit
+            count.append(n.float())
+            correct.append((valid & (top == tgt)).sum().float())
+            chain.append(alive.sum().float())
+            reached.append(reach.sum().float())
+    metrics = StepMetrics(count=torch.stack(count), correct=torch.stack(correct),
+                          chain=torch.stack(chain), reached=torch.stack(reached))
+    return total, losses, metrics
+
+
+def acceptance(chain: torch.Tensor, reached: torch.Tensor) -> list[float]:
+    """Acceptance by position (given every earlier position accepted) from summed metrics."""
+    return [float(c / r) if r > 0 else 0.0 for c, r in zip(chain.tolist(), reached.tolist(),
+                                                             strict=True)]
+
+
+def predicted_accept_length(rates: list[float], num_steps: int) -> float:
+    """tau of a greedy chain of num_steps: 1 + sum_k prod_{i<=k} a_i (the engine's
+    accept_length: accepted draft tokens plus the bonus token)."""
+    tau, run = 1.0, 1.0
+    for a in rates[:num_steps]:
+        run *= a
+        tau += run
+    return tau

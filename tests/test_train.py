@@ -1,0 +1,330 @@
+"""Tests for specscope.train: data and loss mask, vocabulary maps, regeneration, the unrolled
+training-time test against the engine's cached chain, checkpoints, resume, and a tiny
+end-to-end run whose export the engine loads and decodes losslessly."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from specscope import LLM, SamplingParams, SpecConfig
+from specscope.config import ModelConfig
+from specscope.draft.eagle3 import random_draft
+from specscope.draft.loader import load_draft
+from specscope.draft.vocab import check_vocab_maps, frequent_vocab, vocab_coverage, vocab_maps
+from specscope.engine.tokenizer import Tokenizer
+from specscope.kvcache import KVCache
+from specscope.models.loader import load_model, random_model
+from specscope.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from specscope.train.data import (
+    Example,
+    parse_conversation,
+    read_conversations,
+    split_examples,
+    token_batches,
+    token_counts,
+    tokenize_conversation,
+)
+from specscope.train.regenerate import generate_batch, read_regenerated, regenerate
+from specscope.train.trainer import TrainConfig, train_draft
+from specscope.train.ttt import predicted_accept_length, shift_left, unroll
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+TINY = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=80,
+                   hidden_size=32, intermediate_size=64, num_layers=6, num_heads=4,
+                   num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   max_position_embeddings=128, tie_word_embeddings=False, name="tiny")
+
+
+# -- the unrolled training-time test equals the engine's chain -----------------------------
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_unroll_equals_cached_draft_chain(num_layers):
+    """Unrolled step j at index t == extend over pairs 0..t, then j cached chain steps fed the
+    sequence's tokens, exactly what engine/speculative.py runs."""
+    torch.manual_seed(0)
+    target = random_model(TINY, torch.float32, "cpu", seed=1)
+    draft = random_draft(TINY, torch.float32, "cpu", draft_vocab_size=50, seed=2,
+                         num_layers=num_layers, std=0.2)
+    draft.attach_target(target)
+    draft.init_rope(128)
+    target.set_taps(draft.config.aux_layer_ids)
+    T, steps = 14, 4
+    ids = torch.randint(0, TINY.vocab_size, (1, T))
+    _, taps = target(ids, torch.arange(T)[None], return_taps=True)
+    unrolled = unroll(draft, taps, ids, steps)  # each [1, T, Vd]
+    for t in range(T - 1 - steps):
+        cache = KVCache(num_layers, 1, TINY.num_kv_heads, 64, TINY.head_dim, torch.float32,
+                        "cpu")
+        h, normed = draft(ids[:, 1:t + 2], draft.project(taps[:, :t + 1]),
+                          torch.arange(t + 1)[None], cache, kv_len=t + 1)
+        logits = draft.compute_logits(normed[0, t])
+        torch.testing.assert_close(unrolled[0][0, t], logits, atol=1e-5, rtol=1e-5)
+        h = h[:, t:t + 1]
+        for j in range(1, steps):
+            h, normed = draft(ids[:, t + 1 + j:t + 2 + j], h, torch.tensor([[t + j]]), cache,
+                              kv_len=t + j + 1)
+            torch.testing.assert_close(unrolled[j][0, t], draft.compute_logits(normed[0, 0]),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_shift_left_and_predicted_accept_length():
+    x = torch.arange(6).view(1, 6)
+    assert shift_left(x, 2, -1).tolist() == [[2, 3, 4, 5, -1, -1]]
+    assert shift_left(x, 9, -1).tolist() == [[-1] * 6]
+    assert predicted_accept_length([1.0, 1.0, 0.5], 3) == 3.5
+    assert predicted_accept_length([0.5, 0.5], 1) == 1.5
+
+
+# -- data: formats, loss mask, vocabulary --------------------------------------------------
+
+def test_parse_conversation_formats():
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert parse_conversation({"messages": msgs}, "x") == msgs
+    share = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    assert parse_conversation(share, "x") == msgs
+    assert parse_conversation({"question": "q?"}, "x") == [{"role": "user", "content": "q?"}]
+    got = parse_conversation({"instruction": "Sort", "input": "3 1 2"}, "x")
+    assert got == [{"role": "user", "content": "Sort\n\n3 1 2"}]
+    for bad, words in [([1], "JSON object"), ({"messages": []}, "non-empty"),
+                       ({"messages": [{"role": "bot", "content": "x"}]}, r"messages\[0\]"),
+                       ({"conversations": [{"from": "alien", "value": "x"}]}, "conversations"),
+                       ({"text": "x"}, "no 'messages'")]:
+        with pytest.raises(ValueError, match=words):
+            parse_conversation(bad, "f.jsonl:3")
+
+
+def test_read_conversations_names_file_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a"}\n\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: not valid JSON"):
+        read_conversations([p])
+    with pytest.raises(FileNotFoundError, match="not found"):
+        read_conversations([tmp_path / "missing.jsonl"])
+    p.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    assert len(read_conversations([p])) == 2
+
+
+def test_loss_mask_decodes_to_the_assistant_turns(default_model_dir):
+    """Masked tokens, decoded, are exactly each assistant answer and its end-of-turn marker;
+    nothing of the system prompt, user turns or template headers."""
+    tok = Tokenizer(default_model_dir)
+    conv = [{"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "It is 4."},
+            {"role": "user", "content": "And 3+3?"},
+            {"role": "assistant", "content": "That makes 6, of course."}]
+    ex = tokenize_conversation(tok.hf, conv)
+    assert len(ex.ids) == len(ex.mask)
+    full = tok.hf.apply_chat_template(conv, tokenize=False)
+    assert tok.hf.decode(ex.ids) == full
+    spans, cur = [], []
+    for t, m in zip(ex.ids, ex.mask, strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    decoded = [tok.hf.decode(s) for s in spans]
+    assert decoded == ["It is 4.<|im_end|>\n", "That makes 6, of course.<|im_end|>\n"]
+    # a prompt-only conversation has nothing to learn
+    assert not any(tokenize_conversation(tok.hf, conv[:1]).mask)
+
+
+def test_draft_vocabulary_is_the_most_frequent_labels():
+    exs = [Example(ids=[5, 7, 7, 9, 9, 9, 3], mask=[False, True, True, True, True, True, False])]
+    counts = token_counts(exs, 12)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 0, 0, 2, 0, 3, 0, 0]  # 5, 3 unmasked
+    ids = frequent_vocab(counts, 3)
+    assert ids.tolist() == [0, 7, 9]  # 9 (3x), 7 (2x), then the lowest unseen id
+    d2t, t2d = vocab_maps(ids, 12)
+    check_vocab_maps(d2t, t2d, 12, 3)
+    assert (torch.arange(3) + d2t).tolist() == [0, 7, 9]
+    assert torch.nonzero(t2d).flatten().tolist() == [0, 7, 9]
+    assert vocab_coverage(counts, ids) == 1.0
+    assert vocab_coverage(counts, torch.tensor([9])) == 0.6
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        frequent_vocab(counts, 13)
+
+
+def test_batches_are_deterministic_and_bounded():
+    exs = [Example(ids=[1] * n, mask=[True] * n) for n in [5, 30, 12, 7, 50, 3, 22, 9] * 5]
+    a = token_batches(exs, 64, seed=1, epoch=0)
+    assert a == token_batches(exs, 64, seed=1, epoch=0)
+    assert a != token_batches(exs, 64, seed=1, epoch=1)
+    assert sorted(i for b in a for i in b) == list(range(len(exs)))
+    for b in a:
+        assert len(b) == 1 or max(len(exs[i].ids) for i in b) * len(b) <= 64
+    train, held = split_examples(exs, 0.1, seed=0)
+    assert len(held) == 4 and len(train) == 36
+
+
+# -- regeneration ---------------------------------------------------------------------------
+
+def test_batched_generation_equals_the_engine(tiny_model_dir):
+    """Right-padded batched greedy generation gives each prompt the engine's own output."""
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
+    prompts = ["Hello there", "A much longer prompt about the weather in the mountains",
+               "One"]
+    ids = [llm.encode_prompt(p) for p in prompts]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = generate_batch(llm.runner.model, ids, 10, params, set(), None)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o == llm.generate(p, params)[0].token_ids
+
+
+def test_regeneration_resumes_after_an_interrupted_write(tmp_path, tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir))
+    tok = Tokenizer(loaded.path, loaded.config.eos_token_ids)
+    convs = [[{"role": "user", "content": f"Tell me about the number {i}."}]
+             for i in range(7)]
+    convs[3] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "Again"}]
+    kw = dict(batch_size=3, max_new_tokens=6, temperature=0.8, seed=3, chunk=3,
+              progress=False)
+    full = regenerate(loaded.model, tok, convs, tmp_path / "a.jsonl", **kw)
+    assert len(full) == 7
+    assert [m["role"] for m in full[3]] == ["user", "assistant", "user", "assistant"]
+    assert full[3][1]["content"] != "old"
+    # interrupted: the first chunk whole, the second cut mid-line
+    lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "b.jsonl").write_text("".join(lines[:3]) + lines[3][:20])
+    assert sorted(read_regenerated(tmp_path / "b.jsonl")) == [0, 1, 2]
+    resumed = regenerate(loaded.model, tok, convs, tmp_path / "b.jsonl", **kw)
+    assert resumed == full
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+def test_checkpoints_are_whole_or_ignored(tmp_path):
+    root = tmp_path / "ck"
+    save_checkpoint(root, 1, {"x": 1})
+    save_checkpoint(root, 2, {"x": 2})
+    save_checkpoint(root, 3, {"x": 3}, keep=2)
+    assert [p.name for p in sorted(root.glob("step-*"))] == ["step-00000002", "step-00000003"]
+    # a killed write: a temp dir, and a renamed dir without its marker
+    (root / ".tmp-step-00000009-1").mkdir()
+    (root / ".tmp-step-00000009-1" / "state.pt").write_bytes(b"half")
+    (root / "step-00000010").mkdir()
+    (root / "step-00000010" / "state.pt").write_bytes(b"half")
+    assert latest_checkpoint(root).name == "step-00000003"
+    assert load_checkpoint(latest_checkpoint(root))["x"] == 3
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(root / "step-00000010")
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+def _prompts(tmp_path: pathlib.Path, n: int) -> pathlib.Path:
+    p = tmp_path / "prompts.jsonl"
+    topics = ["cats", "rivers", "trains", "bread", "stars", "music", "rain", "chess"]
+    with p.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"Write about {topics[i % 8]} number {i}."}) + "\n")
+    return p
+
+
+def _cfg(tmp_path, data, out, **kw) -> TrainConfig:
+    base = dict(target=str(data["model"]), data=[str(data["prompts"])], out=str(out),
+                draft_vocab_size=400, ttt_length=3, epochs=8, lr=3e-3, batch_tokens=512,
+                max_len=96, eval_fraction=0.1, eval_every=0, save_every=4, log_every=2,
+                regen_max_new_tokens=24, regen_batch_size=8, device="cpu", progress=False,
+                export_formats=("sglang", "speculators"), export_dtype="float32")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("train")
+    data = {"model": tiny_model_dir, "prompts": _prompts(tmp, 40)}
+    out = tmp / "run"
+    exported = train_draft(_cfg(tmp, data, out))
+    return tmp, data, out, exported
+
+
+def test_training_loss_falls_and_the_export_decodes_losslessly(tiny_run, tiny_model_dir):
+    tmp, data, out, exported = tiny_run
+    hist = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [h["loss"] for h in hist if "loss" in h]
+    assert len(losses) >= 5 and losses[-1] < 0.7 * losses[0], losses
+    final = [h for h in hist if h.get("final")][0]["eval"]
+    assert len(final["acceptance_by_position"]) == 3 and final["labels"] > 0
+    cfg_json = json.loads((exported / "config.json").read_text())
+    prov = cfg_json["specscope_provenance"]
+    assert prov["target_num_layers"] == 2 and prov["aux_layer_ids_convention"] == \
+        "output-of-layer" and prov["draft_vocab_size"] == 400
+    assert prov["trainer"].startswith("specscope-train-draft")
+    # the engine loads both exports with no options, and speculation stays lossless
+    plain = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = plain.generate("Write about cats number 3.", params)[0].token_ids
+    for d in (exported, out / "draft-speculators"):
+        spec = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
+                   spec=SpecConfig(draft=str(d), num_steps=3))
+        got = spec.generate("Write about cats number 3.", params)[0]
+        assert got.token_ids == ref
+        assert got.spec["cycles"] > 0 and got.spec["simulated"] is False
+    loaded = load_draft(exported, plain.model_config)
+    assert loaded.config.aux_layer_ids == tuple(prov["aux_layer_ids"])
+
+
+def test_resume_after_an_interruption_gives_the_same_state(tiny_run, tmp_path):
+    """Killed after step 6 (last checkpoint at 4), resumed: the final draft, optimizer and
+    metrics equal an uninterrupted run's."""
+    _, data, ref_out, _ = tiny_run
+    # reuse the reference run's regenerated data so both runs see the same conversations
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "regenerated.jsonl").write_bytes((ref_out / "regenerated.jsonl").read_bytes())
+    train_draft(_cfg(tmp_path, data, out, stop_after_steps=6))
+    assert latest_checkpoint(out / "checkpoints").name == "step-00000004"
+    train_draft(_cfg(tmp_path, data, out, resume=True))
+    a = load_checkpoint(latest_checkpoint(ref_out / "checkpoints"))
+    b = load_checkpoint(latest_checkpoint(out / "checkpoints"))
+    assert a["step"] == b["step"]
+    for k in a["draft"]:
+        assert torch.equal(a["draft"][k], b["draft"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k]))
+    assert [h.get("loss") for h in a["history"]] == [h.get("loss") for h in b["history"]]
+
+
+def test_resume_refuses_other_settings(tiny_run, tmp_path):
+    _, data, ref_out, _ = tiny_run
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "regenerated.jsonl").write_bytes((ref_out / "regenerated.jsonl").read_bytes())
+    train_draft(_cfg(tmp_path, data, out, stop_after_steps=4))
+    with pytest.raises(ValueError, match="cannot resume"):
+        train_draft(_cfg(tmp_path, data, out, resume=True, lr=1e-3))
+
+
+def test_tap_cache_is_written_once_and_read_back(tiny_run, tmp_path, capsys):
+    _, data, ref_out, _ = tiny_run
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "regenerated.jsonl").write_bytes((ref_out / "regenerated.jsonl").read_bytes())
+    cache = tmp_path / "taps"
+    train_draft(_cfg(tmp_path, data, out, tap_cache=str(cache), epochs=2,
+                     export_formats=("sglang",)))
+    assert "tap cache" in capsys.readouterr().err
+    files = list(cache.glob("*/*.safetensors"))
+    n_train = json.loads((out / "draft" / "config.json").read_text())[
+        "specscope_provenance"]["train_examples"]
+    assert len(files) == n_train and not list(cache.glob("*/.tmp-*"))
+
+
+def test_cli_train_draft_errors_cleanly(tmp_path, capsys):
+    from specscope.cli import main
+
+    assert main(["train-draft", "--data", str(tmp_path / "nope.jsonl"), "--out",
+                 str(tmp_path / "o"), "--device", "cpu"]) == 2
+    assert "nope.jsonl not found" in capsys.readouterr().err
