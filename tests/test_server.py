@@ -4,6 +4,7 @@ serving the tiny random Llama, driven by the official `openai` client and by htt
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -253,18 +254,32 @@ def test_bad_input(srv, endpoint, body, status, param):
 
 
 def test_concurrent_streams_match_references(srv, llm):
-    prompts = [f"Question {i}: what is {i} plus {i * 3}?" for i in range(8)]
-    wants = [ref(llm, p, 16 + i, chat=True).text for i, p in enumerate(prompts)]
+    """16 streaming clients released together (they queue behind each other): each gets
+    exactly the engine's output for its own prompt alone, nothing lost or mixed."""
+    n = 16
+    prompts = [f"Question {i}: what is {i} plus {i * 3}?" for i in range(n)]
+    wants = [ref(llm, p, 8 + i, chat=True).text for i, p in enumerate(prompts)]
+    assert len(set(wants)) == n  # distinct outputs, so a mix-up cannot go unnoticed
+    started = threading.Barrier(n)
 
-    def one(i: int) -> str:
-        stream = srv.client().chat.completions.create(
+    def one(i: int) -> tuple[str, str | None]:
+        client = srv.client()
+        started.wait(timeout=30)
+        stream = client.chat.completions.create(
             model=NAME, messages=[{"role": "user", "content": prompts[i]}],
-            max_tokens=16 + i, stream=True, **GREEDY)
-        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            max_tokens=8 + i, stream=True, **GREEDY)
+        text, finish = "", None
+        for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+        return text, finish
 
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(one, range(8)))
-    assert got == wants
+    with ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(one, range(n)))
+    assert [t for t, _ in got] == wants
+    assert all(f is not None for _, f in got)
+    _wait_idle(srv)
 
 
 def _wait_idle(srv, timeout: float = 10.0) -> None:
