@@ -236,7 +236,8 @@ def evaluate(draft: Eagle3Draft, target: CausalLM, examples: list[Example],
 
 
 def _progress(total: int, initial: int, enabled: bool):
-    if not enabled:
+    """A tqdm bar on a terminal; elsewhere (logs, CI) one log line per --log-every steps."""
+    if not enabled or not sys.stderr.isatty():
         return None
     try:
         from tqdm import tqdm
@@ -393,10 +394,19 @@ def train_draft(cfg: TrainConfig) -> Path:
                                              zip(run_sums[1], run_sums[0], strict=True)],
                         "acceptance_by_position": [round(a, 4) for a in rates],
                         "elapsed_s": round(time.perf_counter() - t_train, 1)})
+                if bar is None and cfg.progress:
+                    h = history[-1]
+                    log.info("step %d/%d epoch %d lr %.2e loss %.4f top1 %s (%.0fs)", step,
+                             total, epoch, h["lr"], h["loss"],
+                             " ".join(f"{a:.3f}" for a in h["top1_by_position"]),
+                             h["elapsed_s"])
                 run_sums.zero_()
                 run_loss, run_n = 0.0, 0
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                record({"step": step, "eval": evaluate(draft, target, held, cfg, device)})
+                ev = evaluate(draft, target, held, cfg, device)
+                record({"step": step, "eval": ev})
+                log.info("eval at step %d: acceptance %s, predicted accept length %s", step,
+                         ev.get("acceptance_by_position"), ev.get("predicted_accept_length"))
             if cfg.save_every and step % cfg.save_every == 0:
                 checkpoint()
             if cfg.stop_after_steps is not None and step >= cfg.stop_after_steps:
