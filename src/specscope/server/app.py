@@ -1,12 +1,17 @@
 """The OpenAI-compatible FastAPI app.
 
 The engine runs one request at a time, so one worker thread owns it: handlers put jobs on
-a FIFO queue and the worker runs them in order, pushing each StreamDelta back to the
-handler's asyncio.Queue with `loop.call_soon_threadsafe`. Each request therefore gets
-exactly what the engine produces for it alone. A handler whose client went away sets the
-job's cancel flag; the worker checks it after every delta (one cycle) and closes the
-engine's generator, freeing the engine for the next job. At most `max_queue` requests wait
-behind the running one; more get 503 with Retry-After.
+a FIFO queue and the worker runs them in order, handing each StreamDelta back to the
+handler's event loop (worker.py). Each request therefore gets exactly what the engine
+produces for it alone. A handler whose client went away sets the job's cancel flag; the
+worker checks it after every delta (one cycle) and closes the engine's generator, freeing
+the engine for the next job. At most `max_queue` requests wait behind the running one;
+more get 503 with Retry-After.
+
+The per-token path is kept short because on a small CPU it shares the GIL (and cores)
+with the engine: a stream sends everything produced since its last send as one write (one
+SSE event per cycle while it keeps up, several cycles' text in one event when it fell
+behind), and text events are formatted from a JSON template made once per request.
 """
 
 from __future__ import annotations
@@ -77,6 +82,16 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+_MARK = "\x00text\x00"  # JSON-encodes to "\u0000text\u0000", which no other field holds
+
+
+def _sse_template(obj: dict) -> tuple[str, str]:
+    """(prefix, suffix) of `_sse(obj)` around the JSON string of its one field holding
+    _MARK (the text): an event is then prefix + json.dumps(text) + suffix."""
+    prefix, suffix = _sse(obj).split(json.dumps(_MARK), 1)
+    return prefix, suffix
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -161,18 +176,18 @@ def create_app(llm: LLM, *, served_model_name: str | None = None,
         except (ValueError, TypeError) as e:
             raise _engine_error(e) from None
 
-    async def first_item(job: _Job) -> Any:
+    async def first_items(job: _Job) -> list:
         """Wait for the first delta, so engine errors still become error responses."""
         try:
-            item = await job.items.get()
+            items = await job.take()
         except BaseException:
             job.cancel.set()
             raise
-        if isinstance(item, BaseException):
-            raise _engine_error(item)
-        if item is _END:
+        if isinstance(items[0], BaseException):
+            raise _engine_error(items[0])
+        if items[0] is _END:
             raise closed(job)
-        return item
+        return items
 
     def closed(job: _Job) -> APIError:
         if job.cancel.is_set():  # the watcher saw the client leave; nobody reads this
@@ -188,16 +203,17 @@ def create_app(llm: LLM, *, served_model_name: str | None = None,
                 return
             await asyncio.sleep(0.1)
 
-    async def collect(job: _Job, item: Any) -> RequestOutput:
+    async def collect(job: _Job, items: list) -> RequestOutput:
         try:
             while True:
-                if isinstance(item, BaseException):
-                    raise _engine_error(item)
-                if item is _END:
-                    raise closed(job)
-                if item.finished:
-                    return item.output
-                item = await job.items.get()
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise _engine_error(item)
+                    if item is _END:
+                        raise closed(job)
+                    if item.finished:
+                        return item.output
+                items = await job.take()
         finally:
             job.cancel.set()  # a no-op when finished; frees the engine if we were cancelled
 
@@ -216,7 +232,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None,
         # chunk (queued, prefill) and for whole non-streaming requests, a watcher polls.
         watcher = asyncio.create_task(watch(request, job))
         try:
-            first = await first_item(job)
+            first = await first_items(job)
             if not req.stream:
                 out = await collect(job, first)
                 record(out, t0)
@@ -224,31 +240,54 @@ def create_app(llm: LLM, *, served_model_name: str | None = None,
         finally:
             watcher.cancel()
 
+        template: tuple[str, str] | None = None
+
+        def text_event(text: str) -> str:
+            nonlocal template
+            if template is None:  # the first chunk (a chat stream's carries the role)
+                event = _sse(chunk(text, None))
+                template = _sse_template(chunk(_MARK, None))
+                return event
+            return f"{template[0]}{json.dumps(text, ensure_ascii=False)}{template[1]}"
+
         async def events() -> AsyncIterator[str]:
             finished = False
             try:
-                item = first
-                while item is not _END:
-                    if isinstance(item, BaseException):
-                        err = _engine_error(item)
-                        yield _sse(err.body())
-                        break
-                    delta: StreamDelta = item
-                    if delta.text:
-                        yield _sse(chunk(delta.text, None))
-                    if delta.finished:
-                        out = delta.output
+                items = first
+                while True:
+                    # All the items that arrived since the last send go out in one write.
+                    texts: list[str] = []
+                    end: Any = None  # the item that ends the stream, if it is here
+                    for item in items:
+                        if not isinstance(item, StreamDelta):
+                            end = item  # _END, or an error
+                            break
+                        if item.text:
+                            texts.append(item.text)
+                        if item.finished:
+                            end = item
+                            break
+                    send = [text_event("".join(texts))] if texts else []
+                    if end is None:
+                        if send:
+                            yield send[0]
+                        items = await job.take()
+                        continue
+                    if isinstance(end, StreamDelta):
+                        out = end.output
                         assert out is not None
                         finished = True
                         record(out, t0)
-                        yield _sse(chunk(None, out.finish_reason))
+                        send.append(_sse(chunk(None, out.finish_reason)))
                         if req.include_usage:
                             final = chunk(None, None)
                             final["choices"], final["usage"] = [], _usage(out)
-                            yield _sse(final)
-                        break
-                    item = await job.items.get()
-                yield "data: [DONE]\n\n"
+                            send.append(_sse(final))
+                    elif isinstance(end, BaseException):
+                        send.append(_sse(_engine_error(end).body()))
+                    send.append("data: [DONE]\n\n")
+                    yield "".join(send)
+                    return
             finally:
                 job.cancel.set()
                 if not finished:

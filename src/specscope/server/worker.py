@@ -1,14 +1,17 @@
 """The engine worker: one thread owns the engine and runs requests in FIFO order.
 
-Handlers put jobs on a queue; the worker runs them one at a time, pushing each StreamDelta
-back to the handler's asyncio.Queue with `loop.call_soon_threadsafe`, so each request gets
-exactly what the engine produced for it alone. A job's cancel flag (set when its client
-went away) is checked after every delta — one cycle — and the engine's generator closed.
+Handlers put jobs on a queue; the worker runs them one at a time and hands each
+StreamDelta back to the handler's event loop through the job (see `_Job`), so each request
+gets exactly what the engine produced for it alone. A job's cancel flag (set when its
+client went away) is checked after every delta — one cycle — and the engine's generator
+closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -25,17 +28,47 @@ log = logging.getLogger("specscope.server")
 _END = object()  # pushed after a job's last item
 
 
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():  # a handler cancelled while waiting leaves a cancelled future
+        fut.set_result(None)
+
+
 class _Job:
+    """A generation's items, handed from the engine thread to the handler's event loop.
+
+    The engine thread appends to a deque and wakes the loop only when the handler waits:
+    one `call_soon_threadsafe` (a self-pipe write and a loop iteration, both under the
+    GIL the engine needs) per batch instead of per token. A handler that fell behind
+    takes everything produced meanwhile with one `take()`.
+    """
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.items: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None  # set while the handler waits
+        self._lock = threading.Lock()
 
     def push(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancel.set()
+        with self._lock:
+            self._items.append(item)
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            try:
+                self.loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                self.cancel.set()
+
+    async def take(self) -> list:
+        """Every item pushed since the last take, in order (waits for at least one)."""
+        while True:
+            with self._lock:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    return items
+                waiter = self._waiter = self.loop.create_future()
+            await waiter
 
 
 class EngineWorker:
@@ -114,9 +147,12 @@ class EngineWorker:
 
         def run() -> None:
             try:
-                loop.call_soon_threadsafe(settle, True, fn())
+                ok, value = True, fn()
             except Exception as e:
-                loop.call_soon_threadsafe(settle, False, e)
+                ok, value = False, e
+            # (RuntimeError: the event loop is closed, nobody is waiting any more)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, ok, value)
 
         self._jobs.put(run)
         return await fut
