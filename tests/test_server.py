@@ -4,6 +4,11 @@ serving the tiny random Llama, driven by the official `openai` client and by htt
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -433,3 +438,116 @@ def test_profile_endpoints(srv, llm):
     finally:
         llm.timer = timer
         llm.decoder.timer = timer
+
+
+# -- graceful shutdown of `specscope serve` -----------------------------------------------
+
+
+def test_shutdown_stops_running_and_refuses_queued(llm, monkeypatch):
+    """After the grace period the running stream ends cleanly with an error event, a
+    queued request gets 503 (never started), and new requests get 503."""
+    produced: list = []
+    slow_stream(monkeypatch, llm, 0.02, produced)
+    closing = Running(create_app(llm, served_model_name=NAME))
+    try:
+        body = {"model": NAME, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{closing.url}/v1/completions", json=body,
+                          timeout=30) as r, ThreadPoolExecutor(1) as pool:
+            lines = r.iter_lines()
+            got = [next(lines)]  # running
+            queued = pool.submit(httpx.post, f"{closing.url}/v1/completions", timeout=30,
+                                 json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+            while closing.app.state.worker.inflight < 2:
+                time.sleep(0.01)
+            closing.app.state.worker.begin_shutdown(0.0)
+            got += [ln for ln in lines if ln]
+            refused = queued.result()
+        events = _sse_events(got)
+        assert events[-1]["error"]["code"] == "server_shutting_down"
+        assert len(produced) < 100
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        new = httpx.post(f"{closing.url}/v1/completions", timeout=30,
+                         json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+        assert new.status_code == 503
+        assert new.json()["error"]["code"] == "server_shutting_down"
+    finally:
+        closing.stop()
+
+
+@pytest.fixture(scope="module")
+def long_tiny_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a 4096-token context (RoPE has no learned positions), so one
+    stream can outlast the reaction to a signal."""
+    out = tmp_path_factory.mktemp("tiny_long")
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _sse_events(lines: list[str]) -> list:
+    assert all(ln.startswith("data: ") for ln in lines), lines[:3]
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+@pytest.mark.parametrize("grace", [0.0, 30.0])
+def test_sigterm_mid_stream_shuts_down_cleanly(long_tiny_dir, tmp_path, grace):
+    """`specscope serve` as a real process gets SIGTERM while a stream runs. With no grace
+    the stream is stopped at its next cycle and ends cleanly (an error event, then
+    [DONE]); with grace it completes. Either way no 5xx, and the process exits 0 within
+    seconds, without a traceback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specscope.cli", "serve", str(long_tiny_dir), "--dtype", "fp32",
+         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
+         NAME, "--shutdown-timeout", str(grace), "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, f"serve exited early:\n{log.seek(0) or log.read()}"
+            assert time.time() < deadline, "serve did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        max_tokens = 2000 if grace == 0 else 300
+        body = {"model": NAME, "prompt": "Count:", "max_tokens": max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines)]
+            proc.send_signal(signal.SIGTERM)
+            got += [ln for ln in lines if ln]
+        ended = time.time()
+        events = _sse_events(got)
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        if grace == 0:  # stopped at the next cycle: an error event, after partial text
+            err = events[-1]["error"]
+            assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
+            assert all("error" not in e for e in events[:-1])
+            assert text and events[-2]["choices"][0]["finish_reason"] is None
+            assert len(events) < max_tokens // 2  # well before the end
+        else:  # the grace period let it finish
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        rc = proc.wait(timeout=15)
+        assert rc == 0
+        assert time.time() - ended < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    out = log.read()
+    assert "Traceback" not in out and "ERROR" not in out, out
+    assert "shutting down: 1 request(s) in flight" in out, out

@@ -229,10 +229,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from specscope.engine.llm import LLM
     from specscope.server import create_app
+    from specscope.server.serve import serve
 
     args.model = args.target or args.model
     spec = _spec(args)  # validate before the (slow) model load
@@ -242,8 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               compile=args.compile, spec=spec, profile=args.profile,
               profile_interval=args.profile_interval)
     app = create_app(llm, served_model_name=args.served_model_name, max_queue=args.max_queue)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return serve(app, host=args.host, port=args.port, log_level=args.log_level,
+                 shutdown_timeout=args.shutdown_timeout)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -389,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log a phase summary every N cycles (default 100 when profiling)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="on SIGTERM/SIGINT, seconds that running and queued requests may "
+                        "still take; then the running one is stopped at its next cycle "
+                        "and queued ones get 503 (default 5)")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (specscope, "

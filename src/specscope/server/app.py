@@ -58,6 +58,8 @@ def _error_response(e: APIError) -> JSONResponse:
 
 
 def _engine_error(e: BaseException, param: str | None = None) -> APIError:
+    if isinstance(e, APIError):  # the worker's own (shutting down)
+        return e
     if isinstance(e, (ValueError, TypeError)):
         msg = str(e)
         field = msg.split(" ", 1)[0]

@@ -8,10 +8,13 @@ import time
 
 
 class BackgroundServer:
-    """A uvicorn server for `app` on 127.0.0.1, started on construction; `stop()` ends it."""
+    """A uvicorn server for `app` on 127.0.0.1, started on construction; `stop()` ends it
+    with the same graceful shutdown as `specscope serve` (server/serve.py)."""
 
-    def __init__(self, app, start_timeout: float = 20.0) -> None:
+    def __init__(self, app, start_timeout: float = 20.0, shutdown_timeout: float = 5.0) -> None:
         import uvicorn
+
+        from specscope.server.serve import Server
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -19,7 +22,8 @@ class BackgroundServer:
         self.app = app
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"),
+                             shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True)
         self.thread.start()

@@ -5,6 +5,10 @@ StreamDelta back to the handler's event loop through the job (see `_Job`), so ea
 gets exactly what the engine produced for it alone. A job's cancel flag (set when its
 client went away) is checked after every delta — one cycle — and the engine's generator
 closed.
+
+Shutdown (`begin_shutdown(grace)`): new requests get 503; running and queued ones go on
+for `grace` seconds; then the running one is stopped at its next cycle (it gets a
+`server_shutting_down` error after what it already streamed) and queued ones get 503.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +31,11 @@ from specscope.server.schemas import APIError
 log = logging.getLogger("specscope.server")
 
 _END = object()  # pushed after a job's last item
+
+
+def shutting_down(detail: str) -> APIError:
+    return APIError(503, f"the server is shutting down; {detail}", type="server_error",
+                    code="server_shutting_down", headers={"Retry-After": "1"})
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -81,6 +91,7 @@ class EngineWorker:
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._inflight = 0  # generation jobs queued or running
+        self._deadline: float | None = None  # monotonic; set by begin_shutdown
         self._thread = threading.Thread(target=self._loop, name="specscope-engine",
                                         daemon=True)
         self._thread.start()
@@ -89,7 +100,21 @@ class EngineWorker:
     def inflight(self) -> int:
         return self._inflight
 
+    def begin_shutdown(self, grace: float) -> None:
+        """Refuse new requests; let running and queued ones run for `grace` s more."""
+        deadline = time.monotonic() + max(grace, 0.0)
+        with self._lock:
+            if self._deadline is None or deadline < self._deadline:
+                self._deadline = deadline
+        if self._inflight:
+            log.warning("shutting down: %d request(s) in flight get %.1f s to finish",
+                        self._inflight, grace)
+
+    def _expired(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
     def stop(self) -> None:
+        self.begin_shutdown(0.0)
         self._jobs.put(None)
         self._thread.join(timeout=10)
 
@@ -104,6 +129,8 @@ class EngineWorker:
         """Queue a generation; raises 503 when `max_queue` requests already wait."""
         job = _Job(asyncio.get_running_loop())
         with self._lock:
+            if self._deadline is not None:
+                raise shutting_down("no new requests are taken")
             if self._inflight > self.max_queue:  # one running + max_queue waiting
                 raise APIError(503, f"the server is busy ({self._inflight - 1} requests "
                                f"waiting); retry later", type="server_overloaded",
@@ -113,7 +140,9 @@ class EngineWorker:
 
         def run() -> None:
             try:
-                if not job.cancel.is_set():
+                if self._expired():
+                    job.push(shutting_down("the request was not started"))
+                elif not job.cancel.is_set():
                     self._generate(job, prompt_ids, params)
             finally:
                 with self._lock:
@@ -131,6 +160,9 @@ class EngineWorker:
                 job.push(delta)
                 if job.cancel.is_set():
                     break  # the client is gone: free the engine at this cycle boundary
+                if not delta.finished and self._expired():
+                    job.push(shutting_down("the request was stopped before it finished"))
+                    break
         except Exception as e:  # handed to the handler, which maps it to a response
             job.push(e)
         finally:
