@@ -16,7 +16,10 @@ class BackgroundServer:
 
         from specscope.server.serve import Server
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections of a socket whose
+        # proto says TCP; without it Nagle holds the first body chunk after the headers
+        # until the client's delayed ACK (about 40 ms per request on a kept-alive connection).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.app = app
