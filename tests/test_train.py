@@ -328,3 +328,23 @@ def test_cli_train_draft_errors_cleanly(tmp_path, capsys):
     assert main(["train-draft", "--data", str(tmp_path / "nope.jsonl"), "--out",
                  str(tmp_path / "o"), "--device", "cpu"]) == 2
     assert "nope.jsonl not found" in capsys.readouterr().err
+
+
+def test_the_shipped_default_draft_loads_and_is_lossless(default_model_dir):
+    """`--draft default` is the draft trained for SmolLM2-135M-Instruct: under 25 MB, with a
+    provenance block, loaded with no options; greedy speculation equals plain decoding."""
+    from specscope.draft.loader import default_draft_dir
+
+    d = default_draft_dir()
+    size = sum(f.stat().st_size for f in d.iterdir())
+    assert size <= 25_000_000, size
+    prov = json.loads((d / "config.json").read_text())["specscope_provenance"]
+    assert prov["target_num_layers"] == 30 and prov["aux_layer_ids"] == [1, 14, 26]
+    plain = LLM(str(default_model_dir), dtype="fp32", device="cpu")
+    msgs = [{"role": "user", "content": "What is 12 times 7?"}]
+    params = SamplingParams(max_tokens=32)
+    ref = plain.generate(msgs, params)[0]
+    plain.set_spec(SpecConfig(draft="default", num_steps=5))
+    got = plain.generate(msgs, params)[0]
+    assert got.token_ids == ref.token_ids
+    assert got.spec["accept_length"] > 1.5, got.spec  # a trained draft, not a random one

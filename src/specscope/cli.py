@@ -37,7 +37,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", "--speculative-draft-model-path", dest="draft", default=None,
                    help="EAGLE-3 draft checkpoint (SGLang/SpecForge, EAGLE or vLLM "
-                        "speculators format), or 'random' for benchmarking")
+                        "speculators format), 'default' (the draft shipped for the default "
+                        "model) or 'random' for benchmarking")
     p.add_argument("--num-steps", "--speculative-num-steps", dest="num_steps", type=int,
                    default=5, help="draft forward passes per cycle")
     p.add_argument("--topk", "--speculative-eagle-topk", dest="topk", type=int, default=1,

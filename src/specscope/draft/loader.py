@@ -98,7 +98,17 @@ def resolve_layer_ids(parsed: ParsedConfig, num_target_layers: int,
     return final, source, conv, message
 
 
+DEFAULT_DRAFT = "default"  # the draft shipped for the default model (specscope/drafts/)
+
+
+def default_draft_dir() -> Path:
+    """The EAGLE-3 draft trained for SmolLM2-135M-Instruct that ships with specscope."""
+    return Path(__file__).resolve().parent.parent / "drafts" / "smollm2_135m_instruct"
+
+
 def _resolve_dir(path: str | os.PathLike) -> Path:
+    if str(path) == DEFAULT_DRAFT:
+        return default_draft_dir()
     p = Path(path).expanduser()
     if p.is_file() and p.name == "config.json":
         return p.parent

@@ -1,0 +1,1 @@
+"""Drafts shipped with specscope (see docs/training.md for how each was trained)."""
