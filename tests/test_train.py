@@ -28,7 +28,7 @@ from specscope.train.data import (
     token_counts,
     tokenize_conversation,
 )
-from specscope.train.regenerate import generate_batch, read_regenerated, regenerate
+from specscope.train.regenerate import BatchGenerator, generate_batch, read_regenerated, regenerate
 from specscope.train.trainer import TrainConfig, train_draft
 from specscope.train.ttt import predicted_accept_length, shift_left, unroll
 
@@ -173,9 +173,15 @@ def test_batched_generation_equals_the_engine(tiny_model_dir):
                "One"]
     ids = [llm.encode_prompt(p) for p in prompts]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    outs = generate_batch(llm.runner.model, ids, 10, params, set(), None)
-    for p, o in zip(prompts, outs, strict=True):
-        assert o == llm.generate(p, params)[0].token_ids
+    refs = [llm.generate(p, params)[0].token_ids for p in prompts]
+    assert generate_batch(llm.runner.model, ids, 10, params, set(), None) == refs
+    # One generator reused across batches (stale slots from the previous batch), decode
+    # windows of 8 slots, prefill in groups of 2 rows, idle padding rows.
+    gen = BatchGenerator(llm.runner.model, 4, 64, window=8, prefill_rows=2)
+    assert gen.generate(ids, 10, params, set(), None) == refs
+    assert gen.generate(ids[::-1][:2], 10, params, set(), None) == refs[::-1][:2]
+    with pytest.raises(ValueError, match="capacity"):
+        gen.generate([ids[1] * 10], 40, params, set(), None)
 
 
 def test_regeneration_resumes_after_an_interrupted_write(tmp_path, tiny_model_dir):

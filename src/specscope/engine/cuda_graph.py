@@ -15,16 +15,17 @@ import torch
 
 from specscope.kvcache import KVCache
 
-# (token [1, 1], position [1, 1], kv_len) -> logits [1, V]; eager or torch.compile'd.
+# (token [B, 1], position [B, 1], kv_len) -> logits [B, V]; eager or torch.compile'd.
 StepFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class DecodeGraphs:
-    def __init__(self, step_fn: StepFn, device: torch.device) -> None:
+    def __init__(self, step_fn: StepFn, device: torch.device, batch: int = 1) -> None:
         self.step_fn = step_fn
         self.device = device
-        self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
-        self.position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
+        # [B, 1]: B = 1 for the engine; batched generation (train/regenerate.py) uses more.
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graphs: dict = {}  # kv_len or ("greedy", kv_len) -> (graph, output)
         self.pool = None
         self.cache: KVCache | None = None

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from specscope.config import SamplingParams
+from specscope.engine.cuda_graph import DecodeGraphs
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
 from specscope.sampling import make_generator, sample
@@ -33,50 +34,106 @@ from specscope.train.data import Messages
 log = logging.getLogger("specscope.train")
 
 
-@torch.inference_mode()
+class _Rows:
+    """Rows [r0, r1) of a KVCache as a cache of their own (views: writes land in place)."""
+
+    def __init__(self, cache: KVCache, r0: int, r1: int) -> None:
+        self.k = [t[r0:r1] for t in cache.k]
+        self.v = [t[r0:r1] for t in cache.v]
+        self.capacity = cache.capacity
+        self.batch = r1 - r0
+
+
+class BatchGenerator:
+    """Batched generation over one reused KV cache [batch, capacity].
+
+    Prompts are right-padded; row b writes its keys at its own positions, so a query at
+    position p only ever sees slots <= p, all written by this batch (pads and stale slots
+    beyond p are masked by position). That makes any KV window >= the longest row valid, so
+    decode steps run over windows rounded up to `window` slots: static shapes, which on CUDA
+    are captured once per window as CUDA graphs and replayed for every batch (a batched
+    decode step is hundreds of small kernels; launching them from Python dominated).
+    Prefill runs in groups of `prefill_rows` rows to bound its attention memory.
+    """
+
+    def __init__(self, model: CausalLM, batch: int, capacity: int, *, window: int = 128,
+                 graphs: bool | None = None, prefill_rows: int = 64) -> None:
+        cfg = model.config
+        w = model.model.embed_tokens.weight
+        self.model, self.batch, self.capacity = model, batch, capacity
+        self.window, self.prefill_rows = window, prefill_rows
+        self.device = w.device
+        if model._rope is None or model._rope[0].shape[0] < capacity:
+            model.init_rope(max(capacity, cfg.max_position_embeddings))
+        self.cache = KVCache(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim,
+                             w.dtype, w.device)
+        use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.graphs = DecodeGraphs(self._step, self.device, batch=batch) if use_graphs \
+            else None
+
+    def _step(self, token: torch.Tensor, position: torch.Tensor, kv_len: int) -> torch.Tensor:
+        hidden, _ = self.model(token, position, self.cache, kv_len=kv_len)
+        return self.model.compute_logits(hidden[:, -1])  # [B, V]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
+                 eos_ids: frozenset[int] | set[int], generator: torch.Generator | None
+                 ) -> list[list[int]]:
+        """Continue each prompt until an EOS id or max_new_tokens; the new ids per row
+        (without the EOS). At most `batch` prompts; missing rows are idle padding."""
+        n, B, dev = len(prompts), self.batch, self.device
+        if not 0 < n <= B:
+            raise ValueError(f"BatchGenerator: {n} prompts for a batch of {B}")
+        Tp = max(len(p) for p in prompts)
+        if Tp + max_new_tokens > self.capacity:
+            raise ValueError(f"prompt of {Tp} tokens + {max_new_tokens} new exceeds the "
+                             f"generator's capacity {self.capacity}")
+        rows = prompts + [[0]] * (B - n)
+        lens = torch.tensor([len(p) for p in rows], device=dev)
+        ids = torch.zeros(B, Tp, dtype=torch.int64)
+        for b, p in enumerate(rows):
+            ids[b, :len(p)] = torch.tensor(p)
+        ids = ids.to(dev)
+        logits = torch.empty(B, self.model.config.vocab_size, device=dev)
+        for r0 in range(0, B, self.prefill_rows):
+            r1 = min(B, r0 + self.prefill_rows)
+            pos = torch.arange(Tp, device=dev).expand(r1 - r0, Tp)
+            hidden, _ = self.model(ids[r0:r1], pos, _Rows(self.cache, r0, r1), kv_len=Tp)
+            last = hidden[torch.arange(r1 - r0, device=dev), lens[r0:r1] - 1]  # [rows, H]
+            logits[r0:r1] = self.model.compute_logits(last)
+        eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
+        out = torch.zeros(B, max_new_tokens, dtype=torch.int64, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        done[n:] = True
+        steps = 0
+        for s in range(max_new_tokens):
+            tok = sample(logits, params, generator)  # [B]
+            out[:, s] = tok
+            steps = s + 1
+            done |= torch.isin(tok, eos)
+            # A host check every 8 steps: rows that finished early idle a few steps at most.
+            if s + 1 == max_new_tokens or (s % 8 == 7 and bool(done.all())):
+                break
+            kv = min(self.capacity, -(-(Tp + s + 1) // self.window) * self.window)
+            position = (lens + s)[:, None]
+            if self.graphs is not None:
+                logits = self.graphs.run(self.cache, tok[:, None], position, kv)
+            else:
+                logits = self._step(tok[:, None], position, kv)
+        result = []
+        for row in out[:n, :steps].tolist():
+            cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
+            result.append(row[:cut])
+        return result
+
+
 def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
                    params: SamplingParams, eos_ids: frozenset[int] | set[int],
                    generator: torch.Generator | None) -> list[list[int]]:
-    """Continue every prompt until an EOS id or max_new_tokens; returns the new ids per row
-    (without the EOS)."""
-    cfg = model.config
-    w = model.model.embed_tokens.weight
-    dev, dtype = w.device, w.dtype
-    B = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts], device=dev)
-    Tp = max(len(p) for p in prompts)
-    if model._rope is None or model._rope[0].shape[0] < Tp + max_new_tokens:
-        model.init_rope(max(Tp + max_new_tokens, cfg.max_position_embeddings))
-    cache = KVCache(cfg.num_layers, B, cfg.num_kv_heads, Tp + max_new_tokens, cfg.head_dim,
-                    dtype, dev)
-    ids = torch.zeros(B, Tp, dtype=torch.int64)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(p)
-    pos = torch.arange(Tp, device=dev).expand(B, Tp)
-    hidden, _ = model(ids.to(dev), pos, cache, kv_len=Tp)  # [B, Tp, H]
-    logits = model.compute_logits(hidden[torch.arange(B, device=dev), lens - 1])  # [B, V]
-    eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
-    out = torch.zeros(B, max_new_tokens, dtype=torch.int64, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    steps = 0
-    for s in range(max_new_tokens):
-        tok = sample(logits, params, generator)  # [B]
-        out[:, s] = tok
-        steps = s + 1
-        done |= torch.isin(tok, eos)
-        # A host check every 8 steps: rows that finished early idle a few steps at most.
-        if s % 8 == 7 and bool(done.all()):
-            break
-        if s + 1 == max_new_tokens:
-            break
-        hidden, _ = model(tok[:, None], (lens + s)[:, None], cache, kv_len=Tp + s + 1)
-        logits = model.compute_logits(hidden[:, -1])
-    rows = out[:, :steps].tolist()
-    result = []
-    for row in rows:
-        cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
-        result.append(row[:cut])
-    return result
+    """One-off batched generation (a BatchGenerator sized to these prompts)."""
+    cap = max(len(p) for p in prompts) + max_new_tokens
+    gen = BatchGenerator(model, len(prompts), cap, window=cap)
+    return gen.generate(prompts, max_new_tokens, params, eos_ids, generator)
 
 
 def read_regenerated(path: Path) -> dict[int, Messages]:
@@ -127,6 +184,7 @@ def regenerate(model: CausalLM, tokenizer: Any, conversations: list[Messages], o
     chunk = chunk or batch_size * 8
     dev = model.model.embed_tokens.weight.device
     todo_all = list(range(len(conversations)))
+    generator: BatchGenerator | None = None  # built on first use: one cache for all batches
     skipped = 0
     t0 = time.perf_counter()
     new_tokens = 0
@@ -168,8 +226,11 @@ def regenerate(model: CausalLM, tokenizer: Any, conversations: list[Messages], o
             order = sorted(prompts, key=lambda i: len(prompts[i][1]))
             for b0 in range(0, len(order), batch_size):
                 rows = order[b0:b0 + batch_size]
-                outs = generate_batch(model, [prompts[i][1] for i in rows], max_new_tokens,
-                                      params, tokenizer.eos_token_ids, gen)
+                if generator is None:
+                    generator = BatchGenerator(model, batch_size,
+                                               max_prompt_len + max_new_tokens)
+                outs = generator.generate([prompts[i][1] for i in rows], max_new_tokens,
+                                          params, tokenizer.eos_token_ids, gen)
                 for i, o in zip(rows, outs, strict=True):
                     hist[i].append(tokenizer.decode(o, skip_special_tokens=True))
                     new_tokens += len(o)
