@@ -158,3 +158,21 @@ def test_plain_greedy_cycle_graph_equals_eager():
         prompt = " ".join(str(i) for i in range(30, 30 + n_prompt))
         p = SamplingParams(max_tokens=n_new, ignore_eos=True)
         assert graphs.generate(prompt, p)[0].token_ids == eager.generate(prompt, p)[0].token_ids
+
+
+def test_batched_regeneration_graphs_equal_eager():
+    """train/regenerate.py's BatchGenerator: CUDA-graph decode steps (one graph per KV
+    window, reused across batches) give the eager path's tokens."""
+    from specscope.train.regenerate import BatchGenerator
+
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.float32, "cuda", seed=3)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    eager = BatchGenerator(model, 8, 96, window=16, graphs=False)
+    graphs = BatchGenerator(model, 8, 96, window=16, graphs=True)
+    for batch in (prompts, prompts[1:3]):
+        assert graphs.generate(batch, 24, params, set(), None) == \
+            eager.generate(batch, 24, params, set(), None)
+    assert graphs.graphs is not None and len(graphs.graphs.graphs) > 1
