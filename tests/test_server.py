@@ -299,6 +299,25 @@ def test_concurrent_streams_match_references(srv, llm):
     _wait_idle(srv)
 
 
+def test_job_hands_over_batches():
+    """Items pushed while the handler is busy arrive together in one take(); a waiting
+    take() is woken by a push from the engine thread."""
+    import asyncio
+
+    from specscope.server.worker import _Job
+
+    async def main() -> None:
+        job = _Job(asyncio.get_running_loop())
+        pusher = threading.Thread(target=lambda: [job.push(i) for i in range(5)])
+        pusher.start()
+        pusher.join()
+        assert await job.take() == [0, 1, 2, 3, 4]
+        threading.Timer(0.05, job.push, args=("x",)).start()
+        assert await asyncio.wait_for(job.take(), 5) == ["x"]
+
+    asyncio.run(main())
+
+
 def _wait_idle(srv, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while srv.app.state.worker.inflight:
