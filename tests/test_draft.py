@@ -419,14 +419,18 @@ def test_override_out_of_range(sglang_dir, target):
         load_draft(sglang_dir, target.config, layer_ids=[0, 3, 8])
 
 
-def test_speculators_input_id_zero_is_out_of_range(tmp_path, target):
-    """Input-to-layer id 0 is the embedding output: no output-of-layer id fits it."""
+def test_speculators_input_id_zero_is_the_embedding(tmp_path, target):
+    """Input-to-layer id 0 is the embedding output: output-of-layer id -1, which the target
+    can tap (vLLM allows it); -2 does not exist."""
     draft = make_draft(target)
     d = save_draft(draft, draft.config, tmp_path / "sp", "speculators")
     cfg = read_cfg(d)
     cfg["eagle_aux_hidden_state_layer_ids"] = [0, 4, 7]
     write_cfg(d, cfg)
-    with pytest.raises(ValueError, match=r"\[-1\] out of range"):
+    assert load_draft(d, target.config).config.aux_layer_ids == (-1, 3, 6)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [-1, 4, 7]
+    write_cfg(d, cfg)
+    with pytest.raises(ValueError, match=r"\[-2\] out of range"):
         load_draft(d, target.config)
 
 

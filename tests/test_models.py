@@ -254,13 +254,13 @@ def test_taps_order_follows_set_taps(saved):
         model.set_taps([])
 
 
-@pytest.mark.parametrize("bad", [[LAYERS], [0, -1], [0, 1, 99]])
+@pytest.mark.parametrize("bad", [[LAYERS], [0, -2], [0, 1, 99]])
 def test_set_taps_out_of_range_raises(saved, bad):
     _, _, model = saved("llama")
     before = model.tap_layer_ids
     with pytest.raises(ValueError, match="out of range") as exc:
         model.set_taps(bad)
-    assert str([i for i in bad if not 0 <= i < LAYERS]) in str(exc.value)
+    assert str([i for i in bad if not -1 <= i < LAYERS]) in str(exc.value)
     assert model.tap_layer_ids == before  # a failed call changes nothing
 
 
@@ -367,3 +367,17 @@ def test_sliding_window_matches_hf(saved, attn):
     no_window = CausalLM(dataclasses.replace(model.config, sliding_window=None))
     no_window.load_state_dict(model.state_dict())
     assert max_diff(full_logits(no_window.eval(), ids), ref) > 1e-3
+
+
+def test_tap_minus_one_is_the_embedding_output(saved):
+    """Id -1 taps the embedding output (input to layer 0, vLLM's input-to-layer 0)."""
+    _, _, model = saved("llama")
+    ids = rand_ids(1, 5, seed=6)
+    try:
+        with torch.no_grad():
+            model.set_taps([-1, 1])
+            _, taps = model(ids, positions(1, 0, 5), return_taps=True)
+        H = model.config.hidden_size
+        assert torch.equal(taps[..., :H], model.model.embed_tokens(ids))
+    finally:
+        model.set_taps([])

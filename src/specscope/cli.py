@@ -239,8 +239,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-              compile=args.compile, spec=spec, profile=args.profile,
-              profile_interval=args.profile_interval)
+              compile=args.compile, spec=None if args.doctor else spec,
+              profile=args.profile, profile_interval=args.profile_interval)
+    if args.doctor:  # before the engine loads the draft, which would stop at its first error
+        if spec is None or spec.draft == "random" or spec.simulate_acceptance is not None:
+            raise ValueError("--doctor checks a draft checkpoint: give --draft DIR (or "
+                             "--draft default)")
+        report = _doctor_report(llm, spec.draft, None, 8, spec.draft_layer_ids, 64)
+        print(report.format(), file=sys.stderr)
+        if not report.healthy:
+            print("specscope serve: the draft failed specscope doctor; not serving (fix it, "
+                  "or drop --doctor)", file=sys.stderr)
+            return 1
+        llm.set_spec(spec)
     app = create_app(llm, served_model_name=args.served_model_name, max_queue=args.max_queue)
     return serve(app, host=args.host, port=args.port, log_level=args.log_level,
                  shutdown_timeout=args.shutdown_timeout)
@@ -273,6 +284,52 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     out = train_draft(cfg)
     print(f"draft written to {out}; serve it with: specscope serve "
           f"{args.target or ''} --draft {out}".replace("  ", " "))
+    return 0
+
+
+def _doctor_report(llm, draft: str, prompts_file: str | None, num_prompts: int,
+                   layer_ids: tuple[int, ...] | None, max_new_tokens: int):
+    from specscope.bench.datasets import load_prompts
+    from specscope.doctor import run_doctor
+
+    prompts = load_prompts(prompts_file, num_prompts) if prompts_file else None
+    return run_doctor(llm, draft, prompts=prompts, layer_ids=layer_ids,
+                      max_new_tokens=max_new_tokens)
+
+
+def _layer_ids_arg(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--draft-layer-ids must be comma-separated integers, got "
+                         f"{text!r}") from None
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from specscope.engine.llm import LLM
+
+    llm = LLM(args.target or args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs)
+    report = _doctor_report(llm, args.draft, args.prompts, args.num_prompts,
+                            _layer_ids_arg(args.draft_layer_ids), args.max_new_tokens)
+    print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
+    return 0 if report.healthy else 1
+
+
+def cmd_convert_draft(args: argparse.Namespace) -> int:
+    from specscope.draft.convert import convert_draft
+
+    target_config = None
+    if args.target:
+        from specscope.models.loader import read_config, resolve_model_dir
+
+        target_config = read_config(resolve_model_dir(args.target, args.cache_dir))
+    out = convert_draft(args.input, args.output, args.to, target_config=target_config,
+                        num_target_layers=args.target_layers)
+    print(f"wrote {out} ({args.to} format)")
     return 0
 
 
@@ -376,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model (same as --model; default: the embedded SmolLM2)")
     _add_model_args(s)
     _add_spec_args(s)
+    s.add_argument("--doctor", action="store_true",
+                   help="run specscope doctor on the draft first; refuse to serve if unhealthy")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None,
@@ -414,6 +473,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id for --compare (default: URL2's first /v1/models id)")
     b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("doctor", help="check that a draft is wired to its target: static "
+                                      "checks, then a probe of every plausible wiring")
+    _add_model_args(d)
+    d.add_argument("--target", default=None, help="alias of --model")
+    d.add_argument("--draft", required=True,
+                   help="draft checkpoint directory, or 'default'")
+    d.add_argument("--draft-layer-ids", default=None,
+                   help="check these output-of-layer tap ids instead of the config's")
+    d.add_argument("--prompts", default=None,
+                   help="probe prompts: mt_bench | humaneval | gsm8k | FILE.jsonl "
+                        "(default: a few of each built-in set)")
+    d.add_argument("--num-prompts", type=int, default=8)
+    d.add_argument("--max-new-tokens", type=int, default=64,
+                   help="length of the target's answers the draft is probed on")
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.set_defaults(func=cmd_doctor)
+
+    c = sub.add_parser("convert-draft", help="convert a draft between the sglang, eagle and "
+                                             "speculators formats (lossless)")
+    c.add_argument("input", help="draft checkpoint directory (any format), or 'default'")
+    c.add_argument("output", help="output directory")
+    c.add_argument("--to", required=True, choices=["sglang", "eagle", "speculators"])
+    c.add_argument("--target", default=None,
+                   help="the target model (for its layer count); or --target-layers")
+    c.add_argument("--target-layers", type=int, default=None,
+                   help="the target's number of decoder layers")
+    c.add_argument("--cache-dir", default=None)
+    c.set_defaults(func=cmd_convert_draft)
 
     t = sub.add_parser("train-draft", help="train an EAGLE-3 draft for a target (regenerates "
                                            "the data with the target, TTT, exports SGLang)")

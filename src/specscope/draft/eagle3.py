@@ -107,10 +107,10 @@ class DraftConfig:
         if len(ids) != self.num_taps:
             raise ValueError(f"draft config: {len(ids)} aux layer ids {list(ids)} but num_taps "
                              f"is {self.num_taps}")
-        bad = [i for i in ids if not 0 <= i < L]
+        bad = [i for i in ids if not -1 <= i < L]
         if bad:
             raise ValueError(f"draft layer ids {bad} out of range for a {L}-layer target "
-                             f"(output-of-layer ids are 0..{L - 1})")
+                             f"(output-of-layer ids are 0..{L - 1}, -1 = the embedding)")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft config: draft_vocab_size {self.draft_vocab_size} exceeds "
                              f"the target vocab_size {self.vocab_size}")

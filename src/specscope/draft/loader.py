@@ -86,10 +86,11 @@ def resolve_layer_ids(parsed: ParsedConfig, num_target_layers: int,
         source, conv = "default", OUTPUT_OF_LAYER
         desc = f"the EAGLE-3 default [1, L//2-1, L-4] for a {L}-layer target (the config " \
                f"has no {parsed.ids_field})"
-    bad = [i for i in ids if not 0 <= i < L]
+    bad = [i for i in ids if not -1 <= i < L]
     if bad:
         raise ValueError(f"draft layer ids {ids} (output-of-layer) from {desc}: {bad} out of "
-                         f"range for a {L}-layer target (valid: 0..{L - 1})")
+                         f"range for a {L}-layer target (valid: 0..{L - 1}, or -1 for the "
+                         f"embedding output)")
     final = tuple(sorted(ids))
     order = "" if list(final) == ids else ", sorted into layer order (taps are captured " \
                                           "in layer order)"

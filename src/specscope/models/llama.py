@@ -176,13 +176,14 @@ class CausalLM(nn.Module):
     # -- configuration --------------------------------------------------------------------
 
     def set_taps(self, layer_ids: tuple[int, ...] | list[int]) -> None:
-        """Configure, once, which decoder layers' outputs `forward(return_taps=True)` returns."""
+        """Configure, once, which decoder layers' outputs `forward(return_taps=True)` returns.
+        Id -1 is the embedding output (the input to layer 0; vLLM's input-to-layer id 0)."""
         ids = tuple(int(i) for i in layer_ids)
         L = self.config.num_layers
-        bad = [i for i in ids if not 0 <= i < L]
+        bad = [i for i in ids if not -1 <= i < L]
         if bad:
             raise ValueError(f"tap layer ids {bad} out of range for a {L}-layer model "
-                             f"(output-of-layer ids are 0..{L - 1})")
+                             f"(output-of-layer ids are 0..{L - 1}, -1 = the embedding)")
         self.tap_layer_ids = ids
 
     def init_rope(self, max_len: int) -> None:
@@ -221,6 +222,8 @@ class CausalLM(nn.Module):
             raise ValueError("return_taps=True but no tap layers configured; call set_taps")
         tap_set = self.tap_layer_ids if return_taps else ()
         taps: dict[int, torch.Tensor] = {}
+        if -1 in tap_set:
+            taps[-1] = h
         for i, layer in enumerate(self.model.layers):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
             h = layer(h, ctx, kv)

@@ -104,6 +104,7 @@ class StepMetrics:
     correct: torch.Tensor  # [steps] draft top-1 == target top-1
     chain: torch.Tensor  # [steps] positions where steps 0..j all hit on-policy
     reached: torch.Tensor  # [steps] positions where steps 0..j-1 all hit (j=0: all labels)
+    first_ce: torch.Tensor | None = None  # [n labels] step-0 cross-entropy per label (detached)
 
 
 def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
@@ -120,6 +121,7 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
     losses = []
     count, correct, chain, reached = [], [], [], []
     alive = None
+    first_ce = None
     for j, lg in enumerate(logits):
         valid = shift_left(batch.label_mask, j + 2, False)  # label tok_{t+2+j} exists, is ours
         p = shift_left(batch.target_logp, j + 1, 0.0).exp()  # target at position t+1+j
@@ -130,6 +132,8 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
         losses.append(loss.detach())
         total = total + (decay ** j) * loss
         with torch.no_grad():
+            if j == 0:
+                first_ce = ce.detach()[valid].float()
             top = draft.to_target(lg.argmax(-1))  # [B, T] target ids
             tgt = shift_left(batch.target_top, j + 1, -1)
             label = shift_left(batch.input_ids, j + 2, -1)
@@ -141,7 +145,8 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
             chain.append(alive.sum().float())
             reached.append(reach.sum().float())
     metrics = StepMetrics(count=torch.stack(count), correct=torch.stack(correct),
-                          chain=torch.stack(chain), reached=torch.stack(reached))
+                          chain=torch.stack(chain), reached=torch.stack(reached),
+                          first_ce=first_ce)
     return total, losses, metrics
 
 

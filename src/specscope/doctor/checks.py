@@ -1,0 +1,197 @@
+"""Static checks of an EAGLE-3 draft against its target: config and tensor shapes only.
+
+Each problem is a named Finding with the fix, never an exception: a user gets every problem of
+a broken checkpoint at once, where the strict loader would stop at the first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specscope.config import ModelConfig
+from specscope.draft.eagle3 import INPUT_TO_LAYER
+from specscope.draft.formats import (
+    TensorSource,
+    canonical_name,
+    detect_format,
+    is_ignored,
+    parse_config,
+)
+from specscope.draft.loader import resolve_layer_ids
+from specscope.draft.vocab import check_vocab_maps
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+
+
+@dataclass
+class Finding:
+    code: str  # stable name, e.g. "static.fc_width", "wiring.shifted_plus1"
+    severity: str  # error | warning | info
+    message: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None = None,
+                  layer_ids: tuple[int, ...] | None = None) -> list[Finding]:
+    """Every static finding for the draft at `draft_dir` and a target of config `target`."""
+    out: list[Finding] = []
+    cfg_path = draft_dir / "config.json"
+    try:
+        raw = json.loads(cfg_path.read_text())
+        fmt = detect_format(raw, str(cfg_path))
+        parsed = parse_config(raw, fmt, str(cfg_path))
+    except (OSError, ValueError) as e:
+        return [Finding("static.config", ERROR, f"cannot read the draft config: {e}",
+                        "point --draft at an EAGLE-3 checkpoint (SGLang/SpecForge, EAGLE or "
+                        "vLLM speculators format)")]
+    f = parsed.fields
+    out.append(Finding("static.format", INFO, f"{fmt} format ({cfg_path})"))
+    archs = raw.get("architectures") or []
+    layer_type = (raw.get("transformer_layer_config") or raw).get("model_type", "llama")
+    if layer_type not in ("llama", "qwen3"):
+        out.append(Finding("static.architecture", ERROR,
+                           f"draft layer model_type {layer_type!r} (architectures {archs}) is "
+                           f"not a Llama-style EAGLE-3 layer",
+                           "use a LlamaForCausalLMEagle3 / Eagle3Speculator draft"))
+
+    # Vocabulary and widths.
+    if f["vocab_size"] != target.vocab_size:
+        out.append(Finding("static.vocab_size", ERROR,
+                           f"draft vocab_size {f['vocab_size']} != the target's "
+                           f"{target.vocab_size}: this draft was made for another tokenizer",
+                           "use a draft trained for this target (specscope train-draft)"))
+    if f["target_hidden_size"] != target.hidden_size:
+        out.append(Finding("static.target_hidden_size", ERROR,
+                           f"draft target_hidden_size {f['target_hidden_size']} != the "
+                           f"target's hidden_size {target.hidden_size}",
+                           "use a draft trained for this target"))
+
+    # Layer ids.
+    ids: tuple[int, ...] | None = None
+    try:
+        ids, source, conv, message = resolve_layer_ids(parsed, target.num_layers, layer_ids)
+        out.append(Finding("static.layer_ids", INFO, message))
+        if source == "default":
+            out.append(Finding("static.layer_ids_default", WARNING,
+                               f"the config names no tap layers; EAGLE-3's defaults "
+                               f"{list(ids)} are assumed",
+                               "write the ids the draft was trained with into the config "
+                               "(specscope convert-draft writes them explicitly)"))
+        if -1 in ids:
+            out.append(Finding("static.embedding_tap", WARNING,
+                               "a tap is the embedding output (output-of-layer -1 = "
+                               f"input-to-layer 0{' as written' if conv == INPUT_TO_LAYER else ''}"
+                               "); EAGLE-3 drafts tap decoder layers",
+                               "check the probe table below; the ids may be off by one"))
+    except ValueError as e:
+        out.append(Finding("static.layer_ids_range", ERROR, str(e),
+                           f"tap ids must be output-of-layer 0..{target.num_layers - 1} "
+                           f"(SGLang) or input-to-layer 1..{target.num_layers} (vLLM); "
+                           f"override with --draft-layer-ids"))
+
+    # Tensors.
+    try:
+        src = TensorSource(draft_dir)
+    except (OSError, ValueError) as e:
+        out.append(Finding("static.weights", ERROR, f"cannot read the draft weights: {e}",
+                           "the checkpoint directory needs model.safetensors (or "
+                           "pytorch_model.bin)"))
+        return out
+    names = {canonical_name(n): n for n in src.names if not is_ignored(n)}
+    n_taps = len(ids) if ids else 3
+    fc = names.get("fc.weight")
+    if fc is None:
+        out.append(Finding("static.fc_missing", ERROR, "fc.weight is missing",
+                           "the draft checkpoint is incomplete"))
+    else:
+        shape = src.shape(fc)
+        want = n_taps * target.hidden_size
+        if len(shape) != 2 or shape[1] != want:
+            out.append(Finding("static.fc_width", ERROR,
+                               f"fc.weight has input width {shape[-1]}, but {n_taps} taps x "
+                               f"target hidden {target.hidden_size} = {want}",
+                               f"the draft was built for {shape[-1] / target.hidden_size:g} "
+                               f"taps or another hidden size: use a draft for this target, "
+                               f"or give it exactly {shape[-1] // max(1, target.hidden_size)} "
+                               f"layer ids"))
+    Vd = f["draft_vocab_size"]
+    head = names.get("lm_head.weight")
+    if Vd is None:
+        out.append(Finding("static.lm_head", INFO, "lm_head borrowed from the target "
+                           "(draft_vocab_size null)"))
+    elif head is None:
+        out.append(Finding("static.lm_head_missing", ERROR,
+                           f"lm_head.weight is missing but draft_vocab_size is {Vd}: the "
+                           f"draft has no head for its vocabulary",
+                           "re-export the draft with its lm_head; set draft_vocab_size to "
+                           "null only if it was trained with the target's head"))
+    elif src.shape(head) != (Vd, f["hidden_size"]):
+        out.append(Finding("static.lm_head_shape", ERROR,
+                           f"lm_head.weight has shape {list(src.shape(head))}, expected "
+                           f"[{Vd}, {f['hidden_size']}] (draft_vocab_size, hidden_size)",
+                           "the config's draft_vocab_size does not match the weights"))
+    own_embed = f["hidden_size"] != f["target_hidden_size"]
+    if own_embed and "embed_tokens.weight" not in names:
+        out.append(Finding("static.embed_missing", ERROR,
+                           "the draft is narrower/wider than the target but has no "
+                           "embed_tokens.weight of its own", "re-export with the embedding"))
+    elif not own_embed:
+        out.append(Finding("static.embedding", INFO, "token embedding borrowed from the "
+                           "target" + (" (the checkpoint's copy is ignored, as SGLang does)"
+                                       if "embed_tokens.weight" in names else "")))
+    if Vd is not None and Vd < f["vocab_size"]:
+        d2t, t2d = names.get("d2t"), names.get("t2d")
+        if d2t is None or t2d is None:
+            out.append(Finding("static.vocab_map_missing", ERROR,
+                               f"draft_vocab_size {Vd} < vocab_size {f['vocab_size']} but "
+                               f"{'d2t' if d2t is None else 't2d'} is missing",
+                               "re-export the draft with its d2t/t2d maps"))
+        else:
+            try:
+                check_vocab_maps(src.get(d2t), src.get(t2d), f["vocab_size"], Vd)
+            except ValueError as e:
+                out.append(Finding("static.vocab_map", ERROR,
+                                   f"vocabulary map broken: {e}; draft tokens would be "
+                                   f"mapped to the wrong target tokens",
+                                   "rebuild d2t from the draft vocabulary (ascending target "
+                                   "ids): d2t[i] = id_i - i, t2d[id_i] = True"))
+
+    # Numerics against the target.
+    if abs(f["rms_norm_eps"] - target.rms_norm_eps) > 1e-12:
+        out.append(Finding("static.norm_eps", WARNING,
+                           f"draft rms_norm_eps {f['rms_norm_eps']} != target's "
+                           f"{target.rms_norm_eps}", "usually copied from the target"))
+    if f["rope_theta"] != target.rope_theta or (f.get("rope_scaling") or None) != (
+            target.rope_scaling or None):
+        out.append(Finding("static.rope", WARNING,
+                           f"draft rope (theta {f['rope_theta']}, scaling "
+                           f"{f.get('rope_scaling')}) differs from the target's (theta "
+                           f"{target.rope_theta}, scaling {target.rope_scaling_dict})",
+                           "fine if the draft was trained this way; otherwise copy the "
+                           "target's rope settings into the draft config"))
+    if f["max_position_embeddings"] < target.max_position_embeddings:
+        out.append(Finding("static.context", WARNING,
+                           f"draft max_position_embeddings {f['max_position_embeddings']} < "
+                           f"target's {target.max_position_embeddings}",
+                           "positions past it are outside what the draft saw"))
+    dtype = raw.get("torch_dtype") or (raw.get("transformer_layer_config") or {}).get(
+        "torch_dtype")
+    out.append(Finding("static.dtype", INFO, f"draft weights stored as {dtype or 'unknown'}; "
+                       "they run in the engine's dtype"))
+    # Special tokens: a draft config that names bos/eos ids must agree with the target's.
+    if target_dir is not None and (target_dir / "config.json").exists():
+        tcfg = json.loads((target_dir / "config.json").read_text())
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in raw and raw[key] is not None and key in tcfg and tcfg[key] is not None \
+                    and raw[key] != tcfg[key]:
+                out.append(Finding("static.special_tokens", WARNING,
+                                   f"draft {key} {raw[key]} != target's {tcfg[key]}: the "
+                                   f"draft may come from another tokenizer",
+                                   "check the draft was trained for this target"))
+    return out

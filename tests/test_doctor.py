@@ -1,0 +1,201 @@
+"""specscope doctor against the shipped default draft: the healthy draft passes, and every
+planted fault is detected and named. Converters round-trip bit-exactly.
+
+The target's probe data (greedy answers and activations) is computed once for the module and
+shared by every case, as a user checking several drafts would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specscope import LLM
+from specscope.doctor import run_doctor
+from specscope.doctor.probe import target_probe_data
+from specscope.draft.convert import convert_draft
+from specscope.draft.loader import default_draft_dir
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir) -> LLM:
+    return LLM(str(default_model_dir), dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def probe(llm):
+    from specscope.doctor import default_probe_prompts
+
+    ids = [llm.encode_prompt(p) for p in default_probe_prompts(8)]
+    return target_probe_data(llm.runner.model, ids, 48)
+
+
+def _copy(tmp_path: Path, name: str = "d") -> Path:
+    d = tmp_path / name
+    shutil.copytree(default_draft_dir(), d)
+    return d
+
+
+def _edit_config(d: Path, fn) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(d: Path, fn) -> None:
+    t = load_file(str(d / "model.safetensors"))
+    fn(t)
+    save_file(t, str(d / "model.safetensors"))
+
+
+def _set_ids(ids):
+    def f(cfg):
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    return f
+
+
+def test_healthy_default_draft_passes(llm, probe):
+    r = run_doctor(llm, "default", probe_data=probe)
+    assert r.healthy, r.format()
+    assert "probe.wiring_ok" in r.codes()
+    conf = r.wirings[0]
+    assert conf.names[0] == "configured" and conf.ids == (1, 14, 26)
+    assert conf.accept_length > 1.3
+    names = {n for w in r.wirings for n in w.names}
+    assert {"shifted +1", "shifted -1", "other convention", "embedding first",
+            "default"} <= names
+    text = r.format()
+    assert "HEALTHY" in text and "wiring probe" in text
+
+
+@pytest.mark.parametrize("ids, code, fixed", [
+    ([2, 15, 27], "wiring.shifted_plus1", "--draft-layer-ids 1,14,26"),
+    ([0, 13, 25], "wiring.shifted_minus1", "--draft-layer-ids 1,14,26"),
+])
+def test_shifted_ids_are_caught_with_the_fix(tmp_path, llm, probe, ids, code, fixed):
+    d = _copy(tmp_path)
+    _edit_config(d, _set_ids(ids))
+    r = run_doctor(llm, str(d), probe_data=probe)
+    assert not r.healthy and code in r.codes(), r.format()
+    finding = next(f for f in r.findings if f.code == code)
+    assert fixed in finding.fix
+    assert '"eagle_aux_hidden_state_layer_ids": [1, 14, 26]' in finding.fix
+
+
+def test_embedding_in_place_of_the_first_tap_is_caught(tmp_path, llm, probe):
+    """A speculators draft whose first id is input-to-layer 0: the embedding output."""
+    d = convert_draft(default_draft_dir(), tmp_path / "sp", "speculators")
+    _edit_config(d, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 15, 27]))
+    r = run_doctor(llm, str(d), probe_data=probe)
+    assert "static.embedding_tap" in r.codes()
+    assert not r.healthy and "wiring.embedding" in r.codes(), r.format()
+
+
+def test_swapped_convention_is_caught(tmp_path, llm, probe):
+    """Output-of-layer ids written into the speculators (input-to-layer) field."""
+    d = convert_draft(default_draft_dir(), tmp_path / "sp", "speculators")
+    _edit_config(d, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 14, 26]))
+    r = run_doctor(llm, str(d), probe_data=probe)
+    assert not r.healthy and "wiring.convention" in r.codes(), r.format()
+    f = next(f for f in r.findings if f.severity == "error")
+    assert "[2, 15, 27] (input-to-layer)" in f.fix
+
+
+def test_permuted_d2t_is_caught(tmp_path, llm):
+    d = _copy(tmp_path)
+
+    def permute(t):
+        g = torch.Generator().manual_seed(0)
+        t["d2t"] = t["d2t"][torch.randperm(t["d2t"].numel(), generator=g)]
+    _edit_tensors(d, permute)
+    r = run_doctor(llm, str(d))
+    assert not r.healthy and "static.vocab_map" in r.codes(), r.format()
+
+
+def test_missing_lm_head_is_caught(tmp_path, llm):
+    d = _copy(tmp_path)
+    _edit_tensors(d, lambda t: t.pop("lm_head.weight"))
+    r = run_doctor(llm, str(d))
+    assert not r.healthy and "static.lm_head_missing" in r.codes(), r.format()
+
+
+def test_random_init_decoder_weight_is_caught(tmp_path, llm, probe):
+    d = _copy(tmp_path)
+
+    def scramble(t):
+        for name in ("midlayer.mlp.down_proj.weight", "midlayer.self_attn.o_proj.weight"):
+            w = t[name]
+            g = torch.Generator().manual_seed(1)
+            t[name] = (torch.randn(w.shape, generator=g) * w.float().std()).to(w.dtype)
+    _edit_tensors(d, scramble)
+    r = run_doctor(llm, str(d), probe_data=probe)
+    assert not r.healthy and "probe.untrained" in r.codes(), r.format()
+
+
+def test_fc_width_mismatch_is_caught(tmp_path, llm):
+    d = _copy(tmp_path)
+    _edit_tensors(d, lambda t: t.update({"fc.weight": t["fc.weight"][:, :2 * 576].clone()}))
+    r = run_doctor(llm, str(d))
+    assert not r.healthy and "static.fc_width" in r.codes(), r.format()
+    f = next(f for f in r.findings if f.code == "static.fc_width")
+    assert "1152" in f.message and "1728" in f.message
+
+
+def test_cli_doctor_exit_codes(tmp_path, default_model_dir, capsys):
+    from specscope.cli import main
+
+    d = _copy(tmp_path)
+    _edit_tensors(d, lambda t: t.pop("lm_head.weight"))
+    assert main(["doctor", "--model", str(default_model_dir), "--draft", str(d), "--json",
+                 "--device", "cpu"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["healthy"] is False
+    assert any(f["code"] == "static.lm_head_missing" for f in out["findings"])
+
+
+# -- converters ----------------------------------------------------------------------------
+
+def test_converters_round_trip_bit_exactly(tmp_path):
+    src = default_draft_dir()
+    a = convert_draft(src, tmp_path / "sp", "speculators")
+    b = convert_draft(a, tmp_path / "eagle", "eagle")
+    c = convert_draft(b, tmp_path / "sg", "sglang")
+    orig, back = load_file(str(src / "model.safetensors")), load_file(str(c / "model.safetensors"))
+    assert orig.keys() == back.keys()
+    for k in orig:
+        assert orig[k].dtype == back[k].dtype and torch.equal(orig[k], back[k]), k
+    sp_cfg = json.loads((a / "config.json").read_text())
+    assert sp_cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # input-to-layer
+    sg_cfg = json.loads((c / "config.json").read_text())
+    assert sg_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    prov = sg_cfg["specscope_provenance"]
+    assert prov["converted_from"]["format"] == "eagle" and prov["target_num_layers"] == 30
+    sp = load_file(str(a / "model.safetensors"))
+    assert "layers.0.mlp.down_proj.weight" in sp
+
+
+def test_convert_needs_the_layer_count(tmp_path):
+    d = _copy(tmp_path)
+    _edit_config(d, lambda c: c.pop("specscope_provenance"))
+    with pytest.raises(ValueError, match="--target-layers"):
+        convert_draft(d, tmp_path / "x", "speculators")
+    out = convert_draft(d, tmp_path / "x", "speculators", num_target_layers=30)
+    assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] \
+        == [2, 15, 27]
+
+
+def test_serve_doctor_refuses_a_broken_draft(tmp_path, default_model_dir, capsys):
+    from specscope.cli import main
+
+    d = _copy(tmp_path)
+    _edit_tensors(d, lambda t: t.update({"fc.weight": t["fc.weight"][:, :576].clone()}))
+    assert main(["serve", str(default_model_dir), "--draft", str(d), "--doctor",
+                 "--device", "cpu", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "static.fc_width" in err and "not serving" in err
