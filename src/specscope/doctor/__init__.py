@@ -80,11 +80,12 @@ class DoctorReport:
         if self.wirings:
             lines += ["", f"wiring probe ({self.probe_tokens} answer tokens; greedy chain, "
                           f"acceptance given all earlier accepted):",
-                      f"  {'wiring':<40} {'ids':<16} {'top-1':>6} {'accept len':>10}  "
-                      f"acceptance by position"]
+                      f"  {'wiring':<40} {'ids':<16} {'CE nats':>7} {'top-1':>6} "
+                      f"{'accept len':>10}  acceptance by position"]
             for w in self.wirings:
                 name = " = ".join(w.names)
-                lines.append(f"  {name:<40} {str(list(w.ids)):<16} {w.top1:>6.3f} "
+                lines.append(f"  {name:<40} {str(list(w.ids)):<16} {w.loss:>7.3f} "
+                             f"{w.top1:>6.3f} "
                              f"{w.accept_length:>10.3f}  "
                              + " ".join(f"{a:.2f}" for a in w.acceptance))
         lines += ["", ("HEALTHY" if self.healthy else "UNHEALTHY") +
@@ -103,6 +104,10 @@ def _fix_for(ids: tuple[int, ...], fmt: str, target_layers: int) -> str:
                 f"--to sglang --target-layers {target_layers}, then set "
                 f"eagle_config.eagle_aux_hidden_state_layer_ids to {list(ids)}")
     return f"serve with {flag}, or edit the draft config: {edit}"
+
+
+_PRIORITY = ["configured", "embedding replaced", "shifted -1", "shifted +1", "other convention",
+             "embedding first", "default"]
 
 
 def _clearly_better(alt: Wiring, conf: Wiring) -> bool:
@@ -136,7 +141,9 @@ def judge(configured: Wiring, wirings: list[Wiring], fmt: str, target_layers: in
         best = max(better, key=lambda w: (configured.loss - w.loss, w.accept_length))
     gain = best.accept_length - configured.accept_length
     if better:
-        faults = [_FAULTS[n] for n in best.names if n in _FAULTS] or \
+        # Most specific cause first: an embedding tap, then a shift, then defaults.
+        faults = [_FAULTS[n] for n in sorted(best.names, key=_PRIORITY.index)
+                  if n in _FAULTS] or \
             [("wiring.other", "another wiring fits better")]
         codes = [c for c, _ in faults]
         why = "; or ".join(d for _, d in faults)
