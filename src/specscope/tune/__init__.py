@@ -1,0 +1,1 @@
+"""specscope tune: the best speculative configuration from a cost model and an acceptance model."""
