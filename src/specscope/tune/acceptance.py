@@ -18,9 +18,14 @@ A configuration accepts depth d of the path at t when every node on it is in the
                                   its ancestors and the higher-ranked siblings along the path,
                                   each of which has a higher cumulative score)
 
-and tau = 1 + sum_{d=1..num_steps} mean_t [depth d accepted]. For a chain (topk 1) this is the
-engine's greedy accept length on the same tokens; for trees it ignores competition from other
-branches' descendants, so it is an upper estimate that the tuner confirms by real runs.
+The accepted depth a(t) is the number of leading depths accepted. tau is not the mean of a(t)
+over all positions: cycles do not start at every position. They start right after the
+previous cycle's bonus token, and rejections cluster at hard positions. So the model replays
+the engine's walk over each answer: the first cycle's extend ends at the last prompt position
+t0, and a cycle at t is followed by one at t + a(t) + 1. Then tau = 1 + mean a over the
+replayed cycles. For a chain (topk 1) this is the engine's greedy accept length on the same
+tokens. For trees it ignores competition from other branches' descendants, so it is an upper
+estimate, which the tuner confirms with real runs.
 """
 
 from __future__ import annotations
@@ -38,32 +43,54 @@ INF_RANK = 1 << 30
 
 @dataclass
 class AcceptanceModel:
-    ranks: torch.Tensor  # [N, D] int64: r_d at each usable answer position (INF_RANK: out)
+    ranks: torch.Tensor  # [B, T, D] int64: r_d at index t (INF_RANK: not on the path / out)
+    starts: list[int]  # per answer: index of the last prompt token (the first cycle's t)
+    ends: list[int]  # per answer: the index after its last token
 
     @property
     def depth(self) -> int:
-        return int(self.ranks.shape[1])
+        return int(self.ranks.shape[2])
 
-    def tau(self, num_steps: int, topk: int, num_draft_tokens: int | None = None) -> float:
+    def accepted_depths(self, num_steps: int, topk: int, num_draft_tokens: int | None = None
+                        ) -> torch.Tensor:
+        """a(t) [B, T]: depths a cycle at index t would accept under this configuration."""
         n = num_draft_tokens if num_draft_tokens is not None else num_steps + 1
         if num_steps > self.depth:
             raise ValueError(f"acceptance model measured {self.depth} steps; cannot predict "
                              f"num_steps {num_steps}")
-        r = self.ranks[:, :num_steps].clamp(max=INF_RANK)
-        inside = (r <= topk).long().cumprod(1)  # [N, s]: every node up to d in the top-k
-        outrank = (torch.arange(num_steps) + (r - 1).cumsum(1))  # [N, s]: (d-1) + sum(r-1)
-        kept = inside.bool() & (outrank < n - 1)
-        return 1.0 + float(kept.long().cumprod(1).sum(1).float().mean())
+        r = self.ranks[..., :num_steps]
+        inside = (r <= topk).long().cumprod(-1).bool()  # every node up to d in the top-k
+        outrank = torch.arange(num_steps) + (r.clamp(max=INF_RANK) - 1).cumsum(-1)
+        kept = inside & (outrank < n - 1)
+        return kept.long().cumprod(-1).sum(-1)
+
+    def cycles(self, num_steps: int, topk: int, num_draft_tokens: int | None = None
+               ) -> list[int]:
+        """Accepted draft tokens of every replayed cycle (the engine's walk)."""
+        a = self.accepted_depths(num_steps, topk, num_draft_tokens).tolist()
+        out = []
+        for b, (t, end) in enumerate(zip(self.starts, self.ends, strict=True)):
+            while t + 1 < end:  # a cycle has a root token to verify from
+                acc = min(a[b][t], max(0, end - t - 2))
+                out.append(acc)
+                t += acc + 1
+        return out
+
+    def tau(self, num_steps: int, topk: int, num_draft_tokens: int | None = None) -> float:
+        c = self.cycles(num_steps, topk, num_draft_tokens)
+        return 1.0 + sum(c) / len(c) if c else 1.0
 
     def acceptance_by_rank(self, max_rank: int = 8) -> list[list[float]]:
         """[depth][rank-1]: P(r_d == rank | the path is in a full tree up to d-1)."""
         out = []
-        alive = torch.ones(self.ranks.shape[0], dtype=torch.bool)
+        flat = self.ranks.reshape(-1, self.depth)
+        flat = flat[flat[:, 0] < INF_RANK]
+        alive = torch.ones(flat.shape[0], dtype=torch.bool)
         for d in range(self.depth):
-            r = self.ranks[:, d][alive]
+            r = flat[:, d][alive]
             out.append([float((r == k).float().mean()) if r.numel() else 0.0
                         for k in range(1, max_rank + 1)])
-            alive = alive & (self.ranks[:, d] <= max_rank)
+            alive = alive & (flat[:, d] <= max_rank)
         return out
 
 
@@ -81,19 +108,21 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
     t2d = draft.t2d.to(top.device)
     # draft id of each target id (valid where t2d): rank of the draft vocabulary position
     d_of_t = torch.cumsum(t2d.long(), 0) - 1
-    ranks, valid = [], None
+    ranks = []
     on_path = torch.ones(B, T, dtype=torch.bool, device=top.device)
     for j, lg in enumerate(logits):
         label = shift_left(data.input_ids, j + 2, -1)  # the token fed after depth j
         tgt = shift_left(top, j + 1, -1)  # the target's greedy token at depth j
-        mask = shift_left(data.label_mask, j + 2, False)
-        valid = mask if valid is None else valid & mask
+        mask = shift_left(data.label_mask, j + 2, False)  # the predicted token is an answer's
         in_vocab = t2d[tgt.clamp(min=0)] & (tgt >= 0)
         did = d_of_t[tgt.clamp(min=0)].clamp(min=0)
         own = lg.gather(-1, did[..., None])  # [B, T, 1]
         rank = (lg > own).sum(-1) + 1  # [B, T]
-        rank = torch.where(in_vocab & on_path, rank, torch.full_like(rank, INF_RANK))
+        rank = torch.where(in_vocab & on_path & mask, rank, torch.full_like(rank, INF_RANK))
         ranks.append(rank)
         on_path = on_path & (label == tgt)  # later depths follow the target's own path
-    r = torch.stack(ranks, -1)  # [B, T, D]
-    return AcceptanceModel(ranks=r[valid].cpu())
+    r = torch.stack(ranks, -1).cpu()  # [B, T, D]
+    lm = data.label_mask.cpu()
+    starts = [int(row.nonzero()[0]) - 1 for row in lm]  # last prompt index
+    ends = [int(row.nonzero()[-1]) + 1 for row in lm]
+    return AcceptanceModel(ranks=r, starts=starts, ends=ends)

@@ -1,0 +1,104 @@
+"""Tests for specscope.tune: the cost model recovers known costs, the acceptance model predicts
+the engine's accept length for configurations it did not run, hot reconfiguration is lossless.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specscope import LLM, SamplingParams, SpecConfig
+from specscope.tune.cost import Calibration, CostModel, calibration_from_summary, fit_cost_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_cost_model_recovers_known_costs_from_synthetic_timings():
+    true = CostModel(a_draft=0.8, b_extend=0.35, b_step=1.7, a_verify=30.0, b_verify=2.5,
+                     other=0.4, plain=28.0)
+    rng = random.Random(0)
+    cals = []
+    for s, k, n in [(1, 1, 2), (3, 1, 4), (5, 1, 6), (8, 1, 9), (3, 2, 6), (4, 4, 12),
+                    (5, 8, 40), (6, 4, 24), (2, 8, 16)]:
+        draft = true.a_draft + true.b_extend * (s + 1) + true.b_step * (s - 1) * k
+        verify = true.a_verify + true.b_verify * n
+        cals.append(Calibration(s, k, n, draft * (1 + rng.gauss(0, 0.01)),
+                                verify * (1 + rng.gauss(0, 0.01)),
+                                true.other * (1 + rng.gauss(0, 0.01))))
+    fit = fit_cost_model(cals, plain_ms=28.0)
+    for s, k, n in [(7, 1, 8), (10, 8, 64), (2, 2, 4)]:
+        assert fit.cycle_ms(s, k, n) == pytest.approx(true.cycle_ms(s, k, n), rel=0.02)
+    assert fit.b_verify == pytest.approx(2.5, rel=0.05)
+    assert fit.b_step == pytest.approx(1.7, rel=0.05)
+    assert fit.plain_tok_per_s == pytest.approx(1000 / 28.0)
+    assert fit.tok_per_s(3.0, 5, 1, 6) == pytest.approx(3000 / fit.cycle_ms(5, 1, 6))
+    with pytest.raises(ValueError, match="distinct"):
+        fit_cost_model(cals[:2], plain_ms=28.0)
+
+
+def test_calibration_reads_profiler_summaries():
+    summary = {"cycles": 10, "phases": {
+        "draft_extend": {"mean_ms": 1.0}, "draft_step": {"mean_ms": 4.0},
+        "tree_build": {"mean_ms": 0.5}, "verify": {"mean_ms": 30.0}, "accept": {"mean_ms": 0.2},
+        "kv_commit": {"mean_ms": 0.3}, "detokenize": {"mean_ms": 0.1},
+        "other": {"mean_ms": 0.4}}}
+    c = calibration_from_summary(summary, 5, 1, 6)
+    assert (c.draft_ms, c.verify_ms, c.other_ms) == pytest.approx((5.5, 30.5, 0.5))
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    return LLM(str(default_model_dir), dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts(engine):
+    from specscope.bench.datasets import load_prompts
+    from specscope.doctor.probe import target_probe_data
+    from specscope.draft.loader import load_draft
+    from specscope.tune.acceptance import measure_acceptance
+
+    prompts = load_prompts("gsm8k", 3) + load_prompts("mt_bench", 1)
+    data = target_probe_data(engine.runner.model, [engine.encode_prompt(p) for p in prompts],
+                             64)
+    draft = load_draft("default", engine.model_config).model
+    draft.attach_target(engine.runner.model)
+    return measure_acceptance(draft, data, depth=6), prompts
+
+
+@pytest.mark.parametrize("cfg", [(3, 1, None), (5, 1, None), (2, 2, 4)])
+def test_acceptance_model_predicts_unrun_configurations(engine, model_and_prompts, cfg):
+    """Measured once (6 steps deep, teacher-forced), the model predicts the engine's accept
+    length of configurations it never ran within 10 %."""
+    model, prompts = model_and_prompts
+    engine.set_spec(SpecConfig(draft="default", num_steps=cfg[0], topk=cfg[1],
+                               num_draft_tokens=cfg[2]))
+    try:
+        acc = []
+        for p in prompts:
+            acc += engine.generate(p, SamplingParams(max_tokens=64))[0].spec[
+                "accepted_per_cycle"]
+    finally:
+        engine.set_spec(None)
+    measured = 1 + sum(acc) / len(acc)
+    assert model.tau(*cfg) == pytest.approx(measured, rel=0.10)
+    by_rank = model.acceptance_by_rank(4)
+    assert len(by_rank) == 6 and 0 < by_rank[0][0] < 1
+
+
+def test_hot_reconfiguration_keeps_greedy_outputs(engine):
+    """Switching speculation on, between configurations and off, with the weights loaded
+    once: greedy outputs stay identical to plain decoding."""
+    msgs = [{"role": "user", "content": "Name three prime numbers."}]
+    params = SamplingParams(max_tokens=32)
+    ref = engine.generate(msgs, params)[0].token_ids
+    model = engine.runner.model
+    for spec in [SpecConfig(draft="default", num_steps=5),
+                 SpecConfig(draft="default", num_steps=3, topk=4, num_draft_tokens=10),
+                 SpecConfig(draft="default", num_steps=1), None,
+                 SpecConfig(draft="default", num_steps=7)]:
+        engine.set_spec(spec)
+        assert engine.generate(msgs, params)[0].token_ids == ref, spec
+        assert engine.runner.model is model
+    engine.set_spec(None)
