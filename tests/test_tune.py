@@ -15,13 +15,13 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_cost_model_recovers_known_costs_from_synthetic_timings():
-    true = CostModel(a_draft=0.8, b_extend=0.35, b_step=1.7, a_verify=30.0, b_verify=2.5,
+    true = CostModel(a_draft=0.8, b_step=3.5, b_row=1.7, a_verify=30.0, b_verify=2.5,
                      other=0.4, plain=28.0)
     rng = random.Random(0)
     cals = []
     for s, k, n in [(1, 1, 2), (3, 1, 4), (5, 1, 6), (8, 1, 9), (3, 2, 6), (4, 4, 12),
                     (5, 8, 40), (6, 4, 24), (2, 8, 16)]:
-        draft = true.a_draft + true.b_extend * (s + 1) + true.b_step * (s - 1) * k
+        draft = true.a_draft + true.b_step * (s - 1) + true.b_row * (s - 1) * k
         verify = true.a_verify + true.b_verify * n
         cals.append(Calibration(s, k, n, draft * (1 + rng.gauss(0, 0.01)),
                                 verify * (1 + rng.gauss(0, 0.01)),
@@ -30,7 +30,7 @@ def test_cost_model_recovers_known_costs_from_synthetic_timings():
     for s, k, n in [(7, 1, 8), (10, 8, 64), (2, 2, 4)]:
         assert fit.cycle_ms(s, k, n) == pytest.approx(true.cycle_ms(s, k, n), rel=0.02)
     assert fit.b_verify == pytest.approx(2.5, rel=0.05)
-    assert fit.b_step == pytest.approx(1.7, rel=0.05)
+    assert fit.b_row == pytest.approx(1.7, rel=0.05)
     assert fit.plain_tok_per_s == pytest.approx(1000 / 28.0)
     assert fit.tok_per_s(3.0, 5, 1, 6) == pytest.approx(3000 / fit.cycle_ms(5, 1, 6))
     with pytest.raises(ValueError, match="distinct"):
@@ -39,7 +39,8 @@ def test_cost_model_recovers_known_costs_from_synthetic_timings():
 
 def test_calibration_reads_profiler_summaries():
     summary = {"cycles": 10, "phases": {
-        "draft_extend": {"mean_ms": 1.0}, "draft_step": {"mean_ms": 4.0},
+        "draft_extend": {"mean_ms": 1.0}, "draft_step[1]": {"mean_ms": 2.0},
+        "draft_step[2]": {"mean_ms": 2.0},
         "tree_build": {"mean_ms": 0.5}, "verify": {"mean_ms": 30.0}, "accept": {"mean_ms": 0.2},
         "kv_commit": {"mean_ms": 0.3}, "detokenize": {"mean_ms": 0.1},
         "other": {"mean_ms": 0.4}}}

@@ -333,6 +333,28 @@ def cmd_convert_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from specscope.bench.datasets import load_prompts
+    from specscope.engine.llm import LLM
+    from specscope.tune.tuner import tune, write_plot
+
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+              compile=args.compile)
+    res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, confirm=args.confirm,
+               budget_seconds=args.budget_seconds)
+    print(res.table())
+    print(res.recommendation())
+    (out_dir / "tune.json").write_text(json.dumps(res.as_dict(), indent=1) + "\n")
+    write_plot(res, out_dir / "tune.svg")
+    print(f"wrote {out_dir / 'tune.json'} and {out_dir / 'tune.svg'}")
+    return 0
+
+
 def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--target", default=None,
                    help="target model: HF dir, .gguf or hub id (default: the embedded "
@@ -490,6 +512,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="length of the target's answers the draft is probed on")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.set_defaults(func=cmd_doctor)
+
+    u = sub.add_parser("tune", help="the best num_steps/topk/num_draft_tokens from a cost "
+                                    "model and an acceptance model, confirmed by real runs")
+    _add_model_args(u)
+    u.add_argument("--draft", default="default", help="draft checkpoint, or 'default'")
+    u.add_argument("--dataset", default="mt_bench",
+                   help="mt_bench | humaneval | gsm8k | FILE.jsonl")
+    u.add_argument("--num-prompts", type=int, default=4)
+    u.add_argument("--max-tokens", type=int, default=128)
+    u.add_argument("--confirm", type=int, default=3,
+                   help="how many of the best predictions to confirm by real runs")
+    u.add_argument("--budget-seconds", type=float, default=None,
+                   help="stop confirming once this much time is spent")
+    u.add_argument("--out", default="tune-out", help="directory for tune.json and tune.svg")
+    u.set_defaults(func=cmd_tune)
 
     c = sub.add_parser("convert-draft", help="convert a draft between the sglang, eagle and "
                                              "speculators formats (lossless)")

@@ -30,7 +30,7 @@ estimate, which the tuner confirms with real runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,9 @@ class AcceptanceModel:
     ranks: torch.Tensor  # [B, T, D] int64: r_d at index t (INF_RANK: not on the path / out)
     starts: list[int]  # per answer: index of the last prompt token (the first cycle's t)
     ends: list[int]  # per answer: the index after its last token
+    path_lp: torch.Tensor | None = None  # [B, T, D] draft log-prob of the path token
+    top_lp: torch.Tensor | None = None  # [B, T, D, K] the draft's K best log-probs, sorted
+    _outrank: dict | None = field(default=None, repr=False)  # (s, k) -> [B, T, s] cache
 
     @property
     def depth(self) -> int:
@@ -60,9 +63,32 @@ class AcceptanceModel:
                              f"num_steps {num_steps}")
         r = self.ranks[..., :num_steps]
         inside = (r <= topk).long().cumprod(-1).bool()  # every node up to d in the top-k
-        outrank = torch.arange(num_steps) + (r.clamp(max=INF_RANK) - 1).cumsum(-1)
-        kept = inside & (outrank < n - 1)
+        kept = inside & (self._outranking(num_steps, topk) < n - 1)
         return kept.long().cumprod(-1).sum(-1)
+
+    def _outranking(self, num_steps: int, topk: int) -> torch.Tensor:
+        """[B, T, s]: tree nodes whose cumulative score beats the path node at depth d.
+
+        EAGLE-2 keeps the num_draft_tokens - 1 best-scoring candidates (cumulative draft
+        log-prob). Counted: at every depth i <= d, the topk children of the path node at
+        depth i-1 scoring above the path node at d (its ancestors among them). Descendants of
+        off-path nodes are not counted (their scores are unknown without running them): a
+        lower bound. Without scores, the rank-only bound (d-1) + sum(r_i - 1) is used."""
+        if self.path_lp is None or self.top_lp is None:
+            r = self.ranks[..., :num_steps].clamp(max=INF_RANK)
+            return torch.arange(num_steps) + (r - 1).cumsum(-1)
+        if self._outrank is None:
+            self._outrank = {}
+        key = (num_steps, min(topk, self.top_lp.shape[-1]))
+        if key not in self._outrank:
+            s, k = key
+            S = self.path_lp[..., :s].cumsum(-1)  # [B, T, s] path score at depth d
+            prev = S - self.path_lp[..., :s]  # score of the parent at each depth
+            cand = prev[..., None] + self.top_lp[..., :s, :k]  # [B, T, s, k] siblings' scores
+            counts = [(cand[..., :d + 1, :] > S[..., d, None, None]).sum((-1, -2))
+                      for d in range(s)]
+            self._outrank[key] = torch.stack(counts, -1)
+        return self._outrank[key]
 
     def cycles(self, num_steps: int, topk: int, num_draft_tokens: int | None = None
                ) -> list[int]:
@@ -108,7 +134,7 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
     t2d = draft.t2d.to(top.device)
     # draft id of each target id (valid where t2d): rank of the draft vocabulary position
     d_of_t = torch.cumsum(t2d.long(), 0) - 1
-    ranks = []
+    ranks, path_lp, top_lp = [], [], []
     on_path = torch.ones(B, T, dtype=torch.bool, device=top.device)
     for j, lg in enumerate(logits):
         label = shift_left(data.input_ids, j + 2, -1)  # the token fed after depth j
@@ -118,6 +144,9 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
         did = d_of_t[tgt.clamp(min=0)].clamp(min=0)
         own = lg.gather(-1, did[..., None])  # [B, T, 1]
         rank = (lg > own).sum(-1) + 1  # [B, T]
+        lp = torch.log_softmax(lg.float(), -1)
+        path_lp.append(lp.gather(-1, did[..., None])[..., 0])
+        top_lp.append(lp.topk(8, dim=-1).values)
         rank = torch.where(in_vocab & on_path & mask, rank, torch.full_like(rank, INF_RANK))
         ranks.append(rank)
         on_path = on_path & (label == tgt)  # later depths follow the target's own path
@@ -125,4 +154,6 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
     lm = data.label_mask.cpu()
     starts = [int(row.nonzero()[0]) - 1 for row in lm]  # last prompt index
     ends = [int(row.nonzero()[-1]) + 1 for row in lm]
-    return AcceptanceModel(ranks=r, starts=starts, ends=ends)
+    return AcceptanceModel(ranks=r, starts=starts, ends=ends,
+                           path_lp=torch.stack(path_lp, -1).cpu(),
+                           top_lp=torch.stack(top_lp, -2).cpu())

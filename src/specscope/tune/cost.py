@@ -2,8 +2,9 @@
 
 A cycle of configuration (num_steps s, topk k, num_draft_tokens n) costs
 
-    draft(s, k)  = a_draft + b_extend * (s + 1) + b_step * (s - 1) * k
-                   (the extend always feeds s + 1 pairs; s - 1 draft forwards of k rows)
+    draft(s, k)  = a_draft + b_step * (s - 1) + b_row * (s - 1) * k
+                   (s - 1 draft forwards of k rows each; the extend always feeds s + 1
+                   pairs, a term linear in s that a_draft and b_step absorb)
     verify(n)    = a_verify + b_verify * n          (one target forward over n tokens)
     other        = a_other                          (accept bookkeeping, detokenise, host)
 
@@ -39,8 +40,8 @@ class Calibration:
 @dataclass(frozen=True)
 class CostModel:
     a_draft: float
-    b_extend: float
     b_step: float
+    b_row: float
     a_verify: float
     b_verify: float
     other: float
@@ -48,7 +49,7 @@ class CostModel:
 
     def cycle_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         s, k, n = num_steps, topk, num_draft_tokens
-        return (self.a_draft + self.b_extend * (s + 1) + self.b_step * (s - 1) * k
+        return (self.a_draft + self.b_step * (s - 1) + self.b_row * (s - 1) * k
                 + self.a_verify + self.b_verify * n + self.other)
 
     def tok_per_s(self, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
@@ -67,12 +68,15 @@ def calibration_from_summary(summary: dict[str, Any], num_steps: int, topk: int,
     """Mean ms per cycle of the draft, verify and other terms from a profiler summary."""
     phases = summary["phases"]  # name -> {"mean_ms": per cycle, ...}
 
+    def base(name: str) -> str:  # "draft_step[3]" -> "draft_step"
+        return name.split("[", 1)[0]
+
     def total(names: tuple[str, ...]) -> float:
-        return sum(phases[p]["mean_ms"] for p in names if p in phases)
+        return sum(p["mean_ms"] for name, p in phases.items() if base(name) in names)
 
     draft, verify = total(DRAFT_PHASES), total(VERIFY_PHASES)
     other = sum(p["mean_ms"] for name, p in phases.items()
-                if name not in DRAFT_PHASES + VERIFY_PHASES + ("prefill",))
+                if base(name) not in DRAFT_PHASES + VERIFY_PHASES + ("prefill",))
     return Calibration(num_steps, topk, num_draft_tokens, draft, verify, other)
 
 
@@ -97,9 +101,9 @@ def fit_cost_model(cals: list[Calibration], plain_ms: float) -> CostModel:
         raise ValueError(f"cost model: need >= 3 distinct (num_steps, topk) and >= 2 distinct "
                          f"num_draft_tokens among the calibration runs, got {sorted(sk)} and "
                          f"{sorted(ns)}")
-    a_d, b_e, b_s = _lstsq([[1.0, c.num_steps + 1, (c.num_steps - 1) * c.topk] for c in cals],
+    a_d, b_s, b_r = _lstsq([[1.0, c.num_steps - 1, (c.num_steps - 1) * c.topk] for c in cals],
                            [c.draft_ms for c in cals])
     a_v, b_v = _lstsq([[1.0, c.num_draft_tokens] for c in cals], [c.verify_ms for c in cals])
     other = sum(c.other_ms for c in cals) / len(cals)
-    return CostModel(a_draft=a_d, b_extend=b_e, b_step=b_s, a_verify=a_v, b_verify=b_v,
+    return CostModel(a_draft=a_d, b_step=b_s, b_row=b_r, a_verify=a_v, b_verify=b_v,
                      other=other, plain=plain_ms)

@@ -1,0 +1,239 @@
+"""The tuner: predict tok/s of every speculative configuration, confirm the best few by real
+runs, recommend one (or speculation off). No weight reloads: the engine switches
+configurations in place (LLM.set_spec).
+
+    1. acceptance model: the target answers the prompts once; the draft is unrolled 10 steps
+       along the answers (acceptance.py);
+    2. cost model: a short profiled calibration over a few configurations and plain decoding
+       (cost.py);
+    3. prediction for every (num_steps <= 10, topk <= 8, num_draft_tokens <= 64);
+    4. confirmation: the top predictions and plain decoding, each run on the prompts with the
+       profiler; the best measured wins.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specscope.config import SamplingParams, SpecConfig
+from specscope.tune.acceptance import AcceptanceModel, measure_acceptance
+from specscope.tune.cost import (
+    CostModel,
+    calibration_from_summary,
+    fit_cost_model,
+    plain_ms_from_summary,
+)
+
+Config = tuple[int, int, int]  # (num_steps, topk, num_draft_tokens)
+CALIBRATION: list[Config] = [(1, 1, 2), (4, 1, 5), (8, 1, 9), (3, 4, 12), (5, 8, 40)]
+
+
+def max_nodes(num_steps: int, topk: int) -> int:
+    """Candidates an EAGLE-2 tree of this shape has (the root included)."""
+    return 1 + topk + (num_steps - 1) * topk * topk if topk > 1 else num_steps + 1
+
+
+def all_configs(max_steps: int = 10, max_topk: int = 8, max_tokens: int = 64) -> list[Config]:
+    out: list[Config] = [(s, 1, s + 1) for s in range(1, max_steps + 1)]
+    for k in range(2, max_topk + 1):
+        for s in range(1, max_steps + 1):
+            for n in range(2, min(max_nodes(s, k), max_tokens) + 1):
+                out.append((s, k, n))
+    return out
+
+
+def spec_flags(cfg: Config) -> str:
+    s, k, n = cfg
+    return (f"--speculative-num-steps {s} --speculative-eagle-topk {k} "
+            f"--speculative-num-draft-tokens {n}")
+
+
+@dataclass
+class Measured:
+    config: Config | None  # None: plain decoding
+    tok_per_s: float
+    accept_length: float | None
+    seconds: float
+
+
+@dataclass
+class TuneResult:
+    cost: CostModel
+    acceptance: AcceptanceModel
+    predictions: dict[Config, tuple[float, float]]  # cfg -> (tau, tok/s)
+    measured: list[Measured] = field(default_factory=list)
+    recommended: Config | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def table(self) -> str:
+        plain = next((m for m in self.measured if m.config is None), None)
+        lines = [f"{'configuration':<28} {'pred tau':>8} {'pred tok/s':>10} {'meas tau':>8} "
+                 f"{'meas tok/s':>10} {'error':>7}"]
+        if plain:
+            lines.append(f"{'plain':<28} {'1.00':>8} {self.cost.plain_tok_per_s:>10.1f} "
+                         f"{'1.00':>8} {plain.tok_per_s:>10.1f} "
+                         f"{self.cost.plain_tok_per_s / plain.tok_per_s - 1:>+7.1%}")
+        for m in self.measured:
+            if m.config is None:
+                continue
+            tau, tps = self.predictions[m.config]
+            lines.append(f"{str(m.config):<28} {tau:>8.2f} {tps:>10.1f} "
+                         f"{m.accept_length or 1:>8.2f} {m.tok_per_s:>10.1f} "
+                         f"{tps / m.tok_per_s - 1:>+7.1%}")
+        return "\n".join(lines)
+
+    def recommendation(self) -> str:
+        if self.recommended is None:
+            return ("recommendation: speculation OFF: no configuration beat plain decoding "
+                    "(serve without --draft)")
+        return f"recommendation: {self.recommended} -> specscope serve ... --draft DRAFT " \
+               f"{spec_flags(self.recommended)}"
+
+    def as_dict(self) -> dict[str, Any]:
+        best = sorted(self.predictions.items(), key=lambda kv: -kv[1][1])[:20]
+        return {"cost_model": self.cost.as_dict(),
+                "recommended": list(self.recommended) if self.recommended else None,
+                "flags": spec_flags(self.recommended) if self.recommended else None,
+                "measured": [{"config": list(m.config) if m.config else "plain",
+                              "tok_per_s": round(m.tok_per_s, 2),
+                              "accept_length": m.accept_length, "seconds": round(m.seconds, 2),
+                              "predicted": (round(self.predictions[m.config][1], 2)
+                                            if m.config else round(self.cost.plain_tok_per_s, 2))}
+                             for m in self.measured],
+                "top_predictions": [{"config": list(c), "tau": round(t, 3),
+                                     "tok_per_s": round(v, 2)} for c, (t, v) in best],
+                "timings_s": {k: round(v, 2) for k, v in self.timings.items()}}
+
+
+def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
+               params: SamplingParams) -> tuple[Measured, dict]:
+    """Measure one configuration in process with the profiler; returns it and the summary."""
+    t0 = time.perf_counter()
+    llm.set_spec(None if cfg is None else SpecConfig(draft=draft, num_steps=cfg[0],
+                                                     topk=cfg[1], num_draft_tokens=cfg[2]))
+    prof = llm.enable_profiling(True, interval=None)
+    llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    prof.reset()
+    for p in prompts:
+        llm.generate(p, params)
+    s = prof.summary(prof.config)
+    llm.enable_profiling(False)
+    return Measured(cfg, s["tok_per_s"], s["accept_length"], time.perf_counter() - t0), s
+
+
+def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
+         confirm: int = 3, depth: int = 10, calibration_prompts: int = 1,
+         calibration_tokens: int = 48, budget_seconds: float | None = None,
+         log: Any = print) -> TuneResult:
+    """The whole tuner on an LLM holding the target (weights never reloaded). With a budget,
+    confirmation runs stop once it is spent (plain and the top prediction always run)."""
+    t_start = time.perf_counter()
+    from specscope.doctor.probe import target_probe_data
+    from specscope.draft.loader import load_draft
+
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    ids = [llm.encode_prompt(p) for p in prompts]
+    data = target_probe_data(llm.runner.model, ids, max_tokens)
+    loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
+    loaded.model.attach_target(llm.runner.model)
+    acc = measure_acceptance(loaded.model, data, depth)
+    del loaded
+    timings["acceptance_model"] = time.perf_counter() - t
+    log(f"[tune] acceptance model: {depth} steps over {data.answer_tokens} answer tokens "
+        f"({timings['acceptance_model']:.1f} s)")
+
+    t = time.perf_counter()
+    cal_params = SamplingParams(max_tokens=calibration_tokens, ignore_eos=True)
+    cal_prompts = prompts[:calibration_prompts]
+    plain, plain_summary = run_config(llm, None, draft, cal_prompts, cal_params)
+    cals = []
+    for cfg in CALIBRATION:
+        _, s = run_config(llm, cfg, draft, cal_prompts, cal_params)
+        cals.append(calibration_from_summary(s, *cfg))
+    cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary))
+    timings["calibration"] = time.perf_counter() - t
+    log(f"[tune] cost model from {len(CALIBRATION)} calibration configs + plain "
+        f"({timings['calibration']:.1f} s): {cost.as_dict()}")
+
+    t = time.perf_counter()
+    preds: dict[Config, tuple[float, float]] = {}
+    for cfg in all_configs(depth):
+        tau = acc.tau(*cfg)
+        preds[cfg] = (tau, cost.tok_per_s(tau, *cfg))
+    timings["prediction"] = time.perf_counter() - t
+    ranked = sorted(preds, key=lambda c: -preds[c][1])
+    log(f"[tune] predicted {len(preds)} configurations ({timings['prediction']:.1f} s); best "
+        f"{ranked[0]}: tau {preds[ranked[0]][0]:.2f}, {preds[ranked[0]][1]:.1f} tok/s vs plain "
+        f"{cost.plain_tok_per_s:.1f}")
+
+    t = time.perf_counter()
+    params = SamplingParams(max_tokens=max_tokens)
+    result = TuneResult(cost=cost, acceptance=acc, predictions=preds)
+    result.measured.append(run_config(llm, None, draft, prompts, params)[0])
+    for i, cfg in enumerate(ranked[:confirm]):
+        if i and budget_seconds is not None and time.perf_counter() - t_start > budget_seconds:
+            log(f"[tune] budget of {budget_seconds:.0f} s spent: confirmed {i} of {confirm}")
+            break
+        result.measured.append(run_config(llm, cfg, draft, prompts, params)[0])
+    timings["confirmation"] = time.perf_counter() - t
+    best = max(result.measured, key=lambda m: m.tok_per_s)
+    result.recommended = best.config
+    result.timings = timings
+    llm.set_spec(None if best.config is None else SpecConfig(
+        draft=draft, num_steps=best.config[0], topk=best.config[1],
+        num_draft_tokens=best.config[2]))
+    return result
+
+
+def write_plot(result: TuneResult, path: Path) -> None:
+    """SVG: predicted tok/s against num_steps, one line per topk (best num_draft_tokens),
+    plain decoding dashed, confirmed measurements as dots."""
+    best: dict[tuple[int, int], float] = {}
+    for (s, k, _), (_, tps) in result.predictions.items():
+        best[(s, k)] = max(best.get((s, k), 0.0), tps)
+    steps = sorted({s for s, _ in best})
+    ks = sorted({k for _, k in best})
+    vals = list(best.values()) + [result.cost.plain_tok_per_s] + [
+        m.tok_per_s for m in result.measured]
+    top = max(vals) * 1.1
+    W, H, P = 640, 400, 50
+
+    def xy(s: float, v: float) -> tuple[float, float]:
+        x = P + (s - steps[0]) / max(1, steps[-1] - steps[0]) * (W - 2 * P)
+        return x, H - P - v / top * (H - 2 * P)
+
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+              "#7f7f7f"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<text x="{P}" y="20">predicted tok/s vs num_steps (best num_draft_tokens per '
+           f'topk); dots: measured</text>',
+           f'<line x1="{P}" y1="{H - P}" x2="{W - P}" y2="{H - P}" stroke="black"/>',
+           f'<line x1="{P}" y1="{P}" x2="{P}" y2="{H - P}" stroke="black"/>']
+    for s in steps:
+        x, _ = xy(s, 0)
+        out.append(f'<text x="{x - 3:.0f}" y="{H - P + 15}">{s}</text>')
+    for i in range(5):
+        v = top * i / 4
+        _, y = xy(steps[0], v)
+        out.append(f'<text x="5" y="{y + 4:.0f}">{v:.0f}</text>')
+    for i, k in enumerate(ks):
+        pts = " ".join(f"{xy(s, best[(s, k)])[0]:.1f},{xy(s, best[(s, k)])[1]:.1f}"
+                       for s in steps if (s, k) in best)
+        c = colors[i % len(colors)]
+        out.append(f'<polyline fill="none" stroke="{c}" points="{pts}"/>')
+        lx, ly = W - P + 5, P + 14 * i
+        out.append(f'<text x="{lx - 40}" y="{ly}" fill="{c}">topk {k}</text>')
+    _, y = xy(steps[0], result.cost.plain_tok_per_s)
+    out.append(f'<line x1="{P}" y1="{y:.1f}" x2="{W - P}" y2="{y:.1f}" stroke="gray" '
+               f'stroke-dasharray="4"/><text x="{P + 5}" y="{y - 4:.1f}">plain</text>')
+    for m in result.measured:
+        if m.config is not None:
+            x, y = xy(m.config[0], m.tok_per_s)
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="black"/>')
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
