@@ -103,3 +103,55 @@ def test_hot_reconfiguration_keeps_greedy_outputs(engine):
         assert engine.generate(msgs, params)[0].token_ids == ref, spec
         assert engine.runner.model is model
     engine.set_spec(None)
+
+
+def test_admin_endpoint_switches_speculation_without_reloading(tmp_path, tiny_model_dir):
+    """POST /admin/spec changes num_steps / topk / num_draft_tokens or turns speculation
+    off and on between requests; outputs stay the plain greedy ones; bad input is a 400."""
+    import httpx
+    import torch
+
+    from specscope.draft.eagle3 import random_draft
+    from specscope.draft.formats import save_draft
+    from specscope.models.loader import read_config
+    from specscope.server import create_app
+    from specscope.server.background import BackgroundServer
+
+    cfg = read_config(tiny_model_dir)
+    draft = random_draft(cfg, torch.float32, "cpu", draft_vocab_size=1000, seed=1)
+    d = save_draft(draft, draft.config, tmp_path / "draft", "sglang")
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
+              spec=SpecConfig(draft=str(d), num_steps=4))
+    plain = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
+    body = {"model": "x", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+    ref = plain.generate(body["prompt"], SamplingParams(max_tokens=12))[0].text
+    weights = llm.runner.model
+    srv = BackgroundServer(create_app(llm, served_model_name="x"))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/admin/spec").json()["num_steps"] == 4
+            for change, want in [({"num_steps": 2}, (2, 1, 3)),
+                                 ({"topk": 4, "num_draft_tokens": 8}, (2, 4, 8)),
+                                 ({"enabled": False}, None), ({"enabled": True}, (2, 4, 8)),
+                                 ({"num_steps": 6, "topk": 1}, (6, 1, 7))]:
+                r = c.post("/admin/spec", json=change)
+                assert r.status_code == 200, r.text
+                s = r.json()
+                got = (s["num_steps"], s["topk"], s["num_draft_tokens"]) if s["enabled"] \
+                    else None
+                assert got == want, (change, s)
+                out = c.post("/v1/completions", json=body).json()
+                assert out["choices"][0]["text"] == ref
+            for bad in [{"topk": 0}, {"num_steps": 3, "topk": 1, "num_draft_tokens": 9},
+                        {"speed": "max"}, [1]]:
+                r = c.post("/admin/spec", json=bad)
+                assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
+        assert llm.runner.model is weights
+    finally:
+        srv.stop()
+    bare = BackgroundServer(create_app(plain, served_model_name="x"))
+    try:
+        r = httpx.post(f"{bare.url}/admin/spec", json={"num_steps": 3})
+        assert r.status_code == 400 and "--draft" in r.json()["error"]["message"]
+    finally:
+        bare.stop()
