@@ -31,10 +31,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specscope.config import SamplingParams, SpecConfig
+from specscope.config import SamplingParams
 from specscope.engine.llm import LLM, StreamDelta
 from specscope.engine.request import RequestOutput
 from specscope.profiler.trace import chrome_trace
+from specscope.server.admin import add_admin_routes
 from specscope.server.metrics import Metrics
 from specscope.server.schemas import (
     APIError,
@@ -385,62 +386,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None,
                         "(LLM(..., profile=True) or SPECSCOPE_PROFILE=1)",
                         type="not_found_error", code="profiling_off")
 
-    # -- hot reconfiguration (admin) ------------------------------------------------------
-    # The draft the server was started with stays known while speculation is off, so it can
-    # be switched back on; the weights (target and draft) are never reloaded for a change of
-    # num_steps / topk / num_draft_tokens.
-    known = {"draft": llm.spec.draft if llm.spec else None,
-             "draft_layer_ids": llm.spec.draft_layer_ids if llm.spec else None,
-             "last": llm.spec}  # the configuration "enabled": true switches back to
-
-    def spec_state() -> dict:
-        s = llm.spec
-        return {"object": "spec_config", "enabled": s is not None,
-                "draft": s.draft if s else known["draft"],
-                "num_steps": s.num_steps if s else None, "topk": s.topk if s else None,
-                "num_draft_tokens": s.num_draft_tokens if s else None}
-
-    @app.get("/admin/spec")
-    async def get_spec():
-        return spec_state()
-
-    @app.post("/admin/spec")
-    async def set_spec(request: Request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "expected a JSON object")
-        allowed = {"enabled", "num_steps", "topk", "num_draft_tokens"}
-        extra = sorted(set(body) - allowed)
-        if extra:
-            raise APIError(400, f"unsupported fields {extra}; allowed: {sorted(allowed)}",
-                           param=extra[0])
-        if body.get("enabled", True) is False:
-            new = None
-        else:
-            if known["draft"] is None:
-                raise APIError(400, "this server has no draft: start it with --draft to "
-                                    "switch speculation on", param="enabled")
-            cur = llm.spec or known["last"]
-            fields = {"num_steps": cur.num_steps if cur else 5, "topk": cur.topk if cur else 1,
-                      "num_draft_tokens": None}
-            if cur and "num_steps" not in body and "topk" not in body:
-                fields["num_draft_tokens"] = cur.num_draft_tokens
-            for k in ("num_steps", "topk", "num_draft_tokens"):
-                if k in body:
-                    fields[k] = body[k]
-            try:
-                new = SpecConfig(draft=known["draft"],
-                                 draft_layer_ids=known["draft_layer_ids"], **fields)
-            except (TypeError, ValueError) as e:
-                raise APIError(400, f"invalid speculative configuration: {e}") from None
-        # Applied on the engine thread between requests: a running request keeps its config.
-        await worker.call(lambda: llm.set_spec(new))
-        if new is not None:
-            known["last"] = new
-        return spec_state()
+    add_admin_routes(app, llm, worker)
 
     @app.get("/profile")
     async def profile():

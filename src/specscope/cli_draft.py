@@ -1,0 +1,205 @@
+"""The draft commands: `train-draft`, `doctor`, `convert-draft` and `tune`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from specscope.train.trainer import TrainConfig, train_draft
+
+    layer_ids = tuple(int(x) for x in args.layer_ids.split(",")) if args.layer_ids else None
+    cfg = TrainConfig(
+        target=args.target, data=args.data, out=args.out,
+        draft_vocab_size=args.draft_vocab_size, layer_ids=layer_ids,
+        num_layers=args.num_layers, ttt_length=args.ttt_length, epochs=args.epochs,
+        max_steps=args.max_steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
+        grad_clip=args.grad_clip, batch_tokens=args.batch_tokens, max_len=args.max_len,
+        eval_fraction=args.eval_fraction, eval_every=args.eval_every,
+        save_every=args.save_every, seed=args.seed, regenerate=args.regenerate,
+        regen_temperature=args.regen_temperature,
+        regen_max_new_tokens=args.regen_max_new_tokens,
+        regen_batch_size=args.regen_batch_size, device=args.device,
+        budget_minutes=args.budget_minutes, resume=args.resume,
+        export_formats=tuple(args.export_formats.split(",")), export_dtype=args.export_dtype,
+        cache_dir=args.cache_dir, tap_cache=args.tap_cache)
+    out = train_draft(cfg)
+    print(f"draft written to {out}; serve it with: specscope serve "
+          f"{args.target or ''} --draft {out}".replace("  ", " "))
+    return 0
+
+
+def _doctor_report(llm, draft: str, prompts_file: str | None, num_prompts: int,
+                   layer_ids: tuple[int, ...] | None, max_new_tokens: int):
+    from specscope.bench.datasets import load_prompts
+    from specscope.doctor import run_doctor
+
+    prompts = load_prompts(prompts_file, num_prompts) if prompts_file else None
+    return run_doctor(llm, draft, prompts=prompts, layer_ids=layer_ids,
+                      max_new_tokens=max_new_tokens)
+
+
+def _layer_ids_arg(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--draft-layer-ids must be comma-separated integers, got "
+                         f"{text!r}") from None
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from specscope.engine.llm import LLM
+
+    llm = LLM(args.target or args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs)
+    report = _doctor_report(llm, args.draft, args.prompts, args.num_prompts,
+                            _layer_ids_arg(args.draft_layer_ids), args.max_new_tokens)
+    print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
+    return 0 if report.healthy else 1
+
+
+def cmd_convert_draft(args: argparse.Namespace) -> int:
+    from specscope.draft.convert import convert_draft
+
+    target_config = None
+    if args.target:
+        from specscope.models.loader import read_config, resolve_model_dir
+
+        target_config = read_config(resolve_model_dir(args.target, args.cache_dir))
+    out = convert_draft(args.input, args.output, args.to, target_config=target_config,
+                        num_target_layers=args.target_layers)
+    print(f"wrote {out} ({args.to} format)")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from specscope.bench.datasets import load_prompts
+    from specscope.engine.llm import LLM
+    from specscope.tune.tuner import tune, write_plot
+
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+              compile=args.compile)
+    res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, confirm=args.confirm,
+               budget_seconds=args.budget_seconds)
+    print(res.table())
+    print(res.recommendation())
+    (out_dir / "tune.json").write_text(json.dumps(res.as_dict(), indent=1) + "\n")
+    write_plot(res, out_dir / "tune.svg")
+    print(f"wrote {out_dir / 'tune.json'} and {out_dir / 'tune.svg'}")
+    return 0
+
+
+def _add_train_args(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--target", default=None,
+                   help="target model: HF dir, .gguf or hub id (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    t.add_argument("--data", nargs="+", required=True,
+                   help="JSONL files: OpenAI 'messages', ShareGPT 'conversations', or "
+                        "prompts ('prompt' / 'question' / 'instruction')")
+    t.add_argument("--out", required=True, help="run directory: regenerated data, "
+                                                "checkpoints, metrics, exported draft")
+    t.add_argument("--no-regenerate", dest="regenerate", action="store_false",
+                   help="train on the dataset's own answers instead of the target's")
+    t.add_argument("--regen-temperature", type=float, default=0.0,
+                   help="sampling temperature of the regenerated answers (0: greedy)")
+    t.add_argument("--regen-max-new-tokens", type=int, default=512)
+    t.add_argument("--regen-batch-size", type=int, default=64)
+    t.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="default: 12288 for targets under 2048 hidden, else 32000 (capped "
+                        "at the target vocab)")
+    t.add_argument("--layer-ids", default=None,
+                   help="target tap layers, output-of-layer ids (default: EAGLE-3's "
+                        "[1, L/2-1, L-4])")
+    t.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
+    t.add_argument("--ttt-length", type=int, default=7,
+                   help="training-time-test unroll depth (loss weight 0.8^i per step)")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
+    t.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default 3e-4 small targets, 1e-4 large)")
+    t.add_argument("--warmup-ratio", type=float, default=0.02)
+    t.add_argument("--grad-clip", type=float, default=0.5)
+    t.add_argument("--batch-tokens", type=int, default=None,
+                   help="padded tokens per batch (default: 2048 CPU, 32768/8192 CUDA)")
+    t.add_argument("--max-len", type=int, default=2048, help="tokens per conversation")
+    t.add_argument("--eval-fraction", type=float, default=0.02)
+    t.add_argument("--eval-every", type=int, default=200)
+    t.add_argument("--save-every", type=int, default=500)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--budget-minutes", type=float, default=None,
+                   help="stop after this long (checkpoint and export); --resume continues")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the last complete checkpoint in --out")
+    t.add_argument("--export-formats", default="sglang",
+                   help="comma list of sglang, eagle, speculators (first: OUT/draft)")
+    t.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16",
+                                                                   "float32"])
+    t.add_argument("--tap-cache", default=None,
+                   help="optional directory caching the target's taps per example on disk "
+                        "(size printed first); default: computed online each step")
+    t.add_argument("--cache-dir", default=None, help="converted-GGUF cache directory")
+
+
+def add_draft_commands(sub: argparse._SubParsersAction,
+                       add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register train-draft, doctor, convert-draft and tune on the `specscope` parser."""
+    d = sub.add_parser("doctor", help="check that a draft is wired to its target: static "
+                                      "checks, then a probe of every plausible wiring")
+    add_model_args(d)
+    d.add_argument("--target", default=None, help="alias of --model")
+    d.add_argument("--draft", required=True,
+                   help="draft checkpoint directory, or 'default'")
+    d.add_argument("--draft-layer-ids", default=None,
+                   help="check these output-of-layer tap ids instead of the config's")
+    d.add_argument("--prompts", default=None,
+                   help="probe prompts: mt_bench | humaneval | gsm8k | FILE.jsonl "
+                        "(default: a few of each built-in set)")
+    d.add_argument("--num-prompts", type=int, default=8)
+    d.add_argument("--max-new-tokens", type=int, default=64,
+                   help="length of the target's answers the draft is probed on")
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.set_defaults(func=cmd_doctor)
+
+    u = sub.add_parser("tune", help="the best num_steps/topk/num_draft_tokens from a cost "
+                                    "model and an acceptance model, confirmed by real runs")
+    add_model_args(u)
+    u.add_argument("--draft", default="default", help="draft checkpoint, or 'default'")
+    u.add_argument("--dataset", default="mt_bench",
+                   help="mt_bench | humaneval | gsm8k | FILE.jsonl")
+    u.add_argument("--num-prompts", type=int, default=4)
+    u.add_argument("--max-tokens", type=int, default=128)
+    u.add_argument("--confirm", type=int, default=3,
+                   help="how many of the best predictions to confirm by real runs")
+    u.add_argument("--budget-seconds", type=float, default=None,
+                   help="stop confirming once this much time is spent")
+    u.add_argument("--out", default="tune-out", help="directory for tune.json and tune.svg")
+    u.set_defaults(func=cmd_tune)
+
+    c = sub.add_parser("convert-draft", help="convert a draft between the sglang, eagle and "
+                                             "speculators formats (lossless)")
+    c.add_argument("input", help="draft checkpoint directory (any format), or 'default'")
+    c.add_argument("output", help="output directory")
+    c.add_argument("--to", required=True, choices=["sglang", "eagle", "speculators"])
+    c.add_argument("--target", default=None,
+                   help="the target model (for its layer count); or --target-layers")
+    c.add_argument("--target-layers", type=int, default=None,
+                   help="the target's number of decoder layers")
+    c.add_argument("--cache-dir", default=None)
+    c.set_defaults(func=cmd_convert_draft)
+
+    t = sub.add_parser("train-draft", help="train an EAGLE-3 draft for a target (regenerates "
+                                           "the data with the target, TTT, exports SGLang)")
+    _add_train_args(t)
+    t.set_defaults(func=cmd_train_draft)
