@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from specscope.cli_draft import _doctor_report, add_draft_commands
+from specscope.cli_draft import add_draft_commands, doctor_report
 from specscope.config import SamplingParams
 
 
@@ -247,7 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if spec is None or spec.draft == "random" or spec.simulate_acceptance is not None:
             raise ValueError("--doctor checks a draft checkpoint: give --draft DIR (or "
                              "--draft default)")
-        report = _doctor_report(llm, spec.draft, None, 8, spec.draft_layer_ids, 64)
+        report = doctor_report(llm, spec.draft, None, 8, spec.draft_layer_ids, 64)
         print(report.format(), file=sys.stderr)
         if not report.healthy:
             print("specscope serve: the draft failed specscope doctor; not serving (fix it, "

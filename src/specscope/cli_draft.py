@@ -32,7 +32,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _doctor_report(llm, draft: str, prompts_file: str | None, num_prompts: int,
+def doctor_report(llm, draft: str, prompts_file: str | None, num_prompts: int,
                    layer_ids: tuple[int, ...] | None, max_new_tokens: int):
     from specscope.bench.datasets import load_prompts
     from specscope.doctor import run_doctor
@@ -58,7 +58,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     llm = LLM(args.target or args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs)
-    report = _doctor_report(llm, args.draft, args.prompts, args.num_prompts,
+    report = doctor_report(llm, args.draft, args.prompts, args.num_prompts,
                             _layer_ids_arg(args.draft_layer_ids), args.max_new_tokens)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0 if report.healthy else 1

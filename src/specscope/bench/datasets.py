@@ -9,6 +9,7 @@ Chat-style rows become a single-turn conversation (the chat template applies); H
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,21 @@ def _row_prompt(row: dict[str, Any], where: str) -> Prompt:
                      f"prompt, question or text)")
 
 
+def jsonl_objects(text: str, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, object) for each non-blank line of a JSONL text; errors name `name`:line."""
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{name}:{i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: each line must be a JSON object")
+        yield where, row
+
+
 def load_prompts(dataset: str, num_prompts: int | None = None) -> list[Prompt]:
     """Prompts from a built-in set (mt_bench, humaneval, gsm8k) or a JSONL file path."""
     if dataset in BUILTIN:
@@ -53,16 +69,8 @@ def load_prompts(dataset: str, num_prompts: int | None = None) -> list[Prompt]:
                                     f"({', '.join(BUILTIN)}) nor a file")
         text, name = path.read_text(), str(path)
     prompts = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name}:{i}: not valid JSON ({e})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{name}:{i}: each line must be a JSON object")
-        prompts.append(_row_prompt(row, f"{name}:{i}"))
+    for where, row in jsonl_objects(text, name):
+        prompts.append(_row_prompt(row, where))
         if num_prompts is not None and len(prompts) >= num_prompts:
             break
     if not prompts:

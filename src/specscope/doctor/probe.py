@@ -60,6 +60,12 @@ class ProbeData:
     logits: torch.Tensor  # [B, T, V] fp32
     answer_tokens: int
 
+    def taps(self, ids: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The target's taps [B, T, len(ids) * H] for output-of-layer ids (-1: embedding)."""
+        B, T = self.input_ids.shape
+        cols = torch.tensor([i + 1 for i in ids], device=self.layers.device)
+        return self.layers.index_select(2, cols).reshape(B, T, -1).to(dtype)
+
 
 @torch.inference_mode()
 def target_probe_data(target: CausalLM, prompts: list[list[int]], max_new_tokens: int = 64
@@ -126,13 +132,9 @@ def measure_wirings(draft: Eagle3Draft, data: ProbeData, wirings: list[Wiring],
                                              device=data.logits.device))
     logp = torch.log_softmax(data.logits[..., draft_ids], dim=-1)
     top = data.logits.argmax(-1)
-    B, T = data.input_ids.shape
-    wdtype = draft.fc.weight.dtype
-    if draft._rope is None or draft._rope[0].shape[0] < T + steps + 1:
-        draft.init_rope(max(T + steps + 1, draft.config.max_position_embeddings))
+    draft.ensure_rope(data.input_ids.shape[1] + steps + 1)
     for w in wirings:
-        cols = torch.tensor([i + 1 for i in w.ids], device=data.layers.device)
-        taps = data.layers.index_select(2, cols).reshape(B, T, -1).to(wdtype)
+        taps = data.taps(w.ids, draft.fc.weight.dtype)
         batch = TTTBatch(input_ids=data.input_ids, label_mask=data.label_mask, taps=taps,
                          target_logp=logp, target_top=top)
         _, losses, m = ttt_loss(draft, batch, steps)

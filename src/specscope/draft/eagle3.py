@@ -221,6 +221,11 @@ class Eagle3Draft(nn.Module):
                                w.device)
         self._rope = (cos.to(w.dtype), sin.to(w.dtype))
 
+    def ensure_rope(self, length: int) -> None:
+        """Rope tables covering positions [0, length) at least (rebuilt only if shorter)."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            self.init_rope(max(length, self.config.max_position_embeddings))
+
     # -- forward ----------------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

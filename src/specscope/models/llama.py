@@ -195,6 +195,11 @@ class CausalLM(nn.Module):
         # HF casts cos/sin to the activation dtype before rotating; so do we.
         self._rope = (cos.to(dtype), sin.to(dtype))
 
+    def ensure_rope(self, length: int) -> None:
+        """Rope tables covering positions [0, length) at least (rebuilt only if shorter)."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            self.init_rope(max(length, self.config.max_position_embeddings))
+
     # -- forward --------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -14,13 +14,14 @@ prompt, user turns, template headers) is masked out.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from specscope.bench.datasets import jsonl_objects
 
 Messages = list[dict[str, str]]
 
@@ -77,15 +78,8 @@ def read_conversations(paths: list[str | Path]) -> list[Messages]:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"training data {p} not found")
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from e
-                convs.append(parse_conversation(obj, f"{p}:{n}"))
+        for where, obj in jsonl_objects(p.read_text(encoding="utf-8"), str(p)):
+            convs.append(parse_conversation(obj, where))
     if not convs:
         raise ValueError(f"no conversations in {', '.join(str(p) for p in paths)}")
     return convs

@@ -63,8 +63,7 @@ class BatchGenerator:
         self.model, self.batch, self.capacity = model, batch, capacity
         self.window, self.prefill_rows = window, prefill_rows
         self.device = w.device
-        if model._rope is None or model._rope[0].shape[0] < capacity:
-            model.init_rope(max(capacity, cfg.max_position_embeddings))
+        model.ensure_rope(capacity)
         self.cache = KVCache(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim,
                              w.dtype, w.device)
         use_graphs = self.device.type == "cuda" if graphs is None else graphs

@@ -125,10 +125,8 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
                        ) -> AcceptanceModel:
     """Ranks of the target's greedy path under the draft, `depth` steps deep."""
     B, T = data.input_ids.shape
-    ids = torch.tensor(draft.config.aux_layer_ids, device=data.layers.device) + 1
-    taps = data.layers.index_select(2, ids).reshape(B, T, -1).to(draft.fc.weight.dtype)
-    if draft._rope is None or draft._rope[0].shape[0] < T + depth + 1:
-        draft.init_rope(max(T + depth + 1, draft.config.max_position_embeddings))
+    taps = data.taps(draft.config.aux_layer_ids, draft.fc.weight.dtype)
+    draft.ensure_rope(T + depth + 1)
     logits = unroll(draft, taps, data.input_ids, depth)  # each [B, T, Vd]
     top = data.logits.argmax(-1)  # [B, T] the target's greedy token after each position
     t2d = draft.t2d.to(top.device)
