@@ -29,8 +29,15 @@ from specscope.train.data import (
     tokenize_conversation,
 )
 from specscope.train.regenerate import BatchGenerator, generate_batch, read_regenerated, regenerate
+from specscope.train.self_prompts import self_prompts, user_turn_prefix, write_prompts
 from specscope.train.trainer import TrainConfig, train_draft
-from specscope.train.ttt import predicted_accept_length, shift_left, unroll
+from specscope.train.ttt import (
+    answer_spans,
+    predicted_accept_length,
+    shift_left,
+    unroll,
+    walk_cycles,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -78,6 +85,21 @@ def test_shift_left_and_predicted_accept_length():
     assert shift_left(x, 9, -1).tolist() == [[-1] * 6]
     assert predicted_accept_length([1.0, 1.0, 0.5], 3) == 3.5
     assert predicted_accept_length([0.5, 0.5], 1) == 1.5
+
+
+def test_walk_cycles_follow_the_engine():
+    # prompt of 3 tokens (indices 0..2), answer at 3..11; a second answer at 14..16
+    mask = torch.zeros(1, 18, dtype=torch.bool)
+    mask[0, 3:12] = True
+    mask[0, 14:17] = True
+    assert answer_spans(mask) == [[(2, 12), (13, 17)]]
+    a = [[0] * 18]
+    a[0][2], a[0][5], a[0][6], a[0][9] = 2, 3, 1, 5
+    # first answer: t=2 accepts 2 -> t=5 accepts 3 -> t=9 accepts min(5, 12-9-2=1) -> t=11
+    # stops (no root left); second answer: t=13 accepts 0, t=14 0, t=15 0 -> t=16 stops
+    assert walk_cycles(a, answer_spans(mask)) == [2, 3, 1, 0, 0, 0]
+    # the mean over all start positions would count positions the walk skips
+    assert walk_cycles([[0] * 18], [[(0, 1)]]) == []
 
 
 # -- data: formats, loss mask, vocabulary --------------------------------------------------
@@ -203,6 +225,26 @@ def test_regeneration_resumes_after_an_interrupted_write(tmp_path, tiny_model_di
     assert sorted(read_regenerated(tmp_path / "b.jsonl")) == [0, 1, 2]
     resumed = regenerate(loaded.model, tok, convs, tmp_path / "b.jsonl", **kw)
     assert resumed == full
+
+
+def test_self_prompts_are_whole_distinct_user_requests(default_model_dir, tmp_path):
+    """Magpie: the default model, given its template up to an opened user turn, writes
+    requests; kept ones ended with end-of-turn, are distinct, and the run is repeatable."""
+    loaded = load_model(str(default_model_dir), dtype=torch.float32)
+    tok = Tokenizer(loaded.path, loaded.config.eos_token_ids)
+    prefix = tok.decode(user_turn_prefix(tok), skip_special_tokens=False)
+    assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_start|>user\n")
+    kw = dict(batch_size=6, max_new_tokens=64, seed=1, progress=False)
+    got = self_prompts(loaded.model, tok, 5, **kw)
+    assert len(got) == 5 and len({g.lower() for g in got}) == 5
+    assert all(16 <= len(g) <= 1500 and "<|im_end|>" not in g for g in got)
+    assert self_prompts(loaded.model, tok, 5, **kw) == got
+    with pytest.raises(ValueError, match="temperature"):
+        self_prompts(loaded.model, tok, 2, temperature=0.0)
+    write_prompts(tmp_path / "p.jsonl", got)
+    assert [json.loads(x)["prompt"] for x in (tmp_path / "p.jsonl").read_text().splitlines()] \
+        == got
+    assert not (tmp_path / "p.jsonl.tmp").exists()
 
 
 # -- checkpoints ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         regen_temperature=args.regen_temperature,
         regen_max_new_tokens=args.regen_max_new_tokens,
         regen_batch_size=args.regen_batch_size, device=args.device,
+        self_prompts=args.self_prompts, self_prompt_temperature=args.self_prompt_temperature,
         budget_minutes=args.budget_minutes, resume=args.resume,
         export_formats=tuple(args.export_formats.split(",")), export_dtype=args.export_dtype,
         cache_dir=args.cache_dir, tap_cache=args.tap_cache)
@@ -104,7 +105,7 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--target", default=None,
                    help="target model: HF dir, .gguf or hub id (default: the embedded "
                         "SmolLM2-135M-Instruct)")
-    t.add_argument("--data", nargs="+", required=True,
+    t.add_argument("--data", nargs="+", default=[],
                    help="JSONL files: OpenAI 'messages', ShareGPT 'conversations', or "
                         "prompts ('prompt' / 'question' / 'instruction')")
     t.add_argument("--out", required=True, help="run directory: regenerated data, "
@@ -115,6 +116,11 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
                    help="sampling temperature of the regenerated answers (0: greedy)")
     t.add_argument("--regen-max-new-tokens", type=int, default=512)
     t.add_argument("--regen-batch-size", type=int, default=64)
+    t.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="add N requests written by the target itself (Magpie: its chat "
+                        "template up to an opened user turn, sampled); saved to "
+                        "OUT/self_prompts.jsonl")
+    t.add_argument("--self-prompt-temperature", type=float, default=0.9)
     t.add_argument("--draft-vocab-size", type=int, default=None,
                    help="default: 12288 for targets under 2048 hidden, else 32000 (capped "
                         "at the target vocab)")

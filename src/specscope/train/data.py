@@ -80,7 +80,7 @@ def read_conversations(paths: list[str | Path]) -> list[Messages]:
             raise FileNotFoundError(f"training data {p} not found")
         for where, obj in jsonl_objects(p.read_text(encoding="utf-8"), str(p)):
             convs.append(parse_conversation(obj, where))
-    if not convs:
+    if paths and not convs:
         raise ValueError(f"no conversations in {', '.join(str(p) for p in paths)}")
     return convs
 

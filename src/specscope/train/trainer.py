@@ -59,8 +59,15 @@ from specscope.train.data import (
     tokenize_conversation,
 )
 from specscope.train.regenerate import regenerate
+from specscope.train.self_prompts import self_prompts, write_prompts
 from specscope.train.tap_cache import TapCache
-from specscope.train.ttt import TTTBatch, acceptance, predicted_accept_length, ttt_loss
+from specscope.train.ttt import (
+    TTTBatch,
+    acceptance,
+    predicted_accept_length,
+    ttt_loss,
+    walk_accept_counts,
+)
 
 log = logging.getLogger("specscope.train")
 TRAINER_VERSION = f"specscope-train-draft {__version__}"
@@ -140,11 +147,17 @@ def evaluate(draft: Eagle3Draft, target: CausalLM, examples: list[Example],
     sums = None
     losses = torch.zeros(cfg.ttt_length)
     n_batches = 0
+    walk_steps = sorted({k for k in (1, 3, 5, cfg.ttt_length) if k <= cfg.ttt_length})
+    walk = {k: [0, 0] for k in walk_steps}  # num_steps -> [accepted tokens, cycles]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for idx in token_batches(examples, cfg.batch_tokens, cfg.seed, epoch=-1):
         batch = target_batch(target, [examples[i] for i in idx], draft_ids, device)
         with torch.no_grad(), autocast:
             _, step_losses, m = ttt_loss(draft, batch, cfg.ttt_length, cfg.loss_decay)
+        for k in walk_steps:
+            tokens, cycles = walk_accept_counts(m, batch.label_mask, k)
+            walk[k][0] += tokens
+            walk[k][1] += cycles
         vals = torch.stack([m.count, m.correct, m.chain, m.reached]).cpu()
         sums = vals if sums is None else sums + vals
         losses += torch.stack(step_losses).float().cpu()
@@ -160,6 +173,10 @@ def evaluate(draft: Eagle3Draft, target: CausalLM, examples: list[Example],
         "predicted_accept_length": {k: round(predicted_accept_length(rates, k), 3)
                                     for k in sorted({1, 3, 5, cfg.ttt_length})
                                     if k <= cfg.ttt_length},
+        # The engine's greedy chain replayed over the answers (cycles start after each
+        # bonus token): what `specscope profile` measures. The formula above assumes a
+        # cycle at every position and is optimistic when rejections cluster.
+        "walk_accept_length": {k: round(1 + t / max(c, 1), 3) for k, (t, c) in walk.items()},
         "labels": int(count[0]),
     }
 
@@ -174,6 +191,24 @@ def _progress(total: int, initial: int, enabled: bool):
         return None
     return tqdm(total=total, initial=initial, desc="train-draft", unit="step", file=sys.stderr,
                 dynamic_ncols=True)
+
+
+def _self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, path: Path
+                  ) -> list[str]:
+    """The run's self-written prompts: read back when a whole file of them exists (a resumed
+    run must see the same data), else sampled from the target and written atomically."""
+    if path.is_file():
+        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+        if len(prompts) >= cfg.self_prompts:
+            log.info("train-draft: %d self-written prompts from %s", cfg.self_prompts, path)
+            return prompts[:cfg.self_prompts]
+    prompts = self_prompts(target, tokenizer, cfg.self_prompts,
+                           temperature=cfg.self_prompt_temperature,
+                           top_p=cfg.self_prompt_top_p, batch_size=cfg.regen_batch_size,
+                           seed=cfg.seed, progress=cfg.progress)
+    write_prompts(path, prompts)
+    log.info("train-draft: the target wrote %d prompts (%s)", len(prompts), path)
+    return prompts
 
 
 def train_draft(cfg: TrainConfig) -> Path:
@@ -197,7 +232,13 @@ def train_draft(cfg: TrainConfig) -> Path:
         raise ValueError(f"{loaded.path}: the target's tokenizer has no chat template; "
                          f"train-draft needs one to find the assistant tokens")
 
-    log.info("train-draft: %d conversations from %s", len(convs), ", ".join(cfg.data))
+    log.info("train-draft: %d conversations from %s", len(convs),
+             ", ".join(cfg.data) or "no file")
+    if cfg.self_prompts:
+        convs += [[{"role": "user", "content": p}] for p in
+                  _self_prompts(target, tokenizer, cfg, out / "self_prompts.jsonl")]
+    if not convs:
+        raise ValueError("no training data: pass --data FILE... and/or --self-prompts N")
     if cfg.regenerate:
         convs = regenerate(target, tokenizer, convs, out / "regenerated.jsonl",
                            batch_size=cfg.regen_batch_size,
@@ -334,8 +375,9 @@ def train_draft(cfg: TrainConfig) -> Path:
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
                 ev = evaluate(draft, target, held, cfg, device)
                 record({"step": step, "eval": ev})
-                log.info("eval at step %d: acceptance %s, predicted accept length %s", step,
-                         ev.get("acceptance_by_position"), ev.get("predicted_accept_length"))
+                log.info("eval at step %d: acceptance %s, accept length %s (engine walk; "
+                         "formula %s)", step, ev.get("acceptance_by_position"),
+                         ev.get("walk_accept_length"), ev.get("predicted_accept_length"))
             if cfg.save_every and step % cfg.save_every == 0:
                 checkpoint()
             if cfg.stop_after_steps is not None and step >= cfg.stop_after_steps:
@@ -356,8 +398,9 @@ def train_draft(cfg: TrainConfig) -> Path:
     final_eval = evaluate(draft, target, held, cfg, device)
     record({"step": step, "eval": final_eval, "final": True, "stopped": stopped})
     checkpoint()
-    log.info("train-draft: %s at step %d/%d; held-out acceptance %s, predicted accept "
-             "length %s", stopped, step, total, final_eval.get("acceptance_by_position"),
+    log.info("train-draft: %s at step %d/%d; held-out acceptance %s, accept length %s "
+             "(engine walk; formula %s)", stopped, step, total,
+             final_eval.get("acceptance_by_position"), final_eval.get("walk_accept_length"),
              final_eval.get("predicted_accept_length"))
     provenance = {
         "trainer": TRAINER_VERSION,

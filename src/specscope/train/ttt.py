@@ -105,6 +105,7 @@ class StepMetrics:
     chain: torch.Tensor  # [steps] positions where steps 0..j all hit on-policy
     reached: torch.Tensor  # [steps] positions where steps 0..j-1 all hit (j=0: all labels)
     first_ce: torch.Tensor | None = None  # [n labels] step-0 cross-entropy per label (detached)
+    accepted: torch.Tensor | None = None  # [steps, B, T] bool: steps 0..j all hit at index t
 
 
 def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
@@ -122,6 +123,7 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
     count, correct, chain, reached = [], [], [], []
     alive = None
     first_ce = None
+    accepted = []
     for j, lg in enumerate(logits):
         valid = shift_left(batch.label_mask, j + 2, False)  # label tok_{t+2+j} exists, is ours
         p = shift_left(batch.target_logp, j + 1, 0.0).exp()  # target at position t+1+j
@@ -140,13 +142,14 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
             hit = valid & (top == label) & (label == tgt)
             reach = valid if alive is None else valid & alive
             alive = hit if alive is None else alive & hit
+            accepted.append(alive)
             count.append(n.float())
             correct.append((valid & (top == tgt)).sum().float())
             chain.append(alive.sum().float())
             reached.append(reach.sum().float())
     metrics = StepMetrics(count=torch.stack(count), correct=torch.stack(correct),
                           chain=torch.stack(chain), reached=torch.stack(reached),
-                          first_ce=first_ce)
+                          first_ce=first_ce, accepted=torch.stack(accepted))
     return total, losses, metrics
 
 
@@ -164,3 +167,51 @@ def predicted_accept_length(rates: list[float], num_steps: int) -> float:
         run *= a
         tau += run
     return tau
+
+
+def answer_spans(label_mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, each assistant answer as (start, end): start = the index of the token before
+    the answer (where the first cycle's extend ends), end = the index after its last token."""
+    out = []
+    for row in label_mask.bool().cpu().tolist():
+        spans, t = [], 0
+        while t < len(row):
+            if row[t]:
+                e = t
+                while e < len(row) and row[e]:
+                    e += 1
+                if t > 0:
+                    spans.append((t - 1, e))
+                t = e
+            else:
+                t += 1
+        out.append(spans)
+    return out
+
+
+def walk_cycles(accepted: list[list[int]], spans: list[list[tuple[int, int]]]) -> list[int]:
+    """Accepted draft tokens of every cycle of the engine's walk over each answer.
+
+    accepted[b][t]: draft tokens a cycle whose extend ends at index t would accept. Cycles do
+    not start at every index: the first starts at the answer's start, and a cycle at t is
+    followed by one at t + a(t) + 1 (after its bonus token). Rejections cluster at hard
+    positions, so the walk's mean is below the mean over all indices."""
+    out = []
+    for row, row_spans in zip(accepted, spans, strict=True):
+        for t, end in row_spans:
+            while t + 1 < end:  # a cycle has a root token to verify from
+                acc = min(row[t], max(0, end - t - 2))
+                out.append(acc)
+                t += acc + 1
+    return out
+
+
+def walk_accept_counts(m: StepMetrics, label_mask: torch.Tensor, num_steps: int
+                       ) -> tuple[int, int]:
+    """(accepted draft tokens, cycles) of a greedy chain of num_steps replayed on the batch:
+    the engine's accept length is 1 + tokens / cycles."""
+    if m.accepted is None:
+        raise ValueError("walk_accept_counts needs StepMetrics.accepted (from ttt_loss)")
+    a = m.accepted[:num_steps].long().sum(0).tolist()  # [B, T] leading hits
+    c = walk_cycles(a, answer_spans(label_mask))
+    return sum(c), len(c)

@@ -36,7 +36,7 @@ import torch
 
 from specscope.doctor.probe import ProbeData
 from specscope.draft.eagle3 import Eagle3Draft
-from specscope.train.ttt import shift_left, unroll
+from specscope.train.ttt import shift_left, unroll, walk_cycles
 
 INF_RANK = 1 << 30
 
@@ -94,13 +94,7 @@ class AcceptanceModel:
                ) -> list[int]:
         """Accepted draft tokens of every replayed cycle (the engine's walk)."""
         a = self.accepted_depths(num_steps, topk, num_draft_tokens).tolist()
-        out = []
-        for b, (t, end) in enumerate(zip(self.starts, self.ends, strict=True)):
-            while t + 1 < end:  # a cycle has a root token to verify from
-                acc = min(a[b][t], max(0, end - t - 2))
-                out.append(acc)
-                t += acc + 1
-        return out
+        return walk_cycles(a, [[(s, e)] for s, e in zip(self.starts, self.ends, strict=True)])
 
     def tau(self, num_steps: int, topk: int, num_draft_tokens: int | None = None) -> float:
         c = self.cycles(num_steps, topk, num_draft_tokens)

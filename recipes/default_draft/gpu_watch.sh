@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Watch gpu_round2.sh for up to $1 seconds (default 540) and bring back what exists under $OUT:
+# the regenerated data (once both regenerations are done), training metrics and logs, and,
+# when the round is DONE, the exported draft (safetensors split in two, md5) and the
+# engine-walk accept length of the draft on the built-in evaluation sets.
+set -u
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+R=/tmp/round
+end=$(( $(date +%s) + ${1:-540} ))
+while [ "$(date +%s)" -lt $end ] && [ ! -f $R/DONE ]; do sleep 15; done
+for f in $R/t0 $R/t_regen1 $R/t_regen2 $R/t_train; do [ -f $f ] && echo "$f $(cat $f)"; done
+for f in $R/regen.log $R/self.log $R/train.log; do
+  [ -f $f ] && { echo "== $f"; tr '\r' '\n' < $f | grep -v '^$' | tail -n 12; }
+done
+if [ -f $R/t_regen2 ]; then
+  cat $R/regen/regenerated.jsonl | gzip -c > $OUT/regen_recipe.jsonl.gz
+  cat $R/self/regenerated.jsonl | gzip -c > $OUT/regen_self.jsonl.gz
+  ls -la $OUT
+fi
+[ -f $R/train/metrics.jsonl ] && cp $R/train/metrics.jsonl $OUT/metrics.jsonl
+if [ -f $R/DONE ] && [ -f $R/train/draft/model.safetensors ]; then
+  cp $R/train/draft/config.json $OUT/config.json
+  split -n 2 -d $R/train/draft/model.safetensors $OUT/model.safetensors.part
+  md5sum $R/train/draft/model.safetensors
+  python3 recipes/default_draft/walk_tau.py --target /tmp/smol.gguf --draft $R/train/draft \
+    --device cuda --cache-dir /tmp/sscache 2>&1 | tee $OUT/walk_tau.log
+fi

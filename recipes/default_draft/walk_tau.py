@@ -1,0 +1,55 @@
+"""Engine-walk accept length of a draft on the built-in evaluation sets (fast, no engine run):
+the target answers each prompt greedily, the draft is unrolled along the answers as the
+engine runs it, and the engine's cycle walk is replayed (tune/acceptance.py). For a chain
+this is the accept length `specscope profile` measures on the same tokens.
+
+    python recipes/default_draft/walk_tau.py --draft DIR [--target GGUF] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from specscope import LLM
+from specscope.bench.datasets import load_prompts
+from specscope.doctor.probe import target_probe_data
+from specscope.draft.loader import _resolve_dir, load_draft
+from specscope.tune.acceptance import measure_acceptance
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--draft", default="default")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--num-prompts", type=int, default=80)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--datasets", default="mt_bench,gsm8k,humaneval")
+    args = ap.parse_args()
+    llm = LLM(args.target, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    draft = load_draft(_resolve_dir(args.draft), llm.model_config, dtype=llm.dtype,
+                       device=llm.device).model
+    draft.attach_target(llm.runner.model)
+    for name in args.datasets.split(","):
+        t = time.perf_counter()
+        prompts = load_prompts(name, args.num_prompts)
+        ids = [llm.encode_prompt(p) for p in prompts]
+        taus = {}
+        for i in range(0, len(ids), 16):  # batches of 16 prompts bound the probe's memory
+            data = target_probe_data(llm.runner.model, ids[i:i + 16], args.max_tokens)
+            part = measure_acceptance(draft, data, depth=6)
+            for k in (1, 3, 5, 6):
+                c = part.cycles(k, 1)
+                taus.setdefault(k, [0, 0])
+                taus[k][0] += sum(c)
+                taus[k][1] += len(c)
+        line = " ".join(f"tau({k},1)={1 + a / max(n, 1):.3f}" for k, (a, n) in taus.items())
+        print(f"{name:10s} {len(ids)} prompts x {args.max_tokens} tokens: {line} "
+              f"({time.perf_counter() - t:.0f} s, {llm.dtype}, {llm.device})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
