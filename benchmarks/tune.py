@@ -2,6 +2,13 @@
 
     python benchmarks/tune.py [--dataset mt_bench --num-prompts 3 --max-tokens 96]
 
+GPU, simulated acceptance (a random-weight Llama-3.1-8B-shape target and a random EAGLE-3
+draft; the draft and verify run for real, acceptance follows the given per-position profile
+and sibling rate, and the tuner's acceptance model is that same profile):
+
+    python benchmarks/tune.py --device cuda --shape llama-3.1-8b \
+        --rates 0.8,0.76,0.73,0.71,0.69,0.68,0.67,0.66,0.65,0.64 --sibling 0.35
+
 The grid: plain decoding, chains of 1..8 steps, and trees topk {2, 4, 8} x steps {2, 3, 4, 6}
 x num_draft_tokens {8, 16, 32} (those the shape allows). Reported: the best grid
 configuration and its tok/s; the tuner's pick and its tok/s measured the same way; the
@@ -12,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from specscope import LLM, SamplingParams
+from specscope import LLM, SamplingParams, SpecConfig
 from specscope.bench.datasets import load_prompts
+from specscope.tune.acceptance import AcceptanceModel
 from specscope.tune.tuner import max_nodes, run_config, tune
 
 
@@ -30,34 +39,86 @@ def grid() -> list:
     return cfgs
 
 
+def build(args: argparse.Namespace) -> tuple[LLM, list]:
+    """The target and the prompts: the default model on the CPU, or on CUDA a random-weight
+    model of a real shape (no tokenizer: prompts are token ids)."""
+    if args.device == "cpu" and not args.random_target:
+        return LLM(None, dtype=args.dtype, device="cpu"), load_prompts(args.dataset,
+                                                                        args.num_prompts)
+    import torch
+
+    from specscope.config import ModelConfig
+    from specscope.models.loader import random_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from decode import SHAPES  # benchmarks/ is not a package
+
+    cfg = ModelConfig.from_hf(SHAPES[args.shape], name=args.shape)
+    dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
+    llm = LLM.from_model(random_model(cfg, dtype, args.device), name=args.shape,
+                         max_model_len=4096)
+    prompts = [" ".join(str(100 + 37 * i + j) for j in range(48))
+               for i in range(args.num_prompts)]
+    return llm, prompts
+
+
+def log_line(lines: list[str], text: str) -> None:
+    lines.append(text)
+    print(text, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", default="mt_bench")
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--draft", default="default")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", help="CPU only (CUDA: bf16)")
+    ap.add_argument("--shape", default="llama-3.1-8b", help="CUDA: the random target's shape")
+    ap.add_argument("--rates", default=None,
+                    help="simulated acceptance: per-position rates of the top-ranked child "
+                         "(implies --draft random)")
+    ap.add_argument("--sibling", type=float, default=0.0,
+                    help="simulated acceptance: rate of each next-ranked sibling")
+    ap.add_argument("--random-target", action="store_true",
+                    help="a random-weight target of --shape also on the CPU (tests)")
+    ap.add_argument("--quick", action="store_true", help="a 4-configuration grid (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    prompts = load_prompts(args.dataset, args.num_prompts)
-    llm = LLM(None, dtype="fp32", device="cpu")
-    lines = []
+    llm, prompts = build(args)
+    base = acc = None
+    if args.rates:
+        rates = tuple(float(r) for r in args.rates.split(","))
+        args.draft = "random"
+        base = SpecConfig(draft="random", simulate_acceptance=rates,
+                          simulate_sibling=args.sibling)
+        acc = AcceptanceModel.simulated(rates, args.sibling)
+    # On CUDA the warm-up runs a whole request so every KV window's graphs exist before the
+    # clock runs; the same for the grid and the tuner.
+    warm = args.max_tokens if args.device != "cpu" else 8
+    lines: list[str] = []
     t = time.perf_counter()
-    res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, log=lines.append)
+    res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens,
+               log=lambda x: log_line(lines, x), base=base, acceptance=acc,
+               warmup_tokens=warm)
     tune_s = time.perf_counter() - t
     lines += [res.table(), res.recommendation()]
     params = SamplingParams(max_tokens=args.max_tokens)
     t = time.perf_counter()
     rows = []
-    for cfg in grid():
-        m, _ = run_config(llm, cfg, args.draft, prompts, params)
+    for cfg in grid() if not args.quick else [None, (3, 1, 4), (2, 2, 4), (3, 4, 12)]:
+        m, _ = run_config(llm, cfg, args.draft, prompts, params, base, warm)
         rows.append(m)
-        lines.append(f"grid {str(cfg or 'plain'):<14} {m.tok_per_s:7.2f} tok/s  tau "
-                     f"{m.accept_length or 1:.2f}")
+        pred = res.predictions.get(cfg) if cfg else None
+        log_line(lines, f"grid {str(cfg or 'plain'):<14} {m.tok_per_s:7.2f} tok/s  tau "
+                        f"{m.accept_length or 1:.2f}" +
+                 (f"  (predicted {pred[1]:.1f} tok/s, tau {pred[0]:.2f})" if pred else ""))
     grid_s = time.perf_counter() - t
     best = max(rows, key=lambda m: m.tok_per_s)
     pick = next((m for m in rows if m.config == res.recommended), None)
     if pick is None:  # the tuner's pick is not in the grid: measure it like the grid
-        pick, _ = run_config(llm, res.recommended, args.draft, prompts, params)
+        pick, _ = run_config(llm, res.recommended, args.draft, prompts, params, base, warm)
     summary = {
         "grid_configs": len(rows), "grid_seconds": round(grid_s, 1),
         "grid_best": str(best.config or "plain"), "grid_best_tok_per_s": round(best.tok_per_s, 2),
@@ -65,7 +126,8 @@ def main() -> None:
         "tuner_pick_tok_per_s": round(pick.tok_per_s, 2),
         "pick_vs_best": round(pick.tok_per_s / best.tok_per_s - 1, 4),
         "tuner_seconds": round(tune_s, 1), "tuner_time_share": round(tune_s / grid_s, 3),
-        "weight_reloads": 0,
+        "weight_reloads": 0, "device": str(llm.device), "model": llm.model_name,
+        "simulated": {"rates": args.rates, "sibling": args.sibling} if args.rates else None,
     }
     lines.append(json.dumps(summary, indent=1))
     text = "\n".join(lines)

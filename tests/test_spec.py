@@ -239,3 +239,34 @@ def test_cli_generate_with_a_draft_checkpoint(tmp_path, tiny_model_dir, referenc
     res = json.loads(capsys.readouterr().out)
     assert res["token_ids"] == reference[1][:12]
     assert res["spec"]["cycles"] > 0 and res["spec"]["simulated"] is False
+
+
+def test_simulated_siblings_take_the_drawn_kept_rank():
+    """Simulated acceptance in a tree: a rejected top child passes to the next-ranked kept
+    sibling (rate `sibling`); a drawn rank the tree did not keep ends the cycle."""
+    from specscope.spec.simulate import simulated_verdict
+
+    # root 0; depth 1: 1 (rank 1), 2 (rank 2); depth 2: 3, 4 under 1 and 5 under 2
+    t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    tree = DraftTree(tokens=t([10, 11, 12, 13, 14, 15]), parents=t([-1, 0, 0, 1, 1, 2]),
+                     depth=t([0, 1, 1, 2, 2, 2]))
+    logits = torch.zeros(6, 20)
+    rates = torch.tensor([0.5, 0.5])
+    # depth 1: top child rejected (0.9 > 0.5), sibling accepted (0.1 < 0.5) -> node 2;
+    # depth 2: top child of node 2 accepted -> node 5
+    v = simulated_verdict(tree, logits, None, rates, torch.tensor([[0.9, 0.1], [0.2, 0.9]]),
+                          2, 2, None, sibling=0.5)
+    assert v.path.tolist() == [0, 2, 5] and int(v.num_accepted) == 2
+    # depth 2 draws rank 2, but node 2 kept one child: the cycle ends after node 2
+    v = simulated_verdict(tree, logits, None, rates, torch.tensor([[0.9, 0.1], [0.9, 0.1]]),
+                          2, 2, None, sibling=0.5)
+    assert v.path.tolist() == [0, 2, -1] and int(v.num_accepted) == 1
+    # without a sibling rate only the top-ranked path counts (the chain behaviour)
+    v = simulated_verdict(tree, logits, None, rates, torch.tensor([[0.9, 0.1], [0.2, 0.1]]),
+                          2, 2, None, sibling=0.0)
+    assert v.path.tolist() == [0, -1, -1] and int(v.num_accepted) == 0
+    v = simulated_verdict(tree, logits, None, rates, torch.tensor([0.2, 0.3]), 2, 2, None)
+    assert v.path.tolist() == [0, 1, 3] and int(v.num_accepted) == 2
+    with pytest.raises(ValueError, match="simulate_sibling"):
+        SpecConfig(draft="random", topk=2, num_draft_tokens=4, simulate_acceptance=3.0,
+                   simulate_sibling=1.0)

@@ -120,6 +120,16 @@ def test_parse_conversation_formats():
             parse_conversation(bad, "f.jsonl:3")
 
 
+def test_jsonl_lines_end_only_at_newline(tmp_path):
+    """Text a model wrote can hold U+2028 / U+0085, which json.dumps(ensure_ascii=False)
+    leaves raw; they must not split a JSONL line (a regenerated file once failed so)."""
+    conv = [{"role": "user", "content": "a\u2028b\x85c\u2029d"},
+            {"role": "assistant", "content": "e\x1cf"}]
+    p = tmp_path / "odd.jsonl"
+    p.write_text(json.dumps({"messages": conv}, ensure_ascii=False) + "\r\n", encoding="utf-8")
+    assert read_conversations([p]) == [conv]
+
+
 def test_read_conversations_names_file_and_line(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"prompt": "a"}\n\n{"prompt": \n')

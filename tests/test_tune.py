@@ -155,3 +155,21 @@ def test_admin_endpoint_switches_speculation_without_reloading(tmp_path, tiny_mo
         assert r.status_code == 400 and "--draft" in r.json()["error"]["message"]
     finally:
         bare.stop()
+
+
+def test_simulated_acceptance_model_matches_its_profile():
+    """AcceptanceModel.simulated: chains give the analytic accept length of the rates; a
+    sibling rate makes wider trees accept more; rates repeat their last value."""
+    from specscope.tune.acceptance import AcceptanceModel
+
+    rates = (0.8, 0.7, 0.6)
+    m = AcceptanceModel.simulated(rates, 0.0, depth=6, positions=40_000)
+    expect, run = 1.0, 1.0
+    for a in (0.8, 0.7, 0.6, 0.6, 0.6):
+        run *= a
+        expect += run
+    assert m.tau(5, 1) == pytest.approx(expect, rel=0.02)
+    assert m.tau(5, 4, 20) == pytest.approx(m.tau(5, 1), rel=1e-6)  # no sibling: no gain
+    ms = AcceptanceModel.simulated(rates, 0.4, depth=6, positions=40_000)
+    assert ms.tau(5, 1) == pytest.approx(expect, rel=0.02)
+    assert ms.tau(5, 2, 10) > ms.tau(5, 1) + 0.2

@@ -256,6 +256,10 @@ class SpecConfig:
     (float, tau incl. the bonus token): the real draft and verify still run and real tokens
     are emitted, but how many are accepted is drawn from this profile. For benchmarking
     without a trained draft; every output says "simulated".
+    simulate_sibling: with simulated acceptance and topk > 1, when the top-ranked child at a
+    depth is not accepted, the next-ranked kept sibling is with this probability (and so on
+    down the siblings): a tree's extra branches then buy acceptance as real ones do. 0: only
+    the top-ranked path is ever accepted.
     """
 
     draft: str | None = None
@@ -265,6 +269,7 @@ class SpecConfig:
     draft_layer_ids: tuple[int, ...] | None = None
     simulate_acceptance: tuple[float, ...] | float | None = None
     simulate_seed: int = 0
+    simulate_sibling: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_steps, int) or self.num_steps < 1:
@@ -285,6 +290,8 @@ class SpecConfig:
         if self.draft_layer_ids is not None:
             object.__setattr__(self, "draft_layer_ids", tuple(int(i) for i in
                                                               self.draft_layer_ids))
+        if not 0.0 <= self.simulate_sibling < 1.0:
+            raise ValueError(f"simulate_sibling must be in [0, 1), got {self.simulate_sibling!r}")
         sim = self.simulate_acceptance
         if isinstance(sim, (list, tuple)):
             rates = tuple(float(r) for r in sim)

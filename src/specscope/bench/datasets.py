@@ -43,8 +43,11 @@ def _row_prompt(row: dict[str, Any], where: str) -> Prompt:
 
 
 def jsonl_objects(text: str, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, object) for each non-blank line of a JSONL text; errors name `name`:line."""
-    for i, line in enumerate(text.splitlines(), 1):
+    """(where, object) for each non-blank line of a JSONL text; errors name `name`:line.
+
+    Lines end at "\n" alone: str.splitlines would also split at U+2028, U+0085 and the like,
+    which JSON writers (ensure_ascii=False) leave raw inside strings."""
+    for i, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         where = f"{name}:{i}"

@@ -111,7 +111,9 @@ class SpecDecoder:
         self.ext_a = torch.zeros(1, dtype=torch.long, device=dev)
         # Simulated acceptance draws its uniforms a block of cycles at a time, so a cycle
         # launches nothing extra between graph replays (the graph indexes the block).
-        self.sim_block = torch.zeros(SIM_BLOCK, k, device=dev)
+        # Columns: the top child, then (with a sibling rate, in a tree) each lower rank.
+        self.sim_cols = spec.topk if spec.simulate_sibling > 0 and spec.topk > 1 else 1
+        self.sim_block = torch.zeros(SIM_BLOCK, k, self.sim_cols, device=dev)
         self.sim_idx = torch.zeros(1, dtype=torch.long, device=dev)
         self._sim_used = 0
         self.graphs: dict[int, tuple] = {}
@@ -198,7 +200,7 @@ class SpecDecoder:
         if self.sim_rates is not None:
             if self._sim_used % SIM_BLOCK == 0:
                 self.sim_block.copy_(torch.rand(SIM_BLOCK, self.spec.num_steps,
-                                                generator=self.sim_gen,
+                                                self.sim_cols, generator=self.sim_gen,
                                                 device=self.sim_block.device))
                 self.sim_idx.zero_()
             self._sim_used += 1
@@ -330,10 +332,10 @@ class SpecDecoder:
         k = self.spec.num_steps
         if self.sim_rates is not None:
             probs = None if params.greedy else processed_logits(logits, params).softmax(-1)
-            u = self.sim_block.index_select(0, self.sim_idx)[0]  # [k]: this cycle's row
+            u = self.sim_block.index_select(0, self.sim_idx)[0]  # [k, C]: this cycle's
             self.sim_idx.add_(1)
             return simulated_verdict(tree, logits, probs, self.sim_rates, u, k,
-                                     self.spec.topk, gen)
+                                     self.spec.topk, gen, self.spec.simulate_sibling)
         if params.greedy:
             return verify_greedy(tree, logits, k)
         probs = processed_logits(logits, params).softmax(-1)  # [N, V]

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specscope import __version__
+from specscope.bench.datasets import jsonl_objects
 from specscope.draft.eagle3 import (
     OUTPUT_OF_LAYER,
     DraftConfig,
@@ -198,7 +199,8 @@ def _self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, path
     """The run's self-written prompts: read back when a whole file of them exists (a resumed
     run must see the same data), else sampled from the target and written atomically."""
     if path.is_file():
-        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+        prompts = [row["prompt"] for _, row in jsonl_objects(path.read_text(encoding="utf-8"),
+                                                             str(path))]
         if len(prompts) >= cfg.self_prompts:
             log.info("train-draft: %d self-written prompts from %s", cfg.self_prompts, path)
             return prompts[:cfg.self_prompts]

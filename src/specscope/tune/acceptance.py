@@ -49,6 +49,9 @@ class AcceptanceModel:
     path_lp: torch.Tensor | None = None  # [B, T, D] draft log-prob of the path token
     top_lp: torch.Tensor | None = None  # [B, T, D, K] the draft's K best log-probs, sorted
     _outrank: dict | None = field(default=None, repr=False)  # (s, k) -> [B, T, s] cache
+    # Positions drawn independently (a simulated profile): the walk's cycles are then a
+    # plain sample of a(t), so tau is 1 + the mean of a(t), without replaying the walk.
+    iid: bool = False
 
     @property
     def depth(self) -> int:
@@ -97,8 +100,26 @@ class AcceptanceModel:
         return walk_cycles(a, [[(s, e)] for s, e in zip(self.starts, self.ends, strict=True)])
 
     def tau(self, num_steps: int, topk: int, num_draft_tokens: int | None = None) -> float:
+        if self.iid:
+            a = self.accepted_depths(num_steps, topk, num_draft_tokens)
+            return 1.0 + float(a.float().mean())
         c = self.cycles(num_steps, topk, num_draft_tokens)
         return 1.0 + sum(c) / len(c) if c else 1.0
+
+    @classmethod
+    def simulated(cls, rates: tuple[float, ...], sibling: float = 0.0, depth: int = 10,
+                  positions: int = 8_000, seed: int = 0) -> AcceptanceModel:
+        """The acceptance model of a simulated-acceptance profile (spec/simulate.py): ranks
+        drawn as the engine draws them, independently at every position and depth (rank 1
+        with rates[d], else each lower rank in turn with `sibling`), over one long answer.
+        Rates past the end of `rates` repeat its last (SpecConfig.acceptance_rates)."""
+        g = torch.Generator().manual_seed(seed)
+        a = torch.tensor([rates[min(d, len(rates) - 1)] for d in range(depth)])
+        u = torch.rand(positions, depth, 8, generator=g)
+        hits = torch.cat([u[..., :1] < a[:, None], u[..., 1:] < sibling], -1)  # [T, D, 8]
+        first = hits.long().argmax(-1) + 1  # 1-based rank of the first hit
+        ranks = torch.where(hits.any(-1), first, torch.full_like(first, INF_RANK))
+        return cls(ranks=ranks[None], starts=[0], ends=[positions], iid=True)
 
     def acceptance_by_rank(self, max_rank: int = 8) -> list[list[float]]:
         """[depth][rank-1]: P(r_d == rank | the path is in a full tree up to d-1)."""

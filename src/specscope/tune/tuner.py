@@ -13,6 +13,7 @@ configurations in place (LLM.set_spec).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,14 +109,28 @@ class TuneResult:
                 "timings_s": {k: round(v, 2) for k, v in self.timings.items()}}
 
 
+def spec_for(cfg: Config | None, draft: str, base: SpecConfig | None = None
+             ) -> SpecConfig | None:
+    """The SpecConfig of a configuration; `base` carries everything else (draft layer ids,
+    simulated acceptance) unchanged."""
+    if cfg is None:
+        return None
+    if base is None:
+        return SpecConfig(draft=draft, num_steps=cfg[0], topk=cfg[1], num_draft_tokens=cfg[2])
+    return dataclasses.replace(base, draft=draft, num_steps=cfg[0], topk=cfg[1],
+                               num_draft_tokens=cfg[2])
+
+
 def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
-               params: SamplingParams) -> tuple[Measured, dict]:
-    """Measure one configuration in process with the profiler; returns it and the summary."""
+               params: SamplingParams, base: SpecConfig | None = None,
+               warmup_tokens: int = 8) -> tuple[Measured, dict]:
+    """Measure one configuration in process with the profiler; returns it and the summary.
+    The warm-up runs `warmup_tokens` first (on CUDA, as many as a measured request, so every
+    KV window's graphs are captured before the clock runs)."""
     t0 = time.perf_counter()
-    llm.set_spec(None if cfg is None else SpecConfig(draft=draft, num_steps=cfg[0],
-                                                     topk=cfg[1], num_draft_tokens=cfg[2]))
+    llm.set_spec(spec_for(cfg, draft, base))
     prof = llm.enable_profiling(True, interval=None)
-    llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    llm.generate(prompts[0], SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
     prof.reset()
     for p in prompts:
         llm.generate(p, params)
@@ -127,32 +142,43 @@ def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          confirm: int = 3, depth: int = 10, calibration_prompts: int = 1,
          calibration_tokens: int = 48, budget_seconds: float | None = None,
-         log: Any = print) -> TuneResult:
+         log: Any = print, base: SpecConfig | None = None,
+         acceptance: AcceptanceModel | None = None, warmup_tokens: int = 8) -> TuneResult:
     """The whole tuner on an LLM holding the target (weights never reloaded). With a budget,
-    confirmation runs stop once it is spent (plain and the top prediction always run)."""
+    confirmation runs stop once it is spent (plain and the top prediction always run).
+    `base`: settings every configuration keeps (draft layer ids, simulated acceptance).
+    `acceptance`: a given acceptance model instead of measuring the draft (simulation:
+    AcceptanceModel.simulated of the same profile)."""
     t_start = time.perf_counter()
     from specscope.doctor.probe import target_probe_data
     from specscope.draft.loader import load_draft
 
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    ids = [llm.encode_prompt(p) for p in prompts]
-    data = target_probe_data(llm.runner.model, ids, max_tokens)
-    loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
-    loaded.model.attach_target(llm.runner.model)
-    acc = measure_acceptance(loaded.model, data, depth)
-    del loaded
+    if acceptance is not None:
+        acc = acceptance
+        log(f"[tune] acceptance model given ({acc.depth} steps)")
+    else:
+        ids = [llm.encode_prompt(p) for p in prompts]
+        data = target_probe_data(llm.runner.model, ids, max_tokens)
+        loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
+        loaded.model.attach_target(llm.runner.model)
+        acc = measure_acceptance(loaded.model, data, depth)
+        del loaded
+        log(f"[tune] acceptance model: {depth} steps over {data.answer_tokens} answer tokens "
+            f"({time.perf_counter() - t:.1f} s)")
     timings["acceptance_model"] = time.perf_counter() - t
-    log(f"[tune] acceptance model: {depth} steps over {data.answer_tokens} answer tokens "
-        f"({timings['acceptance_model']:.1f} s)")
 
     t = time.perf_counter()
     cal_params = SamplingParams(max_tokens=calibration_tokens, ignore_eos=True)
     cal_prompts = prompts[:calibration_prompts]
-    plain, plain_summary = run_config(llm, None, draft, cal_prompts, cal_params)
+    # A calibration run's warm-up need not outlast it: it covers the same KV windows.
+    cal_warm = min(warmup_tokens, calibration_tokens)
+    plain, plain_summary = run_config(llm, None, draft, cal_prompts, cal_params, base,
+                                      cal_warm)
     cals = []
     for cfg in CALIBRATION:
-        _, s = run_config(llm, cfg, draft, cal_prompts, cal_params)
+        _, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
         cals.append(calibration_from_summary(s, *cfg))
     cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary))
     timings["calibration"] = time.perf_counter() - t
@@ -161,7 +187,7 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
 
     t = time.perf_counter()
     preds: dict[Config, tuple[float, float]] = {}
-    for cfg in all_configs(depth):
+    for cfg in all_configs(min(depth, acc.depth)):
         tau = acc.tau(*cfg)
         preds[cfg] = (tau, cost.tok_per_s(tau, *cfg))
     timings["prediction"] = time.perf_counter() - t
@@ -173,19 +199,19 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     t = time.perf_counter()
     params = SamplingParams(max_tokens=max_tokens)
     result = TuneResult(cost=cost, acceptance=acc, predictions=preds)
-    result.measured.append(run_config(llm, None, draft, prompts, params)[0])
+    result.measured.append(run_config(llm, None, draft, prompts, params, base,
+                                      warmup_tokens)[0])
     for i, cfg in enumerate(ranked[:confirm]):
         if i and budget_seconds is not None and time.perf_counter() - t_start > budget_seconds:
             log(f"[tune] budget of {budget_seconds:.0f} s spent: confirmed {i} of {confirm}")
             break
-        result.measured.append(run_config(llm, cfg, draft, prompts, params)[0])
+        result.measured.append(run_config(llm, cfg, draft, prompts, params, base,
+                                          warmup_tokens)[0])
     timings["confirmation"] = time.perf_counter() - t
     best = max(result.measured, key=lambda m: m.tok_per_s)
     result.recommended = best.config
     result.timings = timings
-    llm.set_spec(None if best.config is None else SpecConfig(
-        draft=draft, num_steps=best.config[0], topk=best.config[1],
-        num_draft_tokens=best.config[2]))
+    llm.set_spec(spec_for(best.config, draft, base))
     return result
 
 
