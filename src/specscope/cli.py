@@ -11,7 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from specscope.cli_draft import add_draft_commands, doctor_report
+from specscope.cli_draft import (
+    add_draft_commands,
+    add_serve_draft_args,
+    check_serve_draft_args,
+    doctor_report,
+    start_serve_draft,
+)
 from specscope.config import SamplingParams
 
 
@@ -238,23 +244,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     args.model = args.target or args.model
     spec = _spec(args)  # validate before the (slow) model load
+    guardrail_mode = check_serve_draft_args(args, spec)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-              compile=args.compile, spec=None if args.doctor else spec,
-              profile=args.profile, profile_interval=args.profile_interval)
+              compile=args.compile, spec=None, profile=args.profile,
+              profile_interval=args.profile_interval)
     if args.doctor:  # before the engine loads the draft, which would stop at its first error
-        if spec is None or spec.draft == "random" or spec.simulate_acceptance is not None:
-            raise ValueError("--doctor checks a draft checkpoint: give --draft DIR (or "
-                             "--draft default)")
         report = doctor_report(llm, spec.draft, None, 8, spec.draft_layer_ids, 64)
         print(report.format(), file=sys.stderr)
         if not report.healthy:
             print("specscope serve: the draft failed specscope doctor; not serving (fix it, "
                   "or drop --doctor)", file=sys.stderr)
             return 1
-        llm.set_spec(spec)
-    app = create_app(llm, served_model_name=args.served_model_name, max_queue=args.max_queue)
+    guardrail = start_serve_draft(llm, spec, args, guardrail_mode)  # --auto-tune, guardrail
+    app = create_app(llm, served_model_name=args.served_model_name, max_queue=args.max_queue,
+                     guardrail=guardrail, draft_spec=spec)
     return serve(app, host=args.host, port=args.port, log_level=args.log_level,
                  shutdown_timeout=args.shutdown_timeout)
 
@@ -313,8 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model (same as --model; default: the embedded SmolLM2)")
     _add_model_args(s)
     _add_spec_args(s)
-    s.add_argument("--doctor", action="store_true",
-                   help="run specscope doctor on the draft first; refuse to serve if unhealthy")
+    add_serve_draft_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None,

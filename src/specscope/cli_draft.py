@@ -1,11 +1,20 @@
-"""The draft commands: `train-draft`, `doctor`, `convert-draft` and `tune`."""
+"""The draft commands: `train-draft`, `doctor`, `convert-draft` and `tune`; and the draft's
+start-up in `serve`: --auto-tune and the goodput guardrail."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the command modules import heavy packages only when they run
+    from specscope.engine.llm import LLM
+    from specscope.server.guardrail import Guardrail
+
+GUARDRAIL_MODES = ("warn", "off-when-slower", "off")  # server/guardrail.py's MODES
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
@@ -99,6 +108,108 @@ def cmd_tune(args: argparse.Namespace) -> int:
     write_plot(res, out_dir / "tune.svg")
     print(f"wrote {out_dir / 'tune.json'} and {out_dir / 'tune.svg'}")
     return 0
+
+
+def add_serve_draft_args(s: argparse.ArgumentParser) -> None:
+    """`serve`'s start-up flags for the draft: --doctor, --auto-tune*, --guardrail*."""
+    s.add_argument("--doctor", action="store_true",
+                   help="run specscope doctor on the draft first; refuse to serve if unhealthy")
+    s.add_argument("--auto-tune", action="store_true",
+                   help="before serving, tune num_steps/topk/num_draft_tokens on a few "
+                        "built-in prompts (specscope tune) and serve the best; speculation "
+                        "off if nothing beats plain decoding")
+    s.add_argument("--auto-tune-dataset", default="mt_bench",
+                   help="mt_bench | humaneval | gsm8k | FILE.jsonl")
+    s.add_argument("--auto-tune-prompts", type=int, default=3)
+    s.add_argument("--auto-tune-max-tokens", type=int, default=64)
+    s.add_argument("--auto-tune-budget-seconds", type=float, default=None,
+                   help="stop confirming predictions once the tuner has run this long")
+    s.add_argument("--guardrail", choices=GUARDRAIL_MODES, default=None,
+                   help="compare speculative decode tok/s over a rolling window with the "
+                        "predicted plain-decoding tok/s: warn logs when slower, "
+                        "off-when-slower also switches speculation off (default: warn with "
+                        "--draft, else off)")
+    s.add_argument("--guardrail-window", type=int, default=512, metavar="TOKENS",
+                   help="decode tokens in the rolling window, which also holds at least 3 "
+                        "requests (default 512)")
+    s.add_argument("--guardrail-margin", type=float, default=0.05,
+                   help="slower means below (1 - margin) x plain tok/s (default 0.05)")
+
+
+def check_serve_draft_args(args: argparse.Namespace, spec: Any) -> str:
+    """Check --doctor, --auto-tune and --guardrail against the draft before the (slow) model
+    load; returns the guardrail mode."""
+    checkpoint = (spec is not None and spec.draft != "random"
+                  and spec.simulate_acceptance is None)
+    if args.doctor and not checkpoint:
+        raise ValueError("--doctor checks a draft checkpoint: give --draft DIR (or "
+                         "--draft default)")
+    if args.auto_tune:
+        if not checkpoint:
+            raise ValueError("--auto-tune tunes a draft checkpoint: give --draft DIR (or "
+                             "--draft default)")
+        if spec.draft_layer_ids is not None:
+            raise ValueError("--auto-tune does not take --draft-layer-ids: the tuner runs "
+                             "the draft with its config's taps (fix them with specscope "
+                             "convert-draft, or drop --auto-tune)")
+        if args.auto_tune_prompts < 1 or args.auto_tune_max_tokens < 1:
+            raise ValueError("--auto-tune-prompts and --auto-tune-max-tokens must be >= 1")
+    mode = args.guardrail or ("warn" if spec is not None else "off")
+    if mode != "off" and spec is None:
+        raise ValueError(f"--guardrail {mode} compares speculative decoding with plain "
+                         f"decoding: give --draft")
+    if args.guardrail_window < 1 or not 0 <= args.guardrail_margin < 1:
+        raise ValueError("--guardrail-window must be >= 1 and --guardrail-margin in [0, 1)")
+    return mode
+
+
+def start_serve_draft(llm: LLM, spec: Any, args: argparse.Namespace,
+                      guardrail_mode: str) -> Guardrail | None:
+    """Put the draft to work on `llm` (loaded with speculation off): --auto-tune, or
+    `spec` as given; then the guardrail with its plain-decoding prediction, from the
+    tuner's cost model or else a short plain calibration. Reports go to stderr. Returns
+    the Guardrail, or None."""
+    if spec is None:
+        return None
+    from specscope.bench.datasets import load_prompts
+    from specscope.server.guardrail import Guardrail, calibrate_plain
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    timer = llm.timer  # the tuner and the calibration time their own runs
+    plain: float | None = None
+    if args.auto_tune:
+        from specscope.tune.tuner import tune
+
+        prompts = load_prompts(args.auto_tune_dataset, args.auto_tune_prompts)
+        say(f"[auto-tune] {spec.draft} on {len(prompts)} {args.auto_tune_dataset} prompts, "
+            f"{args.auto_tune_max_tokens} tokens each")
+        res = tune(llm, spec.draft, prompts, max_tokens=args.auto_tune_max_tokens,
+                   budget_seconds=args.auto_tune_budget_seconds, log=say)
+        say(res.table())
+        say(res.recommendation())
+        say(f"[auto-tune] serving with {res.recommended}" if res.recommended else
+            "[auto-tune] serving with speculation OFF (POST /admin/spec can switch it on)")
+        plain, source = res.cost.plain_tok_per_s, "the --auto-tune cost model"
+    elif guardrail_mode != "off":
+        calib = 32
+        plain = calibrate_plain(llm, load_prompts("mt_bench", 1)[0], max_tokens=calib)
+        source = f"a plain calibration at start-up ({calib} tokens, 2 runs, 1 mt_bench prompt)"
+    if not args.auto_tune:
+        llm.set_spec(spec)  # after the calibration, so the draft loads once
+    if timer is not None and plain is not None:  # a fresh profiler: it shows serving only
+        llm.enable_profiling(True, timer.interval)
+    if guardrail_mode == "off":
+        return None
+    assert plain is not None
+    g = Guardrail(plain, source, mode=guardrail_mode, window_tokens=args.guardrail_window,
+                  margin=args.guardrail_margin)
+    say(f"[guardrail] {guardrail_mode}: plain decoding predicted at {plain:.1f} tok/s (from "
+        f"{source}); speculation counts as slower below {g.window.threshold:.1f} tok/s over "
+        f">= {g.window.window_tokens} decode tokens and {g.window.min_requests} requests, "
+        f"for most of the window's tokens")
+    return g
 
 
 def _add_train_args(t: argparse.ArgumentParser) -> None:

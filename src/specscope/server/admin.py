@@ -4,6 +4,10 @@ GET /admin/spec returns the configuration; POST /admin/spec changes num_steps / 
 num_draft_tokens or turns speculation off ({"enabled": false}) and back on ({"enabled": true}:
 the last configuration). Changes run on the engine thread between requests (a running request
 keeps its configuration); the target and draft weights are never reloaded.
+
+GET /admin/guardrail returns the goodput guardrail's state (server/guardrail.py): the
+window's speculative tok/s, the plain-decoding prediction and its source, the verdict, and
+whether the guardrail switched speculation off.
 """
 
 from __future__ import annotations
@@ -14,16 +18,21 @@ from fastapi import FastAPI, Request
 
 from specscope.config import SpecConfig
 from specscope.engine.llm import LLM
+from specscope.server.guardrail import Guardrail
 from specscope.server.schemas import APIError
 from specscope.server.worker import EngineWorker
 
 
-def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker) -> None:
-    """GET/POST /admin/spec on `app`. The draft the server was started with stays known
-    while speculation is off, so it can be switched back on."""
-    known = {"draft": llm.spec.draft if llm.spec else None,
-             "draft_layer_ids": llm.spec.draft_layer_ids if llm.spec else None,
-             "last": llm.spec}  # the configuration "enabled": true switches back to
+def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker,
+                     guardrail: Guardrail | None = None,
+                     draft_spec: SpecConfig | None = None) -> None:
+    """GET/POST /admin/spec and GET /admin/guardrail on `app`. The draft the server was
+    started with (llm.spec, else draft_spec) stays known while speculation is off, so it can
+    be switched back on."""
+    start = llm.spec or draft_spec
+    known = {"draft": start.draft if start else None,
+             "draft_layer_ids": start.draft_layer_ids if start else None,
+             "last": start}  # the configuration "enabled": true switches back to
 
     def spec_state() -> dict:
         s = llm.spec
@@ -35,6 +44,12 @@ def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker) -> None:
     @app.get("/admin/spec")
     async def get_spec():
         return spec_state()
+
+    @app.get("/admin/guardrail")
+    async def get_guardrail():
+        if guardrail is None:
+            return {"object": "guardrail", "mode": "off"}
+        return guardrail.state()
 
     @app.post("/admin/spec")
     async def set_spec(request: Request):

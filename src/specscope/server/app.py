@@ -31,11 +31,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specscope.config import SamplingParams
+from specscope.config import SamplingParams, SpecConfig
 from specscope.engine.llm import LLM, StreamDelta
 from specscope.engine.request import RequestOutput
 from specscope.profiler.trace import chrome_trace
 from specscope.server.admin import add_admin_routes
+from specscope.server.guardrail import Guardrail
 from specscope.server.metrics import Metrics
 from specscope.server.schemas import (
     APIError,
@@ -108,12 +109,18 @@ def _usage(out: RequestOutput) -> dict:
 # -- the app ------------------------------------------------------------------------------
 
 
-def create_app(llm: LLM, *, served_model_name: str | None = None,
-               max_queue: int = 64) -> FastAPI:
-    """An OpenAI-compatible app serving `llm` (see the module docstring for concurrency)."""
+def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int = 64,
+               guardrail: Guardrail | None = None,
+               draft_spec: SpecConfig | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving `llm` (see the module docstring for concurrency).
+
+    guardrail: compares speculative goodput with plain decoding after each request
+    (server/guardrail.py). draft_spec: what POST /admin/spec {"enabled": true} switches to
+    when `llm` starts with speculation off (e.g. --auto-tune chose plain decoding).
+    """
     served = served_model_name or llm.model_name
     metrics = Metrics(served)
-    worker = EngineWorker(llm, max_queue, metrics)
+    worker = EngineWorker(llm, max_queue, metrics, guardrail)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,6 +129,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None,
 
     app = FastAPI(title="specscope", lifespan=lifespan)
     app.state.llm, app.state.worker, app.state.metrics = llm, worker, metrics
+    app.state.guardrail = guardrail
 
     app.add_middleware(_CountRequests, metrics=metrics)
 
@@ -378,7 +386,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None,
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(),
+        return PlainTextResponse(metrics.render(guardrail.state() if guardrail else None),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def profiling_off() -> APIError:
@@ -386,7 +394,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None,
                         "(LLM(..., profile=True) or SPECSCOPE_PROFILE=1)",
                         type="not_found_error", code="profiling_off")
 
-    add_admin_routes(app, llm, worker)
+    add_admin_routes(app, llm, worker, guardrail, draft_spec)
 
     @app.get("/profile")
     async def profile():

@@ -66,7 +66,8 @@ class Metrics:
         with self._lock:
             self.cancelled += 1
 
-    def render(self) -> str:
+    def render(self, guardrail: dict | None = None) -> str:
+        """The exposition text; `guardrail` is Guardrail.state() when the server has one."""
         m = _labels(model=self.model)
         with self._lock:
             out = [
@@ -106,8 +107,29 @@ class Metrics:
                 "# TYPE specscope_queue_depth gauge",
                 f"specscope_queue_depth{m} {self.queue_depth}",
             ]
+        if guardrail is not None:
+            out += _guardrail_lines(guardrail, m)
         return "\n".join(out) + "\n"
 
 
 def _counter(name: str, help: str, labels: str, value: int) -> list[str]:
     return [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name}{labels} {value}"]
+
+
+def _guardrail_lines(g: dict, m: str) -> list[str]:
+    return [
+        "# HELP specscope_guardrail_window_tok_per_s Speculative decode tok/s over the "
+        "guardrail's window (0 while it is empty).",
+        "# TYPE specscope_guardrail_window_tok_per_s gauge",
+        f"specscope_guardrail_window_tok_per_s{m} {g['window_tok_per_s']:.6g}",
+        "# HELP specscope_guardrail_plain_tok_per_s Predicted plain-decoding tok/s the "
+        "window is compared with.",
+        "# TYPE specscope_guardrail_plain_tok_per_s gauge",
+        f"specscope_guardrail_plain_tok_per_s{m} {g['plain_tok_per_s']:.6g}",
+        "# HELP specscope_guardrail_slower 1 while speculation is judged slower than plain "
+        "decoding.",
+        "# TYPE specscope_guardrail_slower gauge",
+        f"specscope_guardrail_slower{m} {int(g['verdict'] == 'slower')}",
+        *_counter("specscope_guardrail_switch_offs_total",
+                  "Times the guardrail switched speculation off.", m, g["switch_offs"]),
+    ]

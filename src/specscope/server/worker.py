@@ -9,6 +9,9 @@ closed.
 Shutdown (`begin_shutdown(grace)`): new requests get 503; running and queued ones go on
 for `grace` seconds; then the running one is stopped at its next cycle (it gets a
 `server_shutting_down` error after what it already streamed) and queued ones get 503.
+
+After each finished request, still on the engine thread and before the next one starts, the
+guardrail (guardrail.py) gets its timings and may switch speculation off.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 
 from specscope.config import SamplingParams
 from specscope.engine.llm import LLM
+from specscope.engine.request import RequestOutput
+from specscope.server.guardrail import Guardrail
 from specscope.server.metrics import Metrics
 from specscope.server.schemas import APIError
 
@@ -84,10 +89,12 @@ class _Job:
 class EngineWorker:
     """One thread that runs every engine call, in arrival order."""
 
-    def __init__(self, llm: LLM, max_queue: int, metrics: Metrics) -> None:
+    def __init__(self, llm: LLM, max_queue: int, metrics: Metrics,
+                 guardrail: Guardrail | None = None) -> None:
         self.llm = llm
         self.max_queue = max_queue
         self.metrics = metrics
+        self.guardrail = guardrail
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._inflight = 0  # generation jobs queued or running
@@ -139,34 +146,45 @@ class EngineWorker:
             self.metrics.queue_depth = self._inflight
 
         def run() -> None:
+            out = None
             try:
                 if self._expired():
                     job.push(shutting_down("the request was not started"))
                 elif not job.cancel.is_set():
-                    self._generate(job, prompt_ids, params)
+                    out = self._generate(job, prompt_ids, params)
             finally:
                 with self._lock:
                     self._inflight -= 1
                     self.metrics.queue_depth = self._inflight
                 job.push(_END)
+            if out is not None and self.guardrail is not None:
+                try:
+                    self.guardrail.after_request(self.llm, out)
+                except Exception:  # the guardrail must never stop the engine thread
+                    log.exception("guardrail failed")
 
         self._jobs.put(run)
         return job
 
-    def _generate(self, job: _Job, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _generate(self, job: _Job, prompt_ids: list[int],
+                  params: SamplingParams) -> RequestOutput | None:
+        """Run one generation into `job`; its output when it finished, else None."""
         gen = self.llm.stream(None, params, prompt_ids=prompt_ids)
         try:
             for delta in gen:
                 job.push(delta)
+                if delta.finished:
+                    return delta.output
                 if job.cancel.is_set():
                     break  # the client is gone: free the engine at this cycle boundary
-                if not delta.finished and self._expired():
+                if self._expired():
                     job.push(shutting_down("the request was stopped before it finished"))
                     break
         except Exception as e:  # handed to the handler, which maps it to a response
             job.push(e)
         finally:
             gen.close()
+        return None
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread (between requests) and return its result."""
