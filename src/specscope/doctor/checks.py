@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from specscope.config import ModelConfig
-from specscope.draft.eagle3 import INPUT_TO_LAYER
+from specscope.draft.eagle3 import INPUT_TO_LAYER, OUTPUT_OF_LAYER
 from specscope.draft.formats import (
     TensorSource,
     canonical_name,
@@ -35,6 +35,29 @@ class Finding:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _provenance_ids(raw: dict[str, Any], ids: tuple[int, ...], overridden: bool
+                    ) -> list[Finding]:
+    """A draft that records the taps it was trained on (specscope's provenance block, which
+    the converters carry along) must run on exactly those: anything else is a wiring fault,
+    known for certain without a probe. (An adjacent layer can be almost as good for a
+    well-trained draft, so the probe alone may call an off-by-one within noise.)"""
+    prov = raw.get("specscope_provenance") or {}
+    trained = prov.get("aux_layer_ids")
+    if not isinstance(trained, list) or \
+            prov.get("aux_layer_ids_convention", OUTPUT_OF_LAYER) != OUTPUT_OF_LAYER:
+        return []
+    trained_ids = tuple(int(i) for i in trained)
+    if trained_ids == tuple(ids):
+        return []
+    where = "--draft-layer-ids" if overridden else "the config's tap ids"
+    return [Finding("static.provenance_ids", ERROR,
+                    f"the draft was trained on taps {list(trained_ids)} (output-of-layer, per "
+                    f"its specscope_provenance block) but {where} make it run on {list(ids)}",
+                    f"serve with --draft-layer-ids {','.join(map(str, trained_ids))} (or drop "
+                    f"the override), or write those ids into the config "
+                    f"(specscope convert-draft writes them in each format's convention)")]
 
 
 def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None = None,
@@ -89,6 +112,7 @@ def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None 
                                f"input-to-layer 0{' as written' if conv == INPUT_TO_LAYER else ''}"
                                "); EAGLE-3 drafts tap decoder layers",
                                "check the probe table below; the ids may be off by one"))
+        out += _provenance_ids(raw, ids, layer_ids is not None)
     except ValueError as e:
         out.append(Finding("static.layer_ids_range", ERROR, str(e),
                            f"tap ids must be output-of-layer 0..{target.num_layers - 1} "

@@ -10,9 +10,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,9 +66,22 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (x86 avx512_bf16 or AMX). There bf16
+    halves the weight bytes a decode step streams and oneDNN's bf16 kernels keep the small-M
+    verify GEMMs efficient; elsewhere bf16 is emulated and slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     return getattr(torch, normalize_dtype(dtype))
 
 
