@@ -406,3 +406,21 @@ def test_the_shipped_default_draft_loads_and_is_lossless(default_model_dir):
     got = plain.generate(msgs, params)[0]
     assert got.token_ids == ref.token_ids
     assert got.spec["accept_length"] > 1.5, got.spec  # a trained draft, not a random one
+
+
+def test_init_from_continues_from_a_trained_draft(tiny_run, tmp_path):
+    """--init-from: the trained draft's weights, taps and vocabulary, a fresh schedule; its
+    first loss is the trained draft's, far below a fresh draft's first loss."""
+    tmp, data, out, exported = tiny_run
+    fresh = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    cont = tmp_path / "cont"
+    regen = {**data, "prompts": out / "regenerated.jsonl"}
+    train_draft(_cfg(tmp, regen, cont, init_from=str(exported), epochs=1, save_every=0,
+                     draft_vocab_size=None, regenerate=False))
+    hist = [json.loads(x) for x in (cont / "metrics.jsonl").read_text().splitlines()]
+    first = next(h["loss"] for h in hist if "loss" in h)
+    assert first < 0.8 * next(h["loss"] for h in fresh if "loss" in h)
+    prov = json.loads((cont / "draft" / "config.json").read_text())["specscope_provenance"]
+    assert prov["init_from"] == exported.name and prov["draft_vocab_size"] == 400
+    assert prov["aux_layer_ids"] == json.loads((exported / "config.json").read_text())[
+        "specscope_provenance"]["aux_layer_ids"]

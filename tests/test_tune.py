@@ -173,3 +173,31 @@ def test_simulated_acceptance_model_matches_its_profile():
     ms = AcceptanceModel.simulated(rates, 0.4, depth=6, positions=40_000)
     assert ms.tau(5, 1) == pytest.approx(expect, rel=0.02)
     assert ms.tau(5, 2, 10) > ms.tau(5, 1) + 0.2
+
+
+def test_the_draft_stays_loaded_while_speculation_is_off(monkeypatch):
+    """set_spec(None) then speculation again (a tuner alternating plain and speculative
+    runs, or POST /admin/spec enabled=true) reuses the loaded draft; new taps reload it."""
+    import torch
+
+    import specscope.engine.speculative as speculative
+    from specscope.config import ModelConfig
+    from specscope.models.loader import random_model
+
+    cfg = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512})
+    llm = LLM.from_model(random_model(cfg, torch.float32, "cpu"), max_model_len=512)
+    loads = []
+    real = speculative.load_spec_draft
+    monkeypatch.setattr(speculative, "load_spec_draft",
+                        lambda *a, **k: loads.append(1) or real(*a, **k))
+    for spec in (SpecConfig(draft="random", num_steps=2), None,
+                 SpecConfig(draft="random", num_steps=3, topk=2, num_draft_tokens=5), None,
+                 SpecConfig(draft="random", num_steps=2)):
+        llm.set_spec(spec)
+        llm.generate("1 2 3", SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(loads) == 1
+    llm.set_spec(SpecConfig(draft="random", num_steps=2, draft_layer_ids=(0, 1, 2)))
+    assert len(loads) == 2

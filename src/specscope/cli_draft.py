@@ -32,7 +32,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         regen_temperature=args.regen_temperature,
         regen_max_new_tokens=args.regen_max_new_tokens,
         regen_batch_size=args.regen_batch_size, device=args.device,
-        self_prompts=args.self_prompts, self_prompt_temperature=args.self_prompt_temperature,
+        init_from=args.init_from, self_prompts=args.self_prompts,
+        self_prompt_temperature=args.self_prompt_temperature,
         budget_minutes=args.budget_minutes, resume=args.resume,
         export_formats=tuple(args.export_formats.split(",")), export_dtype=args.export_dtype,
         cache_dir=args.cache_dir, tap_cache=args.tap_cache)
@@ -228,6 +229,9 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
                    help="sampling temperature of the regenerated answers (0: greedy)")
     t.add_argument("--regen-max-new-tokens", type=int, default=512)
     t.add_argument("--regen-batch-size", type=int, default=64)
+    t.add_argument("--init-from", default=None, metavar="DRAFT",
+                   help="start from this trained draft (any format; its taps and vocabulary) "
+                        "instead of a fresh one, with a new optimizer and schedule")
     t.add_argument("--self-prompts", type=int, default=0, metavar="N",
                    help="add N requests written by the target itself (Magpie: its chat "
                         "template up to an opened user turn, sampled); saved to "

@@ -154,27 +154,29 @@ class LLM:
         self._owner: int | None = None  # thread id holding _lock
         self.spec: SpecConfig | None = None
         self.draft_info: str | None = None
+        self._draft: tuple[tuple, Any] | None = None  # ((draft, layer ids), loaded draft)
         self.timer: Profiler | None = None
         self.decoder: PlainDecoder | SpecDecoder = PlainDecoder(self.runner)
         self.set_spec(spec)
 
     def set_spec(self, spec: SpecConfig | None) -> None:
         """Switch speculative decoding on (with this configuration) or off, keeping the
-        target weights loaded. A draft given by path is loaded again only if it changed."""
+        target weights loaded. A draft is loaded again only if its path or taps changed."""
         with self._lock:
             if spec is None:
                 self.decoder = PlainDecoder(self.runner)
             else:
                 from specscope.engine.speculative import load_spec_draft
 
-                same = (isinstance(self.decoder, SpecDecoder) and self.spec is not None
-                        and (self.spec.draft, self.spec.draft_layer_ids)
-                        == (spec.draft, spec.draft_layer_ids))
-                if same:
-                    draft = self.decoder.draft
+                # The last draft stays loaded while speculation is off, so switching back
+                # (or a tuner alternating plain and speculative runs) never reloads it.
+                key = (spec.draft, spec.draft_layer_ids)
+                if self._draft is not None and self._draft[0] == key:
+                    draft = self._draft[1]
                 else:
                     draft, self.draft_info = load_spec_draft(spec, self.runner.model,
                                                              self.dtype, self.device)
+                    self._draft = (key, draft)
                 self.decoder = SpecDecoder(self.runner, draft, spec)
             self.spec = spec
             self.decoder.timer = self.timer

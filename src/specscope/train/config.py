@@ -44,6 +44,7 @@ class TrainConfig:
     regen_top_p: float = 1.0
     regen_max_new_tokens: int = 512
     regen_batch_size: int = 64
+    init_from: str | None = None  # a trained draft to continue from (new schedule)
     self_prompts: int = 0  # requests the target writes itself (Magpie), added to the data
     self_prompt_temperature: float = 0.9
     self_prompt_top_p: float = 0.95

@@ -37,6 +37,7 @@ from specscope.draft.eagle3 import (
     random_draft,
 )
 from specscope.draft.formats import FORMATS, save_draft
+from specscope.draft.loader import load_draft
 from specscope.draft.vocab import frequent_vocab, vocab_coverage, vocab_maps
 from specscope.engine.llm import resolve_device
 from specscope.engine.tokenizer import Tokenizer
@@ -259,7 +260,13 @@ def train_draft(cfg: TrainConfig) -> Path:
     log.info("train-draft: %d train / %d eval examples, %d tokens (%d assistant)",
              len(train), len(held), n_tokens, n_labels)
 
+    init = None
+    if cfg.init_from:  # continue from a trained draft: its weights, taps and vocabulary
+        init = load_draft(cfg.init_from, tcfg, dtype=torch.float32, device="cpu",
+                          layer_ids=list(cfg.layer_ids) if cfg.layer_ids else None)
+        log.info("train-draft: starting from %s (%s)", cfg.init_from, init.message)
     layer_ids = tuple(sorted(cfg.layer_ids)) if cfg.layer_ids else \
+        tuple(init.config.aux_layer_ids) if init is not None else \
         default_layer_ids(tcfg.num_layers)
     target.set_taps(layer_ids)
     ckpt_root = out / "checkpoints"
@@ -279,6 +286,13 @@ def train_draft(cfg: TrainConfig) -> Path:
         draft.load_state_dict(state["draft"])
         draft.requires_grad_(True).train()
         log.info("train-draft: resumed from %s (step %d)", ckpt, state["step"])
+    elif init is not None:
+        state = None
+        draft = init.model.requires_grad_(True).train()
+        if cfg.draft_vocab_size not in (None, draft.config.draft_vocab_size):
+            log.warning("train-draft: --init-from keeps its draft vocabulary of %d; "
+                        "--draft-vocab-size %d is ignored", draft.config.draft_vocab_size,
+                        cfg.draft_vocab_size)
     else:
         state = None
         vocab_ids = frequent_vocab(counts, cfg.draft_vocab_size)
@@ -421,6 +435,7 @@ def train_draft(cfg: TrainConfig) -> Path:
         "train_examples": len(train), "train_tokens": n_tokens,
         "steps": step, "epochs_completed": epoch, "stopped": stopped,
         "ttt_length": cfg.ttt_length, "lr": cfg.lr, "batch_tokens": cfg.batch_tokens,
+        "init_from": Path(cfg.init_from).name if cfg.init_from else None,
         "heldout": final_eval,
     }
     export_dtype = getattr(torch, cfg.export_dtype)
