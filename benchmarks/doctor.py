@@ -58,14 +58,20 @@ def _permute(t):
                                        .manual_seed(0))]
 
 
-def plant(name: str, root: Path) -> Path:
+def plant(name: str, root: Path, provenance: bool = True) -> Path:
+    """The shipped draft with one fault. provenance=False drops its specscope_provenance
+    block, as a draft trained elsewhere has none: wiring faults are then the probe's alone."""
     d = root / name.replace(" ", "_")
     if name in ("embedding first tap", "convention swapped"):
         d = convert_draft(default_draft_dir(), d, "speculators")
         ids = [0, 15, 27] if name == "embedding first tap" else [1, 14, 26]
         _cfg(d, lambda c: c.update(eagle_aux_hidden_state_layer_ids=ids))
+        if not provenance:
+            _cfg(d, lambda c: c.pop("specscope_provenance", None))
         return d
     shutil.copytree(default_draft_dir(), d)
+    if not provenance:
+        _cfg(d, lambda c: c.pop("specscope_provenance", None))
     {"healthy": lambda: None,
      "ids shifted +1": lambda: _cfg(d, _ids([2, 15, 27])),
      "ids shifted -1": lambda: _cfg(d, _ids([0, 13, 25])),
@@ -87,6 +93,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--no-provenance", action="store_true",
+                    help="drop the drafts' provenance block (wiring faults: probe only)")
     args = ap.parse_args()
     lines: list[str] = []
     t0 = time.perf_counter()
@@ -95,7 +103,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         probe = None
         for case in CASES:
-            d = plant(case, Path(tmp))
+            d = plant(case, Path(tmp), provenance=not args.no_provenance)
             t = time.perf_counter()
             if probe is None:  # the healthy run: a user's full doctor run, probe included
                 report = run_doctor(llm, str(d))
