@@ -12,9 +12,13 @@ for f in $R/t0 $R/t_regen1 $R/t_regen2 $R/t_train; do [ -f $f ] && echo "$f $(ca
 for f in $R/regen.log $R/self.log $R/train.log; do
   [ -f $f ] && { echo "== $f"; tr '\r' '\n' < $f | grep -v '^$' | tail -n 12; }
 done
-if [ -f $R/t_regen2 ]; then
-  cat $R/regen/regenerated.jsonl | gzip -c > $OUT/regen_recipe.jsonl.gz
-  cat $R/self/regenerated.jsonl | gzip -c > $OUT/regen_self.jsonl.gz
+if [ -f $R/t_regen2 ] && [ ! -f $R/data_sent ]; then  # once
+  for n in regen self self2; do
+    [ -f $R/$n/regenerated.jsonl ] || continue
+    gzip -c $R/$n/regenerated.jsonl > /tmp/$n.jsonl.gz
+    split -b 15M -d /tmp/$n.jsonl.gz $OUT/$n.jsonl.gz.part  # files back are <= 16 MB each
+  done
+  touch $R/data_sent
   ls -la $OUT
 fi
 [ -f $R/train/metrics.jsonl ] && cp $R/train/metrics.jsonl $OUT/metrics.jsonl
