@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 # speculative decoding measured on three MT-Bench prompts (tok/s, speedup, accept length).
 demo: $(VENV)/.installed
 	$(BIN)/specscope generate --chat --prompt "$(PROMPT)" --max-tokens 128
-	$(BIN)/specscope profile --dataset mt_bench --num-prompts 3 --max-tokens 128 --spec 5,1
+	$(BIN)/specscope profile --dataset mt_bench --num-prompts 3 --max-tokens 256 --spec 5,1
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks
