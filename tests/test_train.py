@@ -386,6 +386,8 @@ def test_cli_train_draft_errors_cleanly(tmp_path, capsys):
     assert main(["train-draft", "--data", str(tmp_path / "nope.jsonl"), "--out",
                  str(tmp_path / "o"), "--device", "cpu"]) == 2
     assert "nope.jsonl not found" in capsys.readouterr().err
+    assert main(["train-draft", "--out", str(tmp_path / "o"), "--device", "cpu"]) == 2
+    assert "no training data" in capsys.readouterr().err
 
 
 def test_the_shipped_default_draft_loads_and_is_lossless(default_model_dir):

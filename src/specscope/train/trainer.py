@@ -224,6 +224,10 @@ def train_draft(cfg: TrainConfig) -> Path:
     t_start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not cfg.data and not cfg.self_prompts:
+        raise ValueError("no training data: pass --data FILE... and/or --self-prompts N")
+    if cfg.self_prompts < 0:
+        raise ValueError(f"--self-prompts must be >= 0, got {cfg.self_prompts}")
     convs = read_conversations(cfg.data)  # before the (slow) model load: bad data fails fast
     device = resolve_device(cfg.device)
     tdtype = torch.bfloat16 if device.type == "cuda" else torch.float32
