@@ -201,3 +201,27 @@ def test_the_draft_stays_loaded_while_speculation_is_off(monkeypatch):
     assert len(loads) == 1
     llm.set_spec(SpecConfig(draft="random", num_steps=2, draft_layer_ids=(0, 1, 2)))
     assert len(loads) == 2
+
+
+def test_batched_predictions_equal_one_by_one():
+    """AcceptanceModel.taus (thresholds per (steps, topk)) gives every configuration's tau
+    exactly as tau() one at a time, for a measured (walked) and a simulated (iid) model."""
+    import torch
+
+    from specscope.tune.acceptance import INF_RANK, AcceptanceModel
+    from specscope.tune.tuner import all_configs
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.randint(1, 5, (3, 120, 10), generator=g)
+    r[r == 4] = INF_RANK
+    walked = AcceptanceModel(
+        ranks=r, starts=[5, 3, 10], ends=[100, 120, 90],
+        path_lp=-torch.rand(3, 120, 10, generator=g) * 3,
+        top_lp=-(torch.rand(3, 120, 10, 8, generator=g) * 4).sort(-1).values)
+    simulated = AcceptanceModel.simulated((0.8, 0.7, 0.6), 0.35, positions=2000)
+    cfgs = all_configs(10)
+    for m in (walked, simulated):
+        batched = m.taus(cfgs)
+        assert set(batched) == set(cfgs)
+        for c in cfgs[::7]:
+            assert batched[c] == pytest.approx(m.tau(*c), abs=1e-9), c

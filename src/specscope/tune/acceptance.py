@@ -121,6 +121,33 @@ class AcceptanceModel:
         ranks = torch.where(hits.any(-1), first, torch.full_like(first, INF_RANK))
         return cls(ranks=ranks[None], starts=[0], ends=[positions], iid=True)
 
+    def taus(self, configs: list[tuple[int, int, int]]) -> dict[tuple[int, int, int], float]:
+        """tau of many configurations at once (the tuner predicts thousands). Within one
+        (num_steps, topk) the tree's shape depends on num_draft_tokens only through a
+        threshold: the node at depth d is kept when n >= need[d] = outranking[d] + 2, so
+        a(t) for any n counts the leading depths whose running maximum of need is <= n."""
+        out: dict[tuple[int, int, int], float] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
+        for s, k, n in configs:
+            groups.setdefault((s, k), []).append(n)
+        for (s, k), ns in groups.items():
+            if s > self.depth:
+                raise ValueError(f"acceptance model measured {self.depth} steps; cannot "
+                                 f"predict num_steps {s}")
+            inside = (self.ranks[..., :s] <= k).long().cumprod(-1).bool()
+            need = torch.where(inside, self._outranking(s, k) + 2,
+                               torch.full_like(self.ranks[..., :s], INF_RANK))
+            lead = need.cummax(-1).values  # [B, T, s]: n needed to keep depths 0..d
+            for n in sorted(set(ns)):
+                a = (lead <= n).sum(-1)  # [B, T] leading depths kept (lead is monotone)
+                if self.iid:
+                    out[(s, k, n)] = 1.0 + float(a.float().mean())
+                else:
+                    c = walk_cycles(a.tolist(), [[(st, e)] for st, e in
+                                                 zip(self.starts, self.ends, strict=True)])
+                    out[(s, k, n)] = 1.0 + sum(c) / len(c) if c else 1.0
+        return out
+
     def acceptance_by_rank(self, max_rank: int = 8) -> list[list[float]]:
         """[depth][rank-1]: P(r_d == rank | the path is in a full tree up to d-1)."""
         out = []

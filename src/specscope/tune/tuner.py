@@ -187,8 +187,8 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
 
     t = time.perf_counter()
     preds: dict[Config, tuple[float, float]] = {}
-    for cfg in all_configs(min(depth, acc.depth)):
-        tau = acc.tau(*cfg)
+    configs = all_configs(min(depth, acc.depth))
+    for cfg, tau in acc.taus(configs).items():
         preds[cfg] = (tau, cost.tok_per_s(tau, *cfg))
     timings["prediction"] = time.perf_counter() - t
     ranked = sorted(preds, key=lambda c: -preds[c][1])
