@@ -68,7 +68,7 @@ def model_and_prompts(engine):
     return measure_acceptance(draft, data, depth=6), prompts
 
 
-@pytest.mark.parametrize("cfg", [(3, 1, None), (5, 1, None), (2, 2, 4)])
+@pytest.mark.parametrize("cfg", [(3, 1, None), (5, 1, None), (2, 2, 4), (4, 8, 16)])
 def test_acceptance_model_predicts_unrun_configurations(engine, model_and_prompts, cfg):
     """Measured once (6 steps deep, teacher-forced), the model predicts the engine's accept
     length of configurations it never ran within 10 %."""

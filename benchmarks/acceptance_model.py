@@ -1,0 +1,52 @@
+"""The acceptance model's predicted accept length against the engine's measured one, for
+every configuration of a `benchmarks/tune.py` grid log (same prompts, same model and draft).
+
+    python benchmarks/tune.py --dtype bf16 --num-prompts 4 --max-tokens 128 --out LOG
+    python benchmarks/acceptance_model.py --log LOG --dtype bf16 --num-prompts 4 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from specscope import LLM
+from specscope.bench.datasets import load_prompts
+from specscope.doctor.probe import target_probe_data
+from specscope.draft.loader import load_draft
+from specscope.tune.acceptance import measure_acceptance
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--log", required=True, help="a benchmarks/tune.py output with grid lines")
+    ap.add_argument("--dataset", default="mt_bench")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--draft", default="default")
+    ap.add_argument("--dtype", default="bf16")
+    args = ap.parse_args()
+    llm = LLM(None, dtype=args.dtype, device="cpu")
+    ids = [llm.encode_prompt(p) for p in load_prompts(args.dataset, args.num_prompts)]
+    data = target_probe_data(llm.runner.model, ids, args.max_tokens)
+    draft = load_draft(args.draft, llm.model_config, dtype=llm.dtype, device=llm.device).model
+    draft.attach_target(llm.runner.model)
+    model = measure_acceptance(draft, data, 10)
+    rows = dict.fromkeys(re.findall(r"grid \((\d+), (\d+), (\d+)\)\s+[\d.]+ tok/s\s+tau ([\d.]+)",
+                                    Path(args.log).read_text()))
+    errs = {"chain": [], "tree": []}
+    for s, k, n, t in rows:
+        cfg, measured = (int(s), int(k), int(n)), float(t)
+        pred = model.tau(*cfg)
+        errs["chain" if cfg[1] == 1 else "tree"].append(pred / measured - 1)
+        print(f"{str(cfg):<12} measured {measured:.2f} predicted {pred:.2f} "
+              f"({pred / measured - 1:+.1%})")
+    for kind, e in errs.items():
+        if e:
+            print(f"{kind}s: mean |error| {sum(map(abs, e)) / len(e):.1%}, worst "
+                  f"{max(e, key=abs):+.1%} over {len(e)}")
+
+
+if __name__ == "__main__":
+    main()
