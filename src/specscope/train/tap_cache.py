@@ -14,7 +14,12 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+
+from specscope.models.llama import CausalLM
+from specscope.train.data import Example, collate
+from specscope.train.ttt import TTTBatch
 
 log = logging.getLogger("specscope.train")
 
@@ -46,3 +51,34 @@ class TapCache:
         save_file({"taps": taps.to(torch.bfloat16).contiguous().cpu(),
                    "hidden": hidden.to(torch.bfloat16).contiguous().cpu()}, str(tmp))
         os.replace(tmp, p)
+
+
+def target_batch(target: CausalLM, examples: list[Example], draft_ids: torch.Tensor,
+                 device: torch.device, indices: list[int] | None = None,
+                 cache: TapCache | None = None) -> TTTBatch:
+    """Run the target over a padded batch (or read it from the tap cache): taps, its
+    distribution over the draft vocabulary and its greedy token at every position."""
+    ids, mask = collate(examples)
+    ids, mask = ids.to(device), mask.to(device)
+    B, T = ids.shape
+    cached = [cache.get(i) for i in indices] if cache is not None and indices else [None] * B
+    if any(c is None for c in cached):
+        pos = torch.arange(T, device=device).expand(B, T)
+        hidden, taps = target(ids, pos, return_taps=True)  # [B, T, Ht], [B, T, n * Ht]
+        if cache is not None and indices:
+            for b, (i, c) in enumerate(zip(indices, cached, strict=True)):
+                if c is None:
+                    n = len(examples[b].ids)
+                    cache.put(i, taps[b, :n], hidden[b, :n])
+    else:
+        w = target.lm_head.weight
+        taps = torch.zeros(B, T, cached[0][0].shape[-1], dtype=w.dtype, device=device)
+        hidden = torch.zeros(B, T, w.shape[1], dtype=w.dtype, device=device)
+        for b, (tp, hd) in enumerate(cached):
+            taps[b, :tp.shape[0]] = tp.to(device)
+            hidden[b, :hd.shape[0]] = hd.to(device)
+    logits = target.compute_logits(hidden)  # [B, T, V] fp32
+    top = logits.argmax(-1)
+    logp = F.log_softmax(logits[..., draft_ids], dim=-1)  # [B, T, Vd]
+    return TTTBatch(input_ids=ids, label_mask=mask, taps=taps, target_logp=logp,
+                    target_top=top)

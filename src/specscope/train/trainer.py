@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from specscope import __version__
 from specscope.bench.datasets import jsonl_objects
@@ -52,23 +51,19 @@ from specscope.train.checkpoint import (
 from specscope.train.config import TrainConfig
 from specscope.train.config import fingerprint as run_fingerprint
 from specscope.train.data import (
-    Example,
-    collate,
     read_conversations,
     split_examples,
     token_batches,
     token_counts,
     tokenize_conversation,
 )
+from specscope.train.evaluation import evaluate
 from specscope.train.regenerate import regenerate
 from specscope.train.self_prompts import self_prompts, write_prompts
-from specscope.train.tap_cache import TapCache
+from specscope.train.tap_cache import TapCache, target_batch
 from specscope.train.ttt import (
-    TTTBatch,
     acceptance,
-    predicted_accept_length,
     ttt_loss,
-    walk_accept_counts,
 )
 
 log = logging.getLogger("specscope.train")
@@ -107,82 +102,6 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
 
 
 @torch.no_grad()
-def target_batch(target: CausalLM, examples: list[Example], draft_ids: torch.Tensor,
-                 device: torch.device, indices: list[int] | None = None,
-                 cache: TapCache | None = None) -> TTTBatch:
-    """Run the target over a padded batch (or read it from the tap cache): taps, its
-    distribution over the draft vocabulary and its greedy token at every position."""
-    ids, mask = collate(examples)
-    ids, mask = ids.to(device), mask.to(device)
-    B, T = ids.shape
-    cached = [cache.get(i) for i in indices] if cache is not None and indices else [None] * B
-    if any(c is None for c in cached):
-        pos = torch.arange(T, device=device).expand(B, T)
-        hidden, taps = target(ids, pos, return_taps=True)  # [B, T, Ht], [B, T, n * Ht]
-        if cache is not None and indices:
-            for b, (i, c) in enumerate(zip(indices, cached, strict=True)):
-                if c is None:
-                    n = len(examples[b].ids)
-                    cache.put(i, taps[b, :n], hidden[b, :n])
-    else:
-        w = target.lm_head.weight
-        taps = torch.zeros(B, T, cached[0][0].shape[-1], dtype=w.dtype, device=device)
-        hidden = torch.zeros(B, T, w.shape[1], dtype=w.dtype, device=device)
-        for b, (tp, hd) in enumerate(cached):
-            taps[b, :tp.shape[0]] = tp.to(device)
-            hidden[b, :hd.shape[0]] = hd.to(device)
-    logits = target.compute_logits(hidden)  # [B, T, V] fp32
-    top = logits.argmax(-1)
-    logp = F.log_softmax(logits[..., draft_ids], dim=-1)  # [B, T, Vd]
-    return TTTBatch(input_ids=ids, label_mask=mask, taps=taps, target_logp=logp,
-                    target_top=top)
-
-
-def evaluate(draft: Eagle3Draft, target: CausalLM, examples: list[Example],
-             cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
-    """Held-out loss, top-1 agreement and acceptance by position (engine definitions)."""
-    if not examples:
-        return {}
-    was_training = draft.training
-    draft.eval()
-    draft_ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=device))
-    sums = None
-    losses = torch.zeros(cfg.ttt_length)
-    n_batches = 0
-    walk_steps = sorted({k for k in (1, 3, 5, cfg.ttt_length) if k <= cfg.ttt_length})
-    walk = {k: [0, 0] for k in walk_steps}  # num_steps -> [accepted tokens, cycles]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    for idx in token_batches(examples, cfg.batch_tokens, cfg.seed, epoch=-1):
-        batch = target_batch(target, [examples[i] for i in idx], draft_ids, device)
-        with torch.no_grad(), autocast:
-            _, step_losses, m = ttt_loss(draft, batch, cfg.ttt_length, cfg.loss_decay)
-        for k in walk_steps:
-            tokens, cycles = walk_accept_counts(m, batch.label_mask, k)
-            walk[k][0] += tokens
-            walk[k][1] += cycles
-        vals = torch.stack([m.count, m.correct, m.chain, m.reached]).cpu()
-        sums = vals if sums is None else sums + vals
-        losses += torch.stack(step_losses).float().cpu()
-        n_batches += 1
-    draft.train(was_training)
-    count, correct, chain, reached = sums
-    rates = acceptance(chain, reached)
-    return {
-        "loss_by_position": [round(x, 4) for x in (losses / n_batches).tolist()],
-        "top1_by_position": [round(float(c / n), 4) if n else 0.0
-                             for c, n in zip(correct, count, strict=True)],
-        "acceptance_by_position": [round(a, 4) for a in rates],
-        "predicted_accept_length": {k: round(predicted_accept_length(rates, k), 3)
-                                    for k in sorted({1, 3, 5, cfg.ttt_length})
-                                    if k <= cfg.ttt_length},
-        # The engine's greedy chain replayed over the answers (cycles start after each
-        # bonus token): what `specscope profile` measures. The formula above assumes a
-        # cycle at every position and is optimistic when rejections cluster.
-        "walk_accept_length": {k: round(1 + t / max(c, 1), 3) for k, (t, c) in walk.items()},
-        "labels": int(count[0]),
-    }
-
-
 def _progress(total: int, initial: int, enabled: bool):
     """A tqdm bar on a terminal; elsewhere (logs, CI) one log line per --log-every steps."""
     if not enabled or not sys.stderr.isatty():
