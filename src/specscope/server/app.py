@@ -34,10 +34,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specscope.config import SamplingParams, SpecConfig
 from specscope.engine.llm import LLM, StreamDelta
 from specscope.engine.request import RequestOutput
-from specscope.profiler.trace import chrome_trace
 from specscope.server.admin import add_admin_routes
 from specscope.server.guardrail import Guardrail
-from specscope.server.metrics import Metrics
+from specscope.server.metrics import CountRequests, Metrics
+from specscope.server.profile_routes import add_profile_routes
 from specscope.server.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -131,7 +131,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     app.state.llm, app.state.worker, app.state.metrics = llm, worker, metrics
     app.state.guardrail = guardrail
 
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -389,63 +389,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
         return PlainTextResponse(metrics.render(guardrail.state() if guardrail else None),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def profiling_off() -> APIError:
-        return APIError(404, "profiling is off: start the server with profiling on "
-                        "(LLM(..., profile=True) or SPECSCOPE_PROFILE=1)",
-                        type="not_found_error", code="profiling_off")
-
     add_admin_routes(app, llm, worker, guardrail, draft_spec)
-
-    @app.get("/profile")
-    async def profile():
-        if llm.timer is None:
-            raise profiling_off()
-        try:
-            summaries = await worker.call(llm.profile_summary)
-        except RuntimeError:
-            raise profiling_off() from None
-        return {"object": "profile", "model": served, "summaries": summaries}
-
-    @app.get("/profile/trace")
-    async def profile_trace(cycles: int | None = None):
-        if cycles is not None and cycles < 1:
-            raise APIError(400, "cycles must be a positive integer", param="cycles")
-
-        def trace() -> dict:
-            timer = llm.timer
-            if timer is None:
-                raise RuntimeError("profiling is off")
-            return chrome_trace(timer.all_records(), cycles)
-
-        try:
-            return await worker.call(trace)
-        except RuntimeError:
-            raise profiling_off() from None
+    add_profile_routes(app, llm, worker, served)
 
     return app
-
-
-class _CountRequests:
-    """Pure ASGI middleware counting /v1 requests by endpoint and status code (a
-    BaseHTTPMiddleware would interfere with streaming and client-disconnect detection)."""
-
-    def __init__(self, app, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def send_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            path = scope["path"]
-            self.metrics.request_done(path if path in ENDPOINTS else "other", status)

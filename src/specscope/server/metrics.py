@@ -133,3 +133,29 @@ def _guardrail_lines(g: dict, m: str) -> list[str]:
         *_counter("specscope_guardrail_switch_offs_total",
                   "Times the guardrail switched speculation off.", m, g["switch_offs"]),
     ]
+
+
+class CountRequests:
+    """Pure ASGI middleware counting /v1 requests by endpoint and status code (a
+    BaseHTTPMiddleware would interfere with streaming and client-disconnect detection)."""
+
+    def __init__(self, app, metrics: Metrics, endpoints: tuple[str, ...]) -> None:
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            self.metrics.request_done(path if path in self.endpoints else "other", status)
