@@ -35,8 +35,12 @@ def simulated_verdict(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor
     path = [cur]  # built from device tensors only: no host->device copy (graph capture)
     n_acc = torch.zeros((), dtype=torch.long, device=dev)
     alive = torch.ones((), dtype=torch.bool, device=dev)
+    # One draw per (depth, rank) for the whole walk: rates for the top child, then siblings.
+    thresholds = torch.cat([rates[:max_depth, None],
+                            rates.new_full((max_depth, C - 1), sibling)], 1)  # [depth, C]
+    drawn = u[:max_depth, :C] < thresholds  # [max_depth, C]
     for i in range(1, max_depth + 1):
-        hits = u[i - 1, :C] < torch.cat([rates[i - 1:i], rates.new_full((C - 1,), sibling)])
+        hits = drawn[i - 1]
         rank = hits.long().argmax()  # the first rank drawn as accepted (0 when none is)
         child = _at(_at(children, cur), rank)
         take = alive & hits.any() & (child >= 0)

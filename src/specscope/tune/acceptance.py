@@ -48,7 +48,7 @@ class AcceptanceModel:
     ends: list[int]  # per answer: the index after its last token
     path_lp: torch.Tensor | None = None  # [B, T, D] draft log-prob of the path token
     top_lp: torch.Tensor | None = None  # [B, T, D, K] the draft's K best log-probs, sorted
-    _outrank: dict | None = field(default=None, repr=False)  # (s, k) -> [B, T, s] cache
+    _terms: dict | None = field(default=None, repr=False)  # (s, k) -> _tree_terms cache
     # Positions drawn independently (a simulated profile): the walk's cycles are then a
     # plain sample of a(t), so tau is 1 + the mean of a(t), without replaying the walk.
     iid: bool = False
@@ -71,10 +71,10 @@ class AcceptanceModel:
     def _tree_terms(self, num_steps: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, T, s] bool, [B, T, s]): whether the path node at depth d can be in a tree of
         this (num_steps, topk) at all, and how many candidates outrank it."""
-        if self._outrank is None:
-            self._outrank = {}
+        if self._terms is None:
+            self._terms = {}
         key = (num_steps, topk)
-        if key not in self._outrank:
+        if key not in self._terms:
             r = self.ranks[..., :num_steps]
             ok = r <= topk  # among its parent's topk children
             if self.path_lp is not None and self.top_lp is not None and \
@@ -85,8 +85,8 @@ class AcceptanceModel:
             else:
                 # Without scores: the rank-only bound (d-1) + sum(r_i - 1).
                 outrank = torch.arange(num_steps) + (r.clamp(max=INF_RANK) - 1).cumsum(-1)
-            self._outrank[key] = (ok.long().cumprod(-1).bool(), outrank)
-        return self._outrank[key]
+            self._terms[key] = (ok.long().cumprod(-1).bool(), outrank)
+        return self._terms[key]
 
     def _beam_terms(self, num_steps: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """EAGLE-2's tree, approximated from the path: every beam's children are given the
