@@ -4,11 +4,11 @@ configurations in place (LLM.set_spec).
 
     1. acceptance model: the target answers the prompts once; the draft is unrolled 10 steps
        along the answers (acceptance.py);
-    2. cost model: a short profiled calibration over a few configurations and plain decoding
-       (cost.py);
+    2. cost model: plain decoding on the prompts, then a short profiled calibration over four
+       configurations (cost.py);
     3. prediction for every (num_steps <= 10, topk <= 8, num_draft_tokens <= 64);
-    4. confirmation: the top predictions and plain decoding, each run on the prompts with the
-       profiler; the best measured wins.
+    4. confirmation: the top predictions, each run on the prompts with the profiler, against
+       the plain run of step 2; the best measured wins.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ from specscope.tune.cost import (
 )
 
 Config = tuple[int, int, int]  # (num_steps, topk, num_draft_tokens)
-CALIBRATION: list[Config] = [(1, 1, 2), (4, 1, 5), (8, 1, 9), (3, 4, 12), (5, 8, 40)]
+# Four configurations pin the cost model's five speculative terms with one spare equation
+# each: (num_steps - 1) in {0, 7, 2, 4}, rows (num_steps - 1) * topk in {0, 7, 8, 32}, verified
+# tokens in {2, 9, 12, 40}. Each costs a run, and on a GPU the runs are most of the tuner's
+# time, so no more than the fit needs.
+CALIBRATION: list[Config] = [(1, 1, 2), (8, 1, 9), (3, 4, 12), (5, 8, 40)]
 
 
 def max_nodes(num_steps: int, topk: int) -> int:
@@ -170,20 +174,23 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     timings["acceptance_model"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    params = SamplingParams(max_tokens=max_tokens)
+    # Plain decoding runs once, on every prompt: it is both the cost model's plain step and
+    # the confirmation's baseline row.
+    plain, plain_summary = run_config(llm, None, draft, prompts, params, base, warmup_tokens)
     cal_params = SamplingParams(max_tokens=calibration_tokens, ignore_eos=True)
     cal_prompts = prompts[:calibration_prompts]
     # A calibration run's warm-up need not outlast it: it covers the same KV windows.
     cal_warm = min(warmup_tokens, calibration_tokens)
-    plain, plain_summary = run_config(llm, None, draft, cal_prompts, cal_params, base,
-                                      cal_warm)
-    cals = []
+    cals, run_s = [], [f"plain {plain.seconds:.1f}"]
     for cfg in CALIBRATION:
-        _, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
+        m, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
         cals.append(calibration_from_summary(s, *cfg))
+        run_s.append(f"{cfg} {m.seconds:.1f}")
     cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary))
     timings["calibration"] = time.perf_counter() - t
-    log(f"[tune] cost model from {len(CALIBRATION)} calibration configs + plain "
-        f"({timings['calibration']:.1f} s): {cost.as_dict()}")
+    log(f"[tune] cost model from plain + {len(CALIBRATION)} calibration configs "
+        f"({timings['calibration']:.1f} s; runs, s: {', '.join(run_s)}): {cost.as_dict()}")
 
     t = time.perf_counter()
     preds: dict[Config, tuple[float, float]] = {}
@@ -197,10 +204,8 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
         f"{cost.plain_tok_per_s:.1f}")
 
     t = time.perf_counter()
-    params = SamplingParams(max_tokens=max_tokens)
     result = TuneResult(cost=cost, acceptance=acc, predictions=preds)
-    result.measured.append(run_config(llm, None, draft, prompts, params, base,
-                                      warmup_tokens)[0])
+    result.measured.append(plain)
     for i, cfg in enumerate(ranked[:confirm]):
         if i and budget_seconds is not None and time.perf_counter() - t_start > budget_seconds:
             log(f"[tune] budget of {budget_seconds:.0f} s spent: confirmed {i} of {confirm}")
