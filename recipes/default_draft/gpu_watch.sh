@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Watch gpu_round2.sh for up to $1 seconds (default 540) and bring back what exists under $OUT:
+# Watch a round (gpu_round2.sh, gpu_round3.sh) for up to $1 seconds (default 540) and bring back what exists under $OUT:
 # the regenerated data (once both regenerations are done), training metrics and logs, and,
 # when the round is DONE, the exported draft (safetensors split in two, md5) and the
 # engine-walk accept length of the draft on the built-in evaluation sets.
@@ -13,7 +13,7 @@ for f in $R/regen.log $R/self.log $R/train.log; do
   [ -f $f ] && { echo "== $f"; tr '\r' '\n' < $f | grep -v '^$' | tail -n 12; }
 done
 if [ -f $R/t_regen2 ] && [ ! -f $R/data_sent ]; then  # once
-  for n in regen self self2; do
+  for n in self2; do  # round 2's answers (regen, self) are here already, in .stage/data
     [ -f $R/$n/regenerated.jsonl ] || continue
     gzip -c $R/$n/regenerated.jsonl > /tmp/$n.jsonl.gz
     split -b 15M -d /tmp/$n.jsonl.gz $OUT/$n.jsonl.gz.part  # files back are <= 16 MB each
