@@ -25,7 +25,6 @@ from pathlib import Path
 
 from specscope import LLM, SamplingParams, SpecConfig
 from specscope.bench.datasets import load_prompts
-from specscope.tune.acceptance import AcceptanceModel
 from specscope.tune.tuner import max_nodes, run_config, tune
 
 
@@ -90,13 +89,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm, prompts = build(args)
-    base = acc = None
+    base = None
     if args.rates:
         rates = tuple(float(r) for r in args.rates.split(","))
         args.draft = "random"
         base = SpecConfig(draft="random", simulate_acceptance=rates,
                           simulate_sibling=args.sibling)
-        acc = AcceptanceModel.simulated(rates, args.sibling)
+        # The tuner builds the profile's acceptance model itself (timed): ranks from the
+        # profile, the tree's shape from the random draft's scores.
     # On CUDA the warm-up runs a whole request so every KV window's graphs exist before the
     # clock runs; the same for the grid and the tuner.
     warm = args.max_tokens if args.device != "cpu" else 8
@@ -111,7 +111,7 @@ def main() -> None:
     log_line(lines, f"process warm-up (untimed for both sides): {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens,
-               log=lambda x: log_line(lines, x), base=base, acceptance=acc,
+               log=lambda x: log_line(lines, x), base=base,
                warmup_tokens=warm)
     tune_s = time.perf_counter() - t
     lines += [res.table(), res.recommendation()]

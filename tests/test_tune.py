@@ -225,3 +225,34 @@ def test_batched_predictions_equal_one_by_one():
         assert set(batched) == set(cfgs)
         for c in cfgs[::7]:
             assert batched[c] == pytest.approx(m.tau(*c), abs=1e-9), c
+
+
+def test_simulated_trees_take_their_shape_from_the_running_draft():
+    """A random draft's flat scores fill EAGLE-2's tree breadth first, so a simulated profile
+    accepts less in wide, shallow-budget trees than its ranks alone say. The tuner's simulated
+    model (scores from the running draft) predicts the engine's tau within 10 % on trees and
+    chains; the rank-only bound misses (6, 4, 16) by far more, so this test can fail."""
+    import torch
+
+    from specscope.config import ModelConfig
+    from specscope.models.loader import random_model
+    from specscope.tune.acceptance import AcceptanceModel
+    from specscope.tune.tuner import run_config, simulated_acceptance
+
+    cfg = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 2048})
+    llm = LLM.from_model(random_model(cfg, torch.float32, "cpu"), max_model_len=2048)
+    rates = (0.85, 0.8, 0.75, 0.7, 0.7, 0.65)
+    base = SpecConfig(draft="random", simulate_acceptance=rates)
+    prompts = ["1 2 3 4 5 6 7 8 9 10 11 12", "40 41 42 43 44 45 46 47 48 49"]
+    model = simulated_acceptance(llm, "random", base, prompts, depth=6)
+    rank_only = AcceptanceModel.simulated(rates, 0.0, depth=6)
+    params = SamplingParams(max_tokens=600, ignore_eos=True)
+    errs = {}
+    for c in [(5, 1, 6), (6, 4, 16), (6, 2, 16), (4, 4, 8), (3, 8, 16)]:
+        measured, _ = run_config(llm, c, "random", prompts[:1], params, base)
+        errs[c] = model.tau(*c) / measured.accept_length - 1
+        assert abs(errs[c]) < 0.10, (c, model.tau(*c), measured.accept_length)
+    assert rank_only.tau(6, 4, 16) / (1 + errs[(6, 4, 16)]) > 1.25 * model.tau(6, 4, 16)

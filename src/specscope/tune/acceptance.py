@@ -13,9 +13,11 @@ With the draft's scores (the log-prob of each path token and the top-8 log-probs
 depth), the tree is EAGLE-2's, approximated from the path (_beam_terms): the path node at d
 must be among its parent's topk children, its parent among the topk beams of its depth, and
 fewer than num_draft_tokens - 1 candidates of the whole tree may outrank it, where every
-beam's children are given the path node's children's log-probs at that depth. Without scores
-(a simulated profile) the rank-only bound is used: r_i <= topk for i <= d and
-(d - 1) + sum_{i<=d} (r_i - 1) < num_draft_tokens - 1.
+beam's children are given the path node's children's log-probs at that depth. A simulated
+profile (ranks drawn, not measured) borrows the scores from the draft that will run
+(`draft_scores`): a random draft's nearly flat scores fill the tree breadth first, which cuts
+the top-ranked path at a depth the ranks alone do not show. Without any scores the rank-only
+bound is used: r_i <= topk for i <= d and (d - 1) + sum_{i<=d} (r_i - 1) < num_draft_tokens - 1.
 
 The accepted depth a(t) is the number of leading depths accepted. tau is not the mean of a(t)
 over all positions: cycles do not start at every position. They start right after the
@@ -127,18 +129,33 @@ class AcceptanceModel:
 
     @classmethod
     def simulated(cls, rates: tuple[float, ...], sibling: float = 0.0, depth: int = 10,
-                  positions: int = 8_000, seed: int = 0) -> AcceptanceModel:
+                  positions: int = 8_000, seed: int = 0, scores: torch.Tensor | None = None
+                  ) -> AcceptanceModel:
         """The acceptance model of a simulated-acceptance profile (spec/simulate.py): ranks
         drawn as the engine draws them, independently at every position and depth (rank 1
         with rates[d], else each lower rank in turn with `sibling`), over one long answer.
-        Rates past the end of `rates` repeat its last (SpecConfig.acceptance_rates)."""
+        Rates past the end of `rates` repeat its last (SpecConfig.acceptance_rates).
+        `scores` [N, >= depth, 8]: the running draft's sorted top log-probs at N measured
+        positions (draft_scores). Each simulated position takes one of them, and the path
+        node of rank r the r-th best log-prob, so EAGLE-2's tree is shaped as that draft
+        shapes it. Without scores, the rank-only bound."""
         g = torch.Generator().manual_seed(seed)
         a = torch.tensor([rates[min(d, len(rates) - 1)] for d in range(depth)])
         u = torch.rand(positions, depth, 8, generator=g)
         hits = torch.cat([u[..., :1] < a[:, None], u[..., 1:] < sibling], -1)  # [T, D, 8]
         first = hits.long().argmax(-1) + 1  # 1-based rank of the first hit
         ranks = torch.where(hits.any(-1), first, torch.full_like(first, INF_RANK))
-        return cls(ranks=ranks[None], starts=[0], ends=[positions], iid=True)
+        if scores is None:
+            return cls(ranks=ranks[None], starts=[0], ends=[positions], iid=True)
+        if scores.dim() != 3 or scores.shape[1] < depth or scores.shape[2] < 8 or \
+                scores.shape[0] == 0:
+            raise ValueError(f"scores must be [N >= 1, depth >= {depth}, 8] sorted log-probs, "
+                             f"got {tuple(scores.shape)}")
+        pick = torch.randint(0, scores.shape[0], (positions,), generator=g)
+        top = scores[pick, :depth, :8].float()  # [T, D, 8]
+        path = top.gather(-1, (first.clamp(max=8) - 1)[..., None])[..., 0]  # [T, D]
+        return cls(ranks=ranks[None], starts=[0], ends=[positions], path_lp=path[None],
+                   top_lp=top[None], iid=True)
 
     def taus(self, configs: list[tuple[int, int, int]]) -> dict[tuple[int, int, int], float]:
         """tau of many configurations at once (the tuner predicts thousands). Within one
@@ -216,3 +233,13 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
     return AcceptanceModel(ranks=r, starts=starts, ends=ends,
                            path_lp=torch.stack(path_lp, -1).cpu(),
                            top_lp=torch.stack(top_lp, -2).cpu())
+
+
+@torch.inference_mode()
+def draft_scores(draft: Eagle3Draft, data: ProbeData, depth: int = 10) -> torch.Tensor:
+    """[N, depth, 8]: the draft's sorted top-8 log-probs at every depth of its unroll, at each
+    of the N real (unpadded) positions of `data` (a simulated profile's tree shape)."""
+    m = measure_acceptance(draft, data, depth)
+    lm = data.label_mask.cpu()
+    ends = [int(row.nonzero()[-1]) + 1 if row.any() else lm.shape[1] for row in lm]
+    return torch.cat([m.top_lp[b, :e] for b, e in enumerate(ends)])  # type: ignore[index]

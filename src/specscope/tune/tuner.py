@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from specscope.config import SamplingParams, SpecConfig
-from specscope.tune.acceptance import AcceptanceModel, measure_acceptance
+from specscope.tune.acceptance import AcceptanceModel, draft_scores, measure_acceptance
 from specscope.tune.cost import (
     CostModel,
     calibration_from_summary,
@@ -143,6 +143,25 @@ def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
     return Measured(cfg, s["tok_per_s"], s["accept_length"], time.perf_counter() - t0), s
 
 
+def simulated_acceptance(llm: Any, draft: str, base: SpecConfig, prompts: list[Any],
+                         depth: int = 10) -> AcceptanceModel:
+    """The acceptance model of a simulated profile (base.simulate_acceptance, per-position
+    rates): ranks drawn from the profile, the tree's shape from the scores of the draft that
+    runs, teacher-forced over `prompts` (no answers needed; a random draft's flat scores fill
+    the tree breadth first)."""
+    if not isinstance(base.simulate_acceptance, tuple):
+        raise ValueError("tuning a simulated profile needs per-position acceptance rates "
+                         f"(a tuple), got {base.simulate_acceptance!r}")
+    from specscope.doctor.probe import target_probe_data
+
+    llm.set_spec(spec_for(CALIBRATION[0], draft, base))
+    ids = [llm.encode_prompt(p) for p in prompts]
+    data = target_probe_data(llm.runner.model, ids, depth + 2)
+    scores = draft_scores(llm.decoder.draft, data, depth)
+    return AcceptanceModel.simulated(base.simulate_acceptance, base.simulate_sibling, depth,
+                                     scores=scores)
+
+
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          confirm: int = 3, depth: int = 10, calibration_prompts: int = 1,
          calibration_tokens: int = 48, budget_seconds: float | None = None,
@@ -151,8 +170,8 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     """The whole tuner on an LLM holding the target (weights never reloaded). With a budget,
     confirmation runs stop once it is spent (plain and the top prediction always run).
     `base`: settings every configuration keeps (draft layer ids, simulated acceptance).
-    `acceptance`: a given acceptance model instead of measuring the draft (simulation:
-    AcceptanceModel.simulated of the same profile)."""
+    `acceptance`: a given acceptance model instead of measuring the draft. With a simulated
+    `base` and no `acceptance`, the model is the profile's (simulated_acceptance)."""
     t_start = time.perf_counter()
     from specscope.doctor.probe import target_probe_data
     from specscope.draft.loader import load_draft
@@ -162,6 +181,10 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     if acceptance is not None:
         acc = acceptance
         log(f"[tune] acceptance model given ({acc.depth} steps)")
+    elif base is not None and base.simulated:
+        acc = simulated_acceptance(llm, draft, base, prompts[:calibration_prompts], depth)
+        log(f"[tune] simulated acceptance model: the profile's ranks, the tree's shape from "
+            f"the draft's scores ({time.perf_counter() - t:.1f} s)")
     else:
         ids = [llm.encode_prompt(p) for p in prompts]
         data = target_probe_data(llm.runner.model, ids, max_tokens)
