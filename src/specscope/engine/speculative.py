@@ -297,11 +297,14 @@ class SpecDecoder:
         if timing:
             t.mark(Phase.KV_COMMIT)
         path = verdict.path.clamp_min(0)  # [k + 1]; padding points at the root (harmless)
-        src = n + path
-        dst = n + torch.arange(k + 1, device=dev)
-        for kc, vc in zip(self.runner.cache.k, self.runner.cache.v, strict=True):
-            kc[0].index_copy_(1, dst, kc[0].index_select(1, src))
-            vc[0].index_copy_(1, dst, vc[0].index_select(1, src))
+        if not tree.chain:
+            # A chain's accepted nodes 0..a already sit at slots n..n+a: nothing to move
+            # (slots past n + a are rewritten by the next verify before anything reads them).
+            src = n + path
+            dst = n + torch.arange(k + 1, device=dev)
+            for kc, vc in zip(self.runner.cache.k, self.runner.cache.v, strict=True):
+                kc[0].index_copy_(1, dst, kc[0].index_select(1, src))
+                vc[0].index_copy_(1, dst, vc[0].index_select(1, src))
         a = verdict.num_accepted.reshape(1)
         # Next extend: pair i = (taps of path[i], the token after it), at position n + i.
         self.ext_taps.copy_(taps[:, path])
