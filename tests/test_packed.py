@@ -4,6 +4,8 @@ in-place weight updates."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,3 +105,24 @@ def test_pack_linears_keeps_state_and_outputs():
 def test_pack_linears_skips_fp32():
     _, draft = _tiny_pair(torch.float32)
     assert pack_linears(draft) == 0
+
+
+def test_packed_target_forward_is_bit_identical():
+    """The runner packs the target's linears (engine/runner.py): prefill-sized and
+    verify-sized forwards are unchanged, and a tied lm_head stays tied."""
+    target, _ = _tiny_pair(torch.bfloat16)
+    target.config = dataclasses.replace(target.config, tie_word_embeddings=True)
+    target.lm_head.weight = target.model.embed_tokens.weight
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9)[None]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            hidden, _ = target(ids, pos)
+            return hidden, target.compute_logits(hidden)
+
+    want = run()
+    assert pack_linears(target) == 4 * 4 + 1
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    for w, g in zip(want, run(), strict=True):
+        assert torch.equal(w, g)
