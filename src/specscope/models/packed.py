@@ -25,10 +25,15 @@ from torch import nn
 
 
 def packing_available() -> bool:
-    """Whether this torch build has the oneDNN packed-linear ops (CPU builds with mkldnn)."""
+    """Whether this torch build has the oneDNN packed-linear ops and this CPU runs oneDNN's
+    bf16 kernels (F.linear then takes the same kernel family, which is what makes the two
+    bit-identical; elsewhere F.linear stays)."""
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and \
-        hasattr(ops, "_reorder_linear_weight")
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") \
+            and hasattr(ops, "_reorder_linear_weight") and ops._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _version(w: torch.Tensor) -> int:
