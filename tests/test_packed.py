@@ -4,7 +4,9 @@ in-place weight updates."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -53,6 +55,17 @@ def test_reference_path_off_the_fast_path():
     packed.requires_grad_(True)
     packed(x).sum().backward()
     assert packed.weight.grad is not None
+
+
+def test_copies_and_pickles_drop_the_packed_copy():
+    packed = PackedLinear(_linear(64, 32, True))
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = packed(x)
+    for clone in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert clone._packed is None
+        with torch.inference_mode():
+            assert torch.equal(clone(x), want)
 
 
 def test_repacks_after_in_place_update():

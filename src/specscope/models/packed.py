@@ -56,6 +56,13 @@ class PackedLinear(nn.Linear):
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
 
+    def __getstate__(self) -> dict:
+        # The packed copy is an opaque oneDNN tensor (no storage to copy or pickle): copies
+        # and pickles drop it and repack on first use.
+        state = self.__dict__.copy()
+        state["_packed"], state["_key"] = None, None
+        return state
+
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's blocked layout, repacked when the weight changed."""
         w = self.weight
