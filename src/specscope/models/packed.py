@@ -1,14 +1,14 @@
 """bf16 linears on the CPU with weights pre-packed in oneDNN's blocked layout.
 
 At batch 1 every linear is a GEMV or a thin GEMM (M = tokens in the step). `F.linear`
-on a plain [N, K] bf16 weight re-reads it through a generic path: measured on a 2-core
-AVX512-BF16 EPYC, [1, 576] x [576, 12288] takes 0.37 ms, the same weight pre-packed with
-`mkldnn._reorder_linear_weight` 0.13 ms, and 1.5-2.5x less for every draft and target shape
-(M = 1 and M = 6). The result is bit-identical to `F.linear` (same oneDNN bf16 kernel
-family, same K-order accumulation; tests/test_packed.py checks it), so swapping it in
-changes no output, no acceptance. The runner packs the target (a decode step of the
-default model 30 -> 24 ms, a 6-token verify 36 -> 25 ms: the thin GEMMs gain most), the
-speculative decoder its draft. The price is a second copy of the linear weights.
+on a plain [N, K] bf16 weight does not get a cached copy in oneDNN's preferred blocked
+layout: measured on a 2-core AVX512-BF16 EPYC, [1, 576] x [576, 12288] takes 0.37 ms, the
+same weight pre-packed once with `mkldnn._reorder_linear_weight` 0.13 ms, and 1.5-2.5x less
+for every draft and target shape (M = 1 and M = 6). The results are bit-identical to
+`F.linear` (measured for M = 1..300 and every shape here; tests/test_packed.py checks it),
+so swapping it in changes no output, no acceptance. The runner packs the target (a decode
+step of the default model 30 -> 24 ms, a 6-token verify 36 -> 25 ms: the thin GEMMs gain
+most), the speculative decoder its draft. The price is a second copy of the linear weights.
 
 `PackedLinear` is an `nn.Linear` (same parameters, same state_dict names, so checkpoint
 layouts and training see nothing new) whose forward uses the packed copy when it can and
