@@ -107,6 +107,33 @@ def test_greedy_root_only() -> None:
     _check(v, tree, [0, -1, -1], 6, [6, -1, -1])
 
 
+@pytest.mark.parametrize("k", [1, 2, 5, 7])
+def test_chain_shortcuts_match_the_general_path(k: int) -> None:
+    """DraftTree(chain=True) takes shortcuts in verify_greedy and ancestor_mask; the general
+    walk (chain=False) is their reference. Tokens are drawn from a tiny vocabulary so every
+    accept length 0..k occurs."""
+    g = torch.Generator().manual_seed(k)
+    seen = set()
+    for trial in range(200):
+        V = 3
+        logits = torch.randn(k + 1, V, generator=g)
+        tokens = torch.randint(0, V, (k + 1,), generator=g)
+        if trial % 4 == 0:  # the target's own choices up to a cut: long runs get accepted
+            cut = (trial // 4) % (k + 1)
+            tokens[1:] = logits[:-1].argmax(-1)
+            tokens[1 + cut:] = torch.randint(0, V, (k - cut,), generator=g)
+        ref = _tree(_chain_parents(k + 1), tokens.tolist())
+        fast = DraftTree(tokens=ref.tokens, parents=ref.parents, depth=ref.depth, chain=True)
+        want, got = verify_greedy(ref, logits, k), verify_greedy(fast, logits, k)
+        assert got.path.tolist() == want.path.tolist()
+        assert got.num_accepted.item() == want.num_accepted.item()
+        assert got.bonus.item() == want.bonus.item()
+        assert emitted_tokens(fast, got).tolist() == emitted_tokens(ref, want).tolist()
+        seen.add(got.num_accepted.item())
+        assert torch.equal(fast.ancestor_mask(k), ref.ancestor_mask(k))
+    assert seen == set(range(k + 1))
+
+
 # ---------------------------------------------------------------- oracle drafts
 
 

@@ -83,7 +83,8 @@ def draft_chain(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: t
         last = torch.zeros_like(probs[0])  # leaf: no children were sampled from it
         draft_probs = torch.stack(probs + [last])  # [k + 1, V]
     return DraftTree(tokens=torch.cat(tokens), parents=torch.arange(-1, k, device=dev),
-                     depth=torch.arange(k + 1, device=dev), draft_probs=draft_probs)
+                     depth=torch.arange(k + 1, device=dev), draft_probs=draft_probs,
+                     chain=True)
 
 
 def draft_tree(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: torch.Tensor,

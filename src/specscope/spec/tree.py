@@ -23,12 +23,17 @@ class DraftTree:
         node i's children were *sampled* (chain drafting at temperature > 0). None when
         children were chosen deterministically (greedy, or top-k tree expansion); the
         verifier then treats each child as a one-hot proposal.
+    chain: set by the chain drafter when parents[i] = i - 1 for every i > 0 (a host-known
+        structural fact, not read from the device). Masks, greedy verification and the KV
+        commit then take shortcuts with a handful of ops; False (any tree) takes the
+        general path, which is also the shortcuts' reference.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    chain: bool = False
 
     @property
     def size(self) -> int:
@@ -47,6 +52,8 @@ class DraftTree:
         """
         N = self.size
         dev = self.tokens.device
+        if self.chain:  # every earlier node is an ancestor
+            return torch.ones(N, N, dtype=torch.bool, device=dev).tril()
         mask = torch.eye(N, dtype=torch.bool, device=dev)
         cur = self.parents
         cols = torch.arange(N, device=dev)

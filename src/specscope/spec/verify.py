@@ -105,6 +105,8 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: int) 
     N = tree.size
     assert target_logits.shape[0] == N, (target_logits.shape, N)
     y = target_logits.argmax(-1)  # [N]: the target's greedy token after each node
+    if tree.chain:
+        return _verify_greedy_chain(tree, y, max_depth)
     parent = tree.parents.clamp_min(0)  # [N]; the root points at itself, masked below
     is_root = tree.parents < 0  # [N]
     # correct[i] = tokens[i] == y[parents[i]]; the root is correct by definition.
@@ -119,6 +121,18 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: int) 
     d = torch.where(accepted, tree.depth, -1).argmax()  # []
     path = _path_to(tree, d, max_depth)  # [max_depth + 1]
     return Verdict(path=path, num_accepted=_at(tree.depth, d).long(), bonus=_at(y, d))
+
+
+def _verify_greedy_chain(tree: DraftTree, y: torch.Tensor, max_depth: int) -> Verdict:
+    """verify_greedy for a chain (parents[i] = i - 1) in a few ops instead of a walk: the
+    accepted prefix is the leading run of correct tokens, and node i sits at depth i."""
+    N = tree.size
+    assert tree.size == max_depth + 1, (tree.size, max_depth)
+    correct = tree.tokens[1:] == y[:-1]  # [N - 1]: draft token i + 1 matches the target
+    a = correct.long().cumprod(0).sum()  # []: length of the leading run of matches
+    slot = torch.arange(N, device=y.device)  # [N]
+    path = torch.where(slot <= a, slot, -1)  # [N]: nodes 0..a, then -1
+    return Verdict(path=path, num_accepted=a, bonus=_at(y, a))
 
 
 def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, max_depth: int,

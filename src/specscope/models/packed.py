@@ -1,0 +1,102 @@
+"""bf16 linears on the CPU with weights pre-packed in oneDNN's blocked layout.
+
+At batch 1 every linear is a GEMV or a thin GEMM (M = tokens in the step). `F.linear`
+on a plain [N, K] bf16 weight does not get a cached copy in oneDNN's preferred blocked
+layout: measured on a 2-core AVX512-BF16 EPYC, [1, 576] x [576, 12288] takes 0.37 ms, the
+same weight pre-packed once with `mkldnn._reorder_linear_weight` 0.13 ms, and 1.5-2.5x less
+for every draft and target shape (M = 1 and M = 6). The results are bit-identical to
+`F.linear` (measured for M = 1..300 and every shape here; tests/test_packed.py checks it),
+so swapping it in changes no output, no acceptance. The runner packs the target (a decode
+step of the default model 30 -> 24 ms, a 6-token verify 36 -> 25 ms: the thin GEMMs gain
+most), the speculative decoder its draft. The price is a second copy of the linear weights.
+
+`PackedLinear` is an `nn.Linear` (same parameters, same state_dict names, so checkpoint
+layouts and training see nothing new) whose forward uses the packed copy when it can and
+`F.linear` — the reference path — otherwise: on other devices or dtypes, and whenever
+autograd is recording. The packed copy is keyed on the weight's storage and version, so
+an in-place update (load_state_dict, an optimizer step) repacks instead of going stale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def packing_available() -> bool:
+    """Whether this torch build has the oneDNN packed-linear ops and this CPU runs oneDNN's
+    bf16 kernels (F.linear then takes the same kernel family, which is what makes the two
+    bit-identical; elsewhere F.linear stays)."""
+    ops = torch.ops.mkldnn
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") \
+            and hasattr(ops, "_reorder_linear_weight") and ops._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _version(w: torch.Tensor) -> int:
+    # Inference tensors have no version counter; they cannot be updated in place outside
+    # inference mode, and the engine never writes weights, so their storage is the key.
+    try:
+        return w._version
+    except RuntimeError:
+        return -1
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear with a cached oneDNN-packed copy of its weight for CPU bf16 inference."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared, not copied (tied lm_heads stay tied)
+        self.bias = linear.bias
+        self._packed: torch.Tensor | None = None
+        self._key: tuple[int, int] | None = None
+
+    def __getstate__(self) -> dict:
+        # The packed copy is an opaque oneDNN tensor (no storage to copy or pickle): copies
+        # and pickles drop it and repack on first use.
+        state = self.__dict__.copy()
+        state["_packed"], state["_key"] = None, None
+        return state
+
+    def packed_weight(self) -> torch.Tensor:
+        """The weight in oneDNN's blocked layout, repacked when the weight changed."""
+        w = self.weight
+        key = (w.data_ptr(), _version(w))
+        if self._packed is None or key != self._key:
+            with torch.no_grad():
+                # The batch-size hint only picks the blocking; any M runs on it.
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+            self._key = key
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        fast = (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == torch.bfloat16
+                and w.dtype == torch.bfloat16
+                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+        if not fast:
+            return F.linear(x, w, self.bias)
+        x2 = x[None] if x.dim() == 1 else x  # the op wants [..., M, K]; a GEMV is M = 1
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight(), self.bias, "none",
+                                               [], "")
+        return y[0] if x.dim() == 1 else y
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Swap every plain nn.Linear under `module` whose weight is bf16 on the CPU for a
+    PackedLinear sharing its parameters. Idempotent; returns how many were swapped."""
+    if not packing_available():
+        return 0
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" \
+                    and child.weight.dtype == torch.bfloat16:
+                setattr(parent, name, PackedLinear(child))
+                swapped += 1
+    return swapped
