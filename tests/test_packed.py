@@ -139,3 +139,18 @@ def test_packed_target_forward_is_bit_identical():
     assert target.lm_head.weight is target.model.embed_tokens.weight
     for w, g in zip(want, run(), strict=True):
         assert torch.equal(w, g)
+
+
+def test_pack_linears_respects_the_memory_share(monkeypatch):
+    """A packed copy that would take more than the given share of free memory is not made
+    (a large target on the CPU keeps F.linear rather than doubling its weights)."""
+    import specscope.models.packed as packed
+
+    _, draft = _tiny_pair(torch.bfloat16)
+    need = packed.packable_bytes(draft)
+    assert need > 0
+    monkeypatch.setattr(packed, "available_memory_bytes", lambda: 2 * need)
+    assert pack_linears(draft, memory_fraction=0.25) == 0
+    assert not any(isinstance(m, PackedLinear) for m in draft.modules())
+    monkeypatch.setattr(packed, "available_memory_bytes", lambda: 8 * need)
+    assert pack_linears(draft, memory_fraction=0.25) > 0

@@ -15,7 +15,7 @@ import torch
 from specscope.config import EngineConfig, ModelConfig, SamplingParams
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
-from specscope.models.packed import pack_linears
+from specscope.models.packed import pack_linears, packable_bytes, packing_available
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import sample
 
@@ -40,9 +40,13 @@ class ModelRunner:
             # to F.linear; measured on the default model, a decode step 30 -> 24 ms and a
             # 6-token verify 36 -> 25 ms. Costs a second copy of the linear weights. Not
             # under torch.compile, which traces F.linear. A no-op off the CPU or bf16.
-            n = pack_linears(model)
+            # At most a quarter of the free memory: a large target keeps F.linear instead.
+            n = pack_linears(model, memory_fraction=0.25)
             if n:
                 log.info("%d linears run on oneDNN-packed bf16 weights", n)
+            elif packing_available() and packable_bytes(model):
+                log.info("linears not packed: a packed copy (%.1f GB) would take over a "
+                         "quarter of the free memory", packable_bytes(model) / 1e9)
         self.cache: KVCache | None = None
         self.cache_generation = 0  # bumped whenever the KV buffers are reallocated
         # The decode step, optionally compiled: torch.compile fuses each layer's small

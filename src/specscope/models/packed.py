@@ -87,11 +87,42 @@ class PackedLinear(nn.Linear):
         return y[0] if x.dim() == 1 else y
 
 
-def pack_linears(module: nn.Module) -> int:
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def packable_bytes(module: nn.Module) -> int:
+    """Bytes a packed copy of `module`'s CPU bf16 linears would add (shared weights once)."""
+    seen: set[int] = set()
+    total = 0
+    for m in module.modules():
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and \
+                m.weight.dtype == torch.bfloat16 and m.weight.data_ptr() not in seen:
+            seen.add(m.weight.data_ptr())
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def pack_linears(module: nn.Module, memory_fraction: float | None = None) -> int:
     """Swap every plain nn.Linear under `module` whose weight is bf16 on the CPU for a
-    PackedLinear sharing its parameters. Idempotent; returns how many were swapped."""
+    PackedLinear sharing its parameters. Idempotent; returns how many were swapped.
+    `memory_fraction`: pack only if the packed copies take at most this share of the memory
+    available now (a large target on the CPU would otherwise double its weights' memory)."""
     if not packing_available():
         return 0
+    if memory_fraction is not None:
+        avail = available_memory_bytes()
+        need = packable_bytes(module)
+        if avail is not None and need > memory_fraction * avail:
+            return 0
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
