@@ -237,9 +237,13 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
 
 @torch.inference_mode()
 def draft_scores(draft: Eagle3Draft, data: ProbeData, depth: int = 10) -> torch.Tensor:
-    """[N, depth, 8]: the draft's sorted top-8 log-probs at every depth of its unroll, at each
-    of the N real (unpadded) positions of `data` (a simulated profile's tree shape)."""
+    """[N, depth, 8]: the draft's sorted top-8 log-probs at every depth of its unroll, at the
+    N positions of `data` whose whole unroll runs over real tokens (a simulated profile's tree
+    shape; all unpadded positions when the sequences are too short for that)."""
     m = measure_acceptance(draft, data, depth)
     lm = data.label_mask.cpu()
     ends = [int(row.nonzero()[-1]) + 1 if row.any() else lm.shape[1] for row in lm]
-    return torch.cat([m.top_lp[b, :e] for b, e in enumerate(ends)])  # type: ignore[index]
+    full = [max(e - depth - 1, 0) for e in ends]
+    if sum(full) == 0:
+        full = ends
+    return torch.cat([m.top_lp[b, :e] for b, e in enumerate(full)])  # type: ignore[index]

@@ -156,7 +156,9 @@ def simulated_acceptance(llm: Any, draft: str, base: SpecConfig, prompts: list[A
 
     llm.set_spec(spec_for(CALIBRATION[0], draft, base))
     ids = [llm.encode_prompt(p) for p in prompts]
-    data = target_probe_data(llm.runner.model, ids, depth + 2)
+    # One answer token: the draft is teacher-forced over the prompts themselves, so the
+    # step costs about one prefill, whatever the target's size.
+    data = target_probe_data(llm.runner.model, ids, 1)
     scores = draft_scores(llm.decoder.draft, data, depth)
     return AcceptanceModel.simulated(base.simulate_acceptance, base.simulate_sibling, depth,
                                      scores=scores)
