@@ -29,7 +29,12 @@ from specscope.train.data import (
     tokenize_conversation,
 )
 from specscope.train.regenerate import BatchGenerator, generate_batch, read_regenerated, regenerate
-from specscope.train.self_prompts import self_prompts, user_turn_prefix, write_prompts
+from specscope.train.self_prompts import (
+    read_openers,
+    self_prompts,
+    user_turn_prefix,
+    write_prompts,
+)
 from specscope.train.trainer import TrainConfig, train_draft
 from specscope.train.ttt import (
     answer_spans,
@@ -255,6 +260,27 @@ def test_self_prompts_are_whole_distinct_user_requests(default_model_dir, tmp_pa
     assert [json.loads(x)["prompt"] for x in (tmp_path / "p.jsonl").read_text().splitlines()] \
         == got
     assert not (tmp_path / "p.jsonl.tmp").exists()
+
+
+def test_self_prompts_start_with_their_openers(default_model_dir, tmp_path):
+    """Seeded Magpie: each row's request begins with its opener (rows take the openers in
+    turn) and the target writes the rest; a bad openers file is a clear error."""
+    loaded = load_model(str(default_model_dir), dtype=torch.float32)
+    tok = Tokenizer(loaded.path, loaded.config.eos_token_ids)
+    openers = ["Write a short poem about", "Explain why"]
+    got = self_prompts(loaded.model, tok, 4, batch_size=4, max_new_tokens=64, seed=2,
+                       openers=openers, progress=False)
+    assert len(got) == 4 and {o for o in openers if any(g.startswith(o) for g in got)} \
+        == set(openers)
+    assert all(any(g.startswith(o) and len(g) > len(o) + 2 for o in openers) for g in got)
+    f = tmp_path / "openers.txt"
+    f.write_text("# writing\nWrite a\n\nImagine you are\n")
+    assert read_openers(str(f)) == ["Write a", "Imagine you are"]
+    with pytest.raises(FileNotFoundError, match="openers"):
+        read_openers(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(ValueError, match="no openers"):
+        read_openers(str(tmp_path / "empty.txt"))
 
 
 # -- checkpoints ------------------------------------------------------------------------------

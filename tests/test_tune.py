@@ -173,6 +173,16 @@ def test_simulated_acceptance_model_matches_its_profile():
     ms = AcceptanceModel.simulated(rates, 0.4, depth=6, positions=40_000)
     assert ms.tau(5, 1) == pytest.approx(expect, rel=0.02)
     assert ms.tau(5, 2, 10) > ms.tau(5, 1) + 0.2
+    # With the draft's scores, chains are unchanged: no node is cut by rounding (its own
+    # score, summed in another order, must not outrank it).
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    scores = -(10.3 + 0.05 * torch.rand(200, 6, 8, generator=g)).sort(-1).values
+    with_scores = AcceptanceModel.simulated(rates, 0.0, depth=6, positions=40_000,
+                                            scores=scores)
+    for c in [(2, 1, 3), (4, 1, 5), (6, 1, 7)]:
+        assert with_scores.tau(*c) == pytest.approx(m.tau(*c), abs=1e-9), c
 
 
 def test_the_draft_stays_loaded_while_speculation_is_off(monkeypatch):

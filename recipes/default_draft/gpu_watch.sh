@@ -13,7 +13,7 @@ for f in $R/regen.log $R/self.log $R/train.log; do
   [ -f $f ] && { echo "== $f"; tr '\r' '\n' < $f | grep -v '^$' | tail -n 12; }
 done
 if [ -f $R/t_regen2 ] && [ ! -f $R/data_sent ]; then  # once
-  for n in self2; do  # round 2's answers (regen, self) are here already, in .stage/data
+  for n in self2 self3; do  # earlier rounds' answers are here already, in .stage/data
     [ -f $R/$n/regenerated.jsonl ] || continue
     gzip -c $R/$n/regenerated.jsonl > /tmp/$n.jsonl.gz
     split -b 15M -d /tmp/$n.jsonl.gz $OUT/$n.jsonl.gz.part  # files back are <= 16 MB each

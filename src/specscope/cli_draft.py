@@ -34,6 +34,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         regen_batch_size=args.regen_batch_size, device=args.device,
         init_from=args.init_from, self_prompts=args.self_prompts,
         self_prompt_temperature=args.self_prompt_temperature,
+        self_prompt_openers=args.self_prompt_openers,
         budget_minutes=args.budget_minutes, resume=args.resume,
         export_formats=tuple(args.export_formats.split(",")), export_dtype=args.export_dtype,
         cache_dir=args.cache_dir, tap_cache=args.tap_cache)
@@ -237,6 +238,9 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
                         "template up to an opened user turn, sampled); saved to "
                         "OUT/self_prompts.jsonl")
     t.add_argument("--self-prompt-temperature", type=float, default=0.9)
+    t.add_argument("--self-prompt-openers", default=None, metavar="FILE",
+                   help="first words of the self-written requests, one per line, used in "
+                        "turn (e.g. 'Write a', 'Imagine you are'); the target writes the rest")
     t.add_argument("--draft-vocab-size", type=int, default=None,
                    help="default: 12288 for targets under 2048 hidden, else 32000 (capped "
                         "at the target vocab)")

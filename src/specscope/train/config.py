@@ -48,6 +48,7 @@ class TrainConfig:
     self_prompts: int = 0  # requests the target writes itself (Magpie), added to the data
     self_prompt_temperature: float = 0.9
     self_prompt_top_p: float = 0.95
+    self_prompt_openers: str | None = None  # file: first words of self-written requests
     device: str = "auto"
     budget_minutes: float | None = None  # stop (checkpoint + export) after this long
     resume: bool = False

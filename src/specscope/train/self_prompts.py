@@ -8,6 +8,11 @@ follow once the target has answered them (regenerate.py). This covers open-ended
 
 Kept: requests that ended with an end-of-turn token (not cut by the length limit), of
 `min_chars`..`max_chars` characters, deduplicated on their normalised first 80 characters.
+
+Openers steer the mix without writing the requests: with `openers` (e.g. "Write a", "Imagine
+you are", "Explain why"), row i of every batch starts its user turn with openers[i mod m] and
+the target writes the rest. Unseeded, a small model mostly asks short questions; seeded, it
+also asks for the long-form writing, role-play and explanations that chat benchmarks contain.
 """
 
 from __future__ import annotations
@@ -51,11 +56,13 @@ def _key(text: str) -> str:
 def self_prompts(model: CausalLM, tokenizer: Any, n: int, *, temperature: float = 0.9,
                  top_p: float = 0.95, max_new_tokens: int = 160, batch_size: int = 256,
                  seed: int = 0, min_chars: int = 16, max_chars: int = 1500,
-                 progress: bool = True) -> list[str]:
+                 openers: list[str] | None = None, progress: bool = True) -> list[str]:
     """`n` distinct user requests sampled from the target (fewer only if 50 batches in a row
-    add nothing new). Deterministic for a given seed, batch size and device."""
+    add nothing new). Deterministic for a given seed, batch size and device. `openers`: the
+    first words of the requests, one per row in turn (see the module docstring)."""
     if n <= 0:
         return []
+    openers = [o.strip() for o in openers or [] if o.strip()]
     if temperature <= 0:
         raise ValueError("self-prompting needs sampling: temperature > 0 (greedy would write "
                          "the same request every time)")
@@ -66,18 +73,23 @@ def self_prompts(model: CausalLM, tokenizer: Any, n: int, *, temperature: float 
                          "a finished request from a cut one")
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
     dev = model.model.embed_tokens.weight.device
-    gen = BatchGenerator(model, batch_size, len(prefix) + max_new_tokens)
+    # The opener's tokens as the template would tokenise them after the user header.
+    starts = [list(tokenizer.hf(o, add_special_tokens=False)["input_ids"]) for o in openers] \
+        or [[]]
+    row_starts = [starts[i % len(starts)] for i in range(batch_size)]
+    gen = BatchGenerator(model, batch_size, len(prefix) + max(map(len, starts)) + max_new_tokens)
     seen: set[str] = set()
     out: list[str] = []
     t0, b, stale = time.perf_counter(), 0, 0
     while len(out) < n and stale < 50:
         g = make_generator(seed * 1_000_003 + b, dev)
-        rows = gen.generate([prefix] * batch_size, max_new_tokens, params, eos, g)
+        rows = gen.generate([prefix + st for st in row_starts], max_new_tokens, params, eos, g)
         before = len(out)
-        for ids in rows:
+        for start, ids in zip(row_starts, rows, strict=True):
             if len(ids) >= max_new_tokens:  # no end-of-turn: cut off, not a whole request
                 continue
-            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            # Decoded with its opener, so a word split across the seam joins as tokenised.
+            text = tokenizer.decode(start + ids, skip_special_tokens=True).strip()
             k = _key(text)
             if not min_chars <= len(text) <= max_chars or k in seen:
                 continue
@@ -108,3 +120,19 @@ def write_prompts(path: Path, prompts: list[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_openers(path: str | None) -> list[str] | None:
+    """Openers from a text file, one per line (blank lines and lines starting with # are
+    skipped); None without a file."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--self-prompt-openers: no such file: {path} (one opener per "
+                                f"line, e.g. 'Write a short story about')")
+    got = [ln.strip() for ln in p.read_text(encoding="utf-8").split("\n")
+           if ln.strip() and not ln.lstrip().startswith("#")]
+    if not got:
+        raise ValueError(f"--self-prompt-openers: {path} has no openers (one per line)")
+    return got

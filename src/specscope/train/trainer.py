@@ -59,7 +59,7 @@ from specscope.train.data import (
 )
 from specscope.train.evaluation import evaluate
 from specscope.train.regenerate import regenerate
-from specscope.train.self_prompts import self_prompts, write_prompts
+from specscope.train.self_prompts import read_openers, self_prompts, write_prompts
 from specscope.train.tap_cache import TapCache, target_batch
 from specscope.train.ttt import (
     acceptance,
@@ -127,7 +127,8 @@ def _self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, path
     prompts = self_prompts(target, tokenizer, cfg.self_prompts,
                            temperature=cfg.self_prompt_temperature,
                            top_p=cfg.self_prompt_top_p, batch_size=cfg.regen_batch_size,
-                           seed=cfg.seed, progress=cfg.progress)
+                           seed=cfg.seed, openers=read_openers(cfg.self_prompt_openers),
+                           progress=cfg.progress)
     write_prompts(path, prompts)
     log.info("train-draft: the target wrote %d prompts (%s)", len(prompts), path)
     return prompts
@@ -147,6 +148,7 @@ def train_draft(cfg: TrainConfig) -> Path:
         raise ValueError("no training data: pass --data FILE... and/or --self-prompts N")
     if cfg.self_prompts < 0:
         raise ValueError(f"--self-prompts must be >= 0, got {cfg.self_prompts}")
+    read_openers(cfg.self_prompt_openers)  # a bad openers file fails before the model loads
     convs = read_conversations(cfg.data)  # before the (slow) model load: bad data fails fast
     device = resolve_device(cfg.device)
     tdtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -101,8 +101,11 @@ class AcceptanceModel:
         at depth d is among its depth's topk beams [B, T, s]. Off-path competition is what
         makes wide trees accept less than their paths alone suggest."""
         s, k = num_steps, topk
-        S = self.path_lp[..., :s].cumsum(-1)  # [B, T, s] path node scores
-        lp = self.top_lp[..., :s, :k]  # [B, T, s, k]
+        # float64, and a tie tolerance: the path's own node is also among the candidates,
+        # summed in another order, and a rounding difference must not let it outrank itself
+        # (that cut the deepest node of a chain in about 1 position of 40).
+        S = self.path_lp[..., :s].double().cumsum(-1) + 1e-9  # [B, T, s] path node scores
+        lp = self.top_lp[..., :s, :k].double()  # [B, T, s, k]
         cands = [lp[..., 0, :]]  # [B, T, k] depth 1
         beams = cands[0]
         for i in range(1, s):
