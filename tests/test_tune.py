@@ -266,3 +266,20 @@ def test_simulated_trees_take_their_shape_from_the_running_draft():
         errs[c] = model.tau(*c) / measured.accept_length - 1
         assert abs(errs[c]) < 0.10, (c, model.tau(*c), measured.accept_length)
     assert rank_only.tau(6, 4, 16) / (1 + errs[(6, 4, 16)]) > 1.25 * model.tau(6, 4, 16)
+
+
+def test_pick_breaks_near_ties_by_prediction():
+    """Confirmed runs within the tie margin of the fastest are tied and the better predicted
+    wins; a clear measured win stands; plain decoding competes like any configuration."""
+    from specscope.tune.tuner import Measured, pick
+
+    preds = {(4, 1, 5): (3.16, 78.5), (5, 1, 6): (3.38, 77.1), (3, 1, 4): (2.84, 77.7)}
+    runs = [Measured(None, 38.8, 1.0, 5.0), Measured((4, 1, 5), 88.7, 3.46, 2.0),
+            Measured((3, 1, 4), 85.0, 3.05, 2.0), Measured((5, 1, 6), 91.0, 3.54, 2.0)]
+    assert pick(runs, preds, 38.8).config == (4, 1, 5)  # 2.5 % apart: the model decides
+    assert pick(runs, preds, 38.8, tie_margin=0.0).config == (5, 1, 6)
+    runs[3] = Measured((5, 1, 6), 95.0, 3.54, 2.0)  # 7 % ahead: the measurement decides
+    assert pick(runs, preds, 38.8).config == (5, 1, 6)
+    slow = [Measured(None, 40.0, 1.0, 5.0), Measured((4, 1, 5), 39.5, 1.2, 2.0)]
+    # tied with plain, and plain predicted faster: speculation off
+    assert pick(slow, {(4, 1, 5): (1.2, 39.0)}, 41.0).config is None
