@@ -15,7 +15,7 @@ import torch
 from specscope.config import EngineConfig, ModelConfig, SamplingParams
 from specscope.kvcache import KVCache
 from specscope.models.llama import CausalLM
-from specscope.models.packed import pack_linears, packable_bytes, packing_available
+from specscope.models.packed import pack_linears
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import sample
 
@@ -44,9 +44,6 @@ class ModelRunner:
             n = pack_linears(model, memory_fraction=0.25)
             if n:
                 log.info("%d linears run on oneDNN-packed bf16 weights", n)
-            elif packing_available() and packable_bytes(model):
-                log.info("linears not packed: a packed copy (%.1f GB) would take over a "
-                         "quarter of the free memory", packable_bytes(model) / 1e9)
         self.cache: KVCache | None = None
         self.cache_generation = 0  # bumped whenever the KV buffers are reallocated
         # The decode step, optionally compiled: torch.compile fuses each layer's small

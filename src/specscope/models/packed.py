@@ -19,9 +19,13 @@ an in-place update (load_state_dict, an optimizer step) repacks instead of going
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger("specscope.packed")
 
 
 def packing_available() -> bool:
@@ -122,6 +126,9 @@ def pack_linears(module: nn.Module, memory_fraction: float | None = None) -> int
         avail = available_memory_bytes()
         need = packable_bytes(module)
         if avail is not None and need > memory_fraction * avail:
+            log.info("linears not packed: a packed copy (%.1f GB) would take over %.0f %% of "
+                     "the free memory (%.1f GB)", need / 1e9, 100 * memory_fraction,
+                     avail / 1e9)
             return 0
     swapped = 0
     for parent in list(module.modules()):

@@ -114,8 +114,8 @@ def _progress(total: int, initial: int, enabled: bool):
                 dynamic_ncols=True)
 
 
-def _self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, path: Path
-                  ) -> list[str]:
+def _self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, path: Path,
+                  openers: list[str] | None) -> list[str]:
     """The run's self-written prompts: read back when a whole file of them exists (a resumed
     run must see the same data), else sampled from the target and written atomically."""
     if path.is_file():
@@ -127,7 +127,7 @@ def _self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, path
     prompts = self_prompts(target, tokenizer, cfg.self_prompts,
                            temperature=cfg.self_prompt_temperature,
                            top_p=cfg.self_prompt_top_p, batch_size=cfg.regen_batch_size,
-                           seed=cfg.seed, openers=read_openers(cfg.self_prompt_openers),
+                           seed=cfg.seed, openers=openers,
                            progress=cfg.progress)
     write_prompts(path, prompts)
     log.info("train-draft: the target wrote %d prompts (%s)", len(prompts), path)
@@ -148,7 +148,7 @@ def train_draft(cfg: TrainConfig) -> Path:
         raise ValueError("no training data: pass --data FILE... and/or --self-prompts N")
     if cfg.self_prompts < 0:
         raise ValueError(f"--self-prompts must be >= 0, got {cfg.self_prompts}")
-    read_openers(cfg.self_prompt_openers)  # a bad openers file fails before the model loads
+    openers = read_openers(cfg.self_prompt_openers)  # a bad file fails before the model loads
     convs = read_conversations(cfg.data)  # before the (slow) model load: bad data fails fast
     device = resolve_device(cfg.device)
     tdtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -164,7 +164,7 @@ def train_draft(cfg: TrainConfig) -> Path:
              ", ".join(cfg.data) or "no file")
     if cfg.self_prompts:
         convs += [[{"role": "user", "content": p}] for p in
-                  _self_prompts(target, tokenizer, cfg, out / "self_prompts.jsonl")]
+                  _self_prompts(target, tokenizer, cfg, out / "self_prompts.jsonl", openers)]
     if not convs:
         raise ValueError("no training data: pass --data FILE... and/or --self-prompts N")
     if cfg.regenerate:

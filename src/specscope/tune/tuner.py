@@ -29,9 +29,9 @@ from specscope.tune.cost import (
 )
 
 Config = tuple[int, int, int]  # (num_steps, topk, num_draft_tokens)
-# Four configurations pin the cost model's five speculative terms with one spare equation
-# each: (num_steps - 1) in {0, 7, 2, 4}, rows (num_steps - 1) * topk in {0, 7, 8, 32}, verified
-# tokens in {2, 9, 12, 40}. Each costs a run, and on a GPU the runs are most of the tuner's
+# Four configurations over-determine the cost model's fits (three draft terms, two verify
+# terms): (num_steps - 1) in {0, 7, 2, 4}, rows (num_steps - 1) * topk in {0, 7, 8, 32},
+# verified tokens in {2, 9, 12, 40}. Each costs a run, and on a GPU the runs are most of the tuner's
 # time, so no more than the fit needs.
 CALIBRATION: list[Config] = [(1, 1, 2), (8, 1, 9), (3, 4, 12), (5, 8, 40)]
 
