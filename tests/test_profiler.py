@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+from collections import defaultdict, deque
 
 import pytest
 
@@ -13,6 +14,7 @@ from specscope import LLM, SamplingParams
 from specscope.bench.datasets import load_prompts
 from specscope.config import SpecConfig
 from specscope.profiler import Profiler, chrome_trace
+from specscope.profiler.profiler import format_summary, summarise
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -52,6 +54,28 @@ def test_phases_plus_other_equal_wall(llm: LLM, spec) -> None:
     s = prof.summary(prof.config)
     assert s["attributed"] >= 0.85
     assert s["tokens"] == len(out.token_ids) - 1  # the first token comes from the prefill
+    llm.enable_profiling(False)
+    llm.set_spec(None)
+
+
+def test_summary_covers_every_cycle_beyond_the_kept_window(llm: LLM) -> None:
+    """A long run keeps only the last `keep` records, but its summary still covers every
+    cycle (a profile of 80 prompts once reported only its last 4,096 cycles)."""
+    llm.set_spec(SpecConfig(draft="random", num_steps=3, simulate_acceptance=2.0))
+    prof = llm.enable_profiling(True, interval=None)
+    prof.records = defaultdict(lambda: deque(maxlen=7))  # as Profiler(keep=7)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))[0]
+    s = prof.summary(prof.config)
+    assert s["cycles"] > 7 and s["percentile_cycles"] == 7
+    assert s["tokens"] == len(out.token_ids) - 1
+    assert s["wall_ms"] / 1e3 == pytest.approx(out.metrics.decode_s, rel=0.02, abs=2e-3)
+    # every cycle emits accepted + 1 tokens; only the last can be cut short by max_tokens
+    assert s["tokens"] <= s["cycles"] * s["accept_length"] <= s["tokens"] + 4
+    assert sum(p["mean_ms"] for p in s["phases"].values()) * s["cycles"] == \
+        pytest.approx(s["wall_ms"], rel=1e-9)
+    assert "p50/p90: the last 7 cycles" in format_summary(s)
+    window = summarise(prof.config, list(prof.records[prof.config]), {}, True, 3)
+    assert window["cycles"] == 7 and window["tokens"] < s["tokens"]  # what it used to report
     llm.enable_profiling(False)
     llm.set_spec(None)
 

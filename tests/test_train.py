@@ -27,6 +27,7 @@ from specscope.train.data import (
     token_batches,
     token_counts,
     tokenize_conversation,
+    tokenize_conversations,
 )
 from specscope.train.regenerate import BatchGenerator, generate_batch, read_regenerated, regenerate
 from specscope.train.self_prompts import (
@@ -171,6 +172,31 @@ def test_loss_mask_decodes_to_the_assistant_turns(default_model_dir):
     assert decoded == ["It is 4.<|im_end|>\n", "That makes 6, of course.<|im_end|>\n"]
     # a prompt-only conversation has nothing to learn
     assert not any(tokenize_conversation(tok.hf, conv[:1]).mask)
+
+
+def test_batched_tokenization_equals_the_reference(default_model_dir):
+    """The trainer's batched path gives the per-conversation reference's Examples exactly:
+    multi-turn, system prompts, prompt-only rows, truncation, and chunk boundaries."""
+    tok = Tokenizer(default_model_dir)
+    convs = [
+        [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"},
+         {"role": "assistant", "content": "Goodbye, see you soon."}],
+        [{"role": "user", "content": "prompt only"}],
+        [{"role": "user", "content": "Écris un poème\u2028sur la mer."},
+         {"role": "assistant", "content": "La mer, bleue et vaste\n" * 5}],
+    ] * 3
+    for max_len in (None, 12):
+        ref = [tokenize_conversation(tok.hf, c, max_len) for c in convs]
+        for chunk in (1, 5, 100):
+            assert tokenize_conversations(tok.hf, convs, max_len, chunk=chunk) == ref
+    assert tokenize_conversations(tok.hf, []) == []
+
+
+def test_token_counts_reject_ids_outside_the_vocabulary():
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        token_counts([Example(ids=[1, 20], mask=[True, True])], 12)
 
 
 def test_draft_vocabulary_is_the_most_frequent_labels():

@@ -4,18 +4,20 @@ engine runs it, and the engine's cycle walk is replayed (tune/acceptance.py). Fo
 this is the accept length `specscope profile` measures on the same tokens.
 
     python recipes/default_draft/walk_tau.py --draft DIR [--target GGUF] [--device cuda]
+        [--by-category]   # one line per category of a set whose rows have one (mt_bench)
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from importlib import resources
 
 from specscope import LLM
-from specscope.bench.datasets import load_prompts
+from specscope.bench.datasets import BUILTIN, jsonl_objects, load_prompts
 from specscope.doctor.probe import target_probe_data
 from specscope.draft.loader import _resolve_dir, load_draft
-from specscope.tune.acceptance import measure_acceptance
+from specscope.tune.acceptance import AcceptanceModel, measure_acceptance
 
 
 def main() -> None:
@@ -28,6 +30,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--datasets", default="mt_bench,gsm8k,humaneval")
+    ap.add_argument("--by-category", action="store_true",
+                    help="also report each category of the set (mt_bench: writing, roleplay, ...)")
     args = ap.parse_args()
     llm = LLM(args.target, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     draft = load_draft(_resolve_dir(args.draft), llm.model_config, dtype=llm.dtype,
@@ -36,19 +40,30 @@ def main() -> None:
     for name in args.datasets.split(","):
         t = time.perf_counter()
         prompts = load_prompts(name, args.num_prompts)
+        groups = {"all": list(range(len(prompts)))}
+        if args.by_category and name in BUILTIN:
+            text = resources.files("specscope.data").joinpath(BUILTIN[name]).read_text()
+            cats = [row.get("category") for _, row in jsonl_objects(text, name)][:len(prompts)]
+            for i, c in enumerate(cats):
+                if c is not None:
+                    groups.setdefault(c, []).append(i)
         ids = [llm.encode_prompt(p) for p in prompts]
-        taus = {}
+        per_prompt: list[dict[int, tuple[int, int]]] = []
         for i in range(0, len(ids), 16):  # batches of 16 prompts bound the probe's memory
             data = target_probe_data(llm.runner.model, ids[i:i + 16], args.max_tokens)
-            part = measure_acceptance(draft, data, depth=6)
-            for k in (1, 3, 5, 6):
-                c = part.cycles(k, 1)
-                taus.setdefault(k, [0, 0])
-                taus[k][0] += sum(c)
-                taus[k][1] += len(c)
-        line = " ".join(f"tau({k},1)={1 + a / max(n, 1):.3f}" for k, (a, n) in taus.items())
-        print(f"{name:10s} {len(ids)} prompts x {args.max_tokens} tokens: {line} "
-              f"({time.perf_counter() - t:.0f} s, {llm.dtype}, {llm.device})", flush=True)
+            model = measure_acceptance(draft, data, depth=6)
+            for j in range(len(model.starts)):  # one answer at a time, so groups can add up
+                one = AcceptanceModel(ranks=model.ranks[j:j + 1], starts=model.starts[j:j + 1],
+                                      ends=model.ends[j:j + 1])
+                per_prompt.append({k: (sum(c), len(c)) for k in (1, 3, 5, 6)
+                                   for c in [one.cycles(k, 1)]})
+        for group, members in groups.items():
+            taus = {k: [sum(per_prompt[m][k][0] for m in members),
+                        sum(per_prompt[m][k][1] for m in members)] for k in (1, 3, 5, 6)}
+            line = " ".join(f"tau({k},1)={1 + a / max(n, 1):.3f}" for k, (a, n) in taus.items())
+            label = name if group == "all" else f"  {group}"
+            print(f"{label:12s} {len(members)} prompts x {args.max_tokens} tokens: {line} "
+                  f"({time.perf_counter() - t:.0f} s, {llm.dtype}, {llm.device})", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ are kept per request. For every cycle, other = wall - sum(named phases): the tim
 claims (host reads, Python between phases), so phases + other = wall by construction, and
 `attributed` = named / wall says how much the named phases explain.
 
+Summaries cover every cycle since the last reset: throughput, phase means and shares and
+acceptance come from running totals. Only the last `keep` cycles of each configuration are
+held as records, for percentiles and traces (bounded memory on a long-running server).
+
 Off means no Profiler object at all (callers hold None): zero added work.
 """
 
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +40,34 @@ class _Pending:
     marks: list[tuple[str, object, object]] = field(default_factory=list)
     tokens: int = 0
     accepted: int | None = None
+
+
+@dataclass
+class Totals:
+    """Whole-run aggregates of one configuration's cycles (what a summary reports)."""
+
+    cycles: int = 0
+    tokens: int = 0
+    wall_ms: float = 0.0
+    phase_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    accepted: Counter = field(default_factory=Counter)  # accepted draft tokens -> cycles
+
+    def add(self, r: CycleRecord) -> None:
+        self.cycles += 1
+        self.tokens += r.tokens
+        self.wall_ms += r.wall_ms
+        for name, _, dur in r.phases:
+            self.phase_ms[name] += dur
+        self.phase_ms["other"] += r.other_ms
+        if r.accepted is not None:
+            self.accepted[r.accepted] += 1
+
+    @classmethod
+    def of(cls, recs: list[CycleRecord]) -> Totals:
+        t = cls()
+        for r in recs:
+            t.add(r)
+        return t
 
 
 class Profiler:
@@ -63,6 +95,7 @@ class Profiler:
         self._loose: list[tuple[str, str, object, object]] = []  # (config, phase, a, b)
         self._pending: list[_Pending] = []
         self.records: dict[str, deque[CycleRecord]] = defaultdict(lambda: deque(maxlen=keep))
+        self.totals: dict[str, Totals] = defaultdict(Totals)
         self.loose_ms: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self._count: dict[str, int] = defaultdict(int)
         self._since_log = 0
@@ -154,10 +187,11 @@ class Profiler:
         used = []
         for c in self._pending:
             phases = [(n, self._at(a), self._ms(a, b)) for n, a, b in c.marks]
-            self.records[c.config].append(CycleRecord(
-                index=c.index, config=c.config, start_ms=self._at(c.start),
-                wall_ms=self._ms(c.start, c.end), phases=phases, tokens=c.tokens,
-                accepted=c.accepted))
+            rec = CycleRecord(index=c.index, config=c.config, start_ms=self._at(c.start),
+                              wall_ms=self._ms(c.start, c.end), phases=phases,
+                              tokens=c.tokens, accepted=c.accepted)
+            self.records[c.config].append(rec)
+            self.totals[c.config].add(rec)
             used += [c.start, c.end] + [e for _, a, b in c.marks for e in (a, b)]
         for config, name, a, b in self._loose:
             self.loose_ms[config][name].append(self._ms(a, b))
@@ -175,6 +209,7 @@ class Profiler:
         self.resolve()
         self._last_end = None
         self.records.clear()
+        self.totals.clear()
         self.loose_ms.clear()
         self._count.clear()
 
@@ -185,7 +220,8 @@ class Profiler:
             return [self.summary(c) for c in self.records]
         recs = list(self.records.get(config, ()))
         return summarise(config, recs, self.loose_ms.get(config, {}),
-                         self.simulated.get(config, False), self.positions.get(config, 0))
+                         self.simulated.get(config, False), self.positions.get(config, 0),
+                         totals=self.totals.get(config))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -194,9 +230,14 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]],
-              simulated: bool, positions: int = 0) -> dict:
-    """Per-phase mean/p50/p90/share over cycles, throughput and acceptance."""
-    wall = sum(r.wall_ms for r in recs)
+              simulated: bool, positions: int = 0, totals: Totals | None = None) -> dict:
+    """Per-phase mean/p50/p90/share over cycles, throughput and acceptance.
+
+    totals: aggregates of every cycle, when `recs` holds only the last of them (Profiler
+    keeps a bounded window); means, shares, throughput and acceptance come from it, the
+    percentiles from `recs`. Without it, everything comes from `recs`."""
+    t = totals if totals is not None else Totals.of(recs)
+    wall = t.wall_ms
     per: dict[str, list[float]] = defaultdict(list)
     for r in recs:
         seen: dict[str, float] = defaultdict(float)
@@ -205,27 +246,29 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
         for name, dur in seen.items():
             per[name].append(dur)
         per["other"].append(r.other_ms)
-    n = max(len(recs), 1)
-    phases = {name: {"mean_ms": sum(xs) / n, "p50_ms": _pct(xs, 0.5), "p90_ms": _pct(xs, 0.9),
-                     "share": (sum(xs) / wall) if wall else 0.0}
-              for name, xs in per.items()}
-    tokens = sum(r.tokens for r in recs)
-    acc = [r.accepted for r in recs if r.accepted is not None]
+    n = max(t.cycles, 1)
+    phases = {name: {"mean_ms": total / n, "p50_ms": _pct(per.get(name, []), 0.5),
+                     "p90_ms": _pct(per.get(name, []), 0.9),
+                     "share": (total / wall) if wall else 0.0}
+              for name, total in t.phase_ms.items()}
+    acc = t.accepted
+    n_acc = sum(acc.values())
     by_pos = None
-    if acc:
+    if n_acc:
         k = max(positions, max(acc), 1)
         by_pos = []
         for i in range(1, k + 1):
-            reached = sum(1 for a in acc if a >= i - 1)
-            by_pos.append(sum(1 for a in acc if a >= i) / reached if reached else 0.0)
+            reached = sum(c for a, c in acc.items() if a >= i - 1)
+            by_pos.append(sum(c for a, c in acc.items() if a >= i) / reached if reached else 0.0)
     return {
-        "config": config, "cycles": len(recs), "tokens": tokens, "wall_ms": wall,
-        "tok_per_s": tokens / wall * 1e3 if wall else 0.0,
-        "cycles_per_s": len(recs) / wall * 1e3 if wall else 0.0,
-        "accept_length": (sum(acc) / len(acc) + 1.0) if acc else None,
+        "config": config, "cycles": t.cycles, "tokens": t.tokens, "wall_ms": wall,
+        "tok_per_s": t.tokens / wall * 1e3 if wall else 0.0,
+        "cycles_per_s": t.cycles / wall * 1e3 if wall else 0.0,
+        "accept_length": (sum(a * c for a, c in acc.items()) / n_acc + 1.0) if n_acc else None,
         "acceptance_by_position": by_pos, "simulated": simulated, "phases": phases,
         "attributed": 1.0 - (phases.get("other", {}).get("share", 0.0) if wall else 0.0),
         "request_phases_ms": {name: sum(xs) / len(xs) for name, xs in loose.items() if xs},
+        "percentile_cycles": len(recs),
     }
 
 
@@ -239,7 +282,9 @@ def format_summary(s: dict) -> str:
     if s["acceptance_by_position"]:
         lines.append("  acceptance by position: " + " ".join(
             f"{x:.2f}" for x in s["acceptance_by_position"]))
-    lines.append(f"  {'phase':<16} {'mean ms':>9} {'p50':>8} {'p90':>8} {'share':>7}")
+    window = s.get("percentile_cycles", s["cycles"])
+    lines.append(f"  {'phase':<16} {'mean ms':>9} {'p50':>8} {'p90':>8} {'share':>7}"
+                 + (f"   (p50/p90: the last {window} cycles)" if window < s["cycles"] else ""))
     for name, p in sorted(s["phases"].items(), key=_phase_order):
         lines.append(f"  {name:<16} {p['mean_ms']:>9.3f} {p['p50_ms']:>8.3f} "
                      f"{p['p90_ms']:>8.3f} {p['share']:>6.1%}")

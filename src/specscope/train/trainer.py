@@ -55,7 +55,7 @@ from specscope.train.data import (
     split_examples,
     token_batches,
     token_counts,
-    tokenize_conversation,
+    tokenize_conversations,
 )
 from specscope.train.evaluation import evaluate
 from specscope.train.regenerate import regenerate
@@ -174,7 +174,7 @@ def train_draft(cfg: TrainConfig) -> Path:
                            temperature=cfg.regen_temperature, top_p=cfg.regen_top_p,
                            seed=cfg.seed, max_prompt_len=cfg.max_len,
                            progress=cfg.progress)
-    examples = [tokenize_conversation(tokenizer.hf, c, cfg.max_len) for c in convs]
+    examples = tokenize_conversations(tokenizer.hf, convs, cfg.max_len)
     examples = [e for e in examples if len(e.ids) >= 3 and any(e.mask[2:])]
     if not examples:
         raise ValueError("no training example has assistant tokens to learn from (are the "
