@@ -28,7 +28,7 @@ demo: $(VENV)/.installed
 	$(BIN)/specscope profile --dataset mt_bench --num-prompts 3 --max-tokens 256 --spec 5,1
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks recipes
 
 test: lint
 	$(BIN)/pytest -q

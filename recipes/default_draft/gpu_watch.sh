@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Watch a round (gpu_round2.sh, gpu_round3.sh) for up to $1 seconds (default 540) and bring back what exists under $OUT:
+# Watch a round (gpu_round2.sh … gpu_round5.sh) for up to $1 seconds (default 540) and bring back what exists under $OUT:
 # the regenerated data (once both regenerations are done), training metrics and logs, and,
 # when the round is DONE, the exported draft (safetensors split in two, md5) and the
 # engine-walk accept length of the draft on the built-in evaluation sets.
@@ -9,11 +9,11 @@ R=/tmp/round
 end=$(( $(date +%s) + ${1:-540} ))
 while [ "$(date +%s)" -lt $end ] && [ ! -f $R/DONE ]; do sleep 15; done
 for f in $R/t0 $R/t_regen1 $R/t_regen2 $R/t_train; do [ -f $f ] && echo "$f $(cat $f)"; done
-for f in $R/regen.log $R/self.log $R/train.log; do
+for f in $R/regen.log $R/self.log $R/train.log $R/train2.log; do
   [ -f $f ] && { echo "== $f"; tr '\r' '\n' < $f | grep -v '^$' | tail -n 12; }
 done
-if [ -f $R/t_regen2 ] && [ ! -f $R/data_sent ]; then  # once
-  for n in self2 self3; do  # earlier rounds' answers are here already, in .stage/data
+if [ -f $R/t_regen2 ] && [ ! -f $R/data_sent ]; then  # once: the round's new answers
+  for n in ${NEW:-self4}; do  # (round 3: NEW=self2, round 4: NEW=self3)
     [ -f $R/$n/regenerated.jsonl ] || continue
     gzip -c $R/$n/regenerated.jsonl > /tmp/$n.jsonl.gz
     split -b 15M -d /tmp/$n.jsonl.gz $OUT/$n.jsonl.gz.part  # files back are <= 16 MB each
@@ -22,10 +22,12 @@ if [ -f $R/t_regen2 ] && [ ! -f $R/data_sent ]; then  # once
   ls -la $OUT
 fi
 [ -f $R/train/metrics.jsonl ] && cp $R/train/metrics.jsonl $OUT/metrics.jsonl
-if [ -f $R/DONE ] && [ -f $R/train/draft/model.safetensors ]; then
-  cp $R/train/draft/config.json $OUT/config.json
-  split -n 2 -d $R/train/draft/model.safetensors $OUT/model.safetensors.part
-  md5sum $R/train/draft/model.safetensors
-  python3 recipes/default_draft/walk_tau.py --target /tmp/smol.gguf --draft $R/train/draft \
+F=$R/train/draft
+[ -f $R/train2/draft/model.safetensors ] && F=$R/train2/draft  # the low-lr finish, when run
+if [ -f $R/DONE ] && [ -f $F/model.safetensors ]; then
+  cp $F/config.json $OUT/config.json
+  split -n 2 -d $F/model.safetensors $OUT/model.safetensors.part
+  md5sum $F/model.safetensors
+  python3 recipes/default_draft/walk_tau.py --target /tmp/smol.gguf --draft $F \
     --device cuda --cache-dir /tmp/sscache 2>&1 | tee $OUT/walk_tau.log
 fi
