@@ -15,6 +15,8 @@ mkdir -p $R/regen $R/self $R/self2 $R/self3
 SELF_PROMPTS=${SELF_PROMPTS:-40000}
 TRAIN_MIN=${TRAIN_MIN:-12}
 ANNEAL_MIN=${ANNEAL_MIN:-4.6}
+# dense (reference) or sdpa: whichever benchmarks/ttt_step.py measured faster on this GPU
+TTT_ATTENTION=${TTT_ATTENTION:-dense}
 S="python3 -m specscope.cli train-draft --target /tmp/smol.gguf --cache-dir /tmp/sscache --max-len 1024 --batch-tokens 16384"
 date +%s > $R/t0
 date +%s > $R/t_regen1
@@ -32,7 +34,8 @@ done
 zcat /tmp/data/regen_recipe.jsonl.gz > $R/regen/regenerated.jsonl
 for f in self self2 self3; do zcat /tmp/data/regen_$f.jsonl.gz > $R/$f/regenerated.jsonl; done
 D="--data $R/regen/regenerated.jsonl $R/self/regenerated.jsonl $R/self2/regenerated.jsonl \
-  $R/self3/regenerated.jsonl $R/self4/regenerated.jsonl --no-regenerate"
+  $R/self3/regenerated.jsonl $R/self4/regenerated.jsonl --no-regenerate \
+  --ttt-attention $TTT_ATTENTION"
 $S $D --init-from /tmp/src_r3/specscope/drafts/smollm2_135m_instruct --out $R/train \
   --epochs 100 --max-steps 6000 --lr 3e-4 --warmup-ratio 0.01 --eval-every 1000 \
   --save-every 1000 --budget-minutes $TRAIN_MIN > $R/train.log 2>&1

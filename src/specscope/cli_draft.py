@@ -24,7 +24,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         target=args.target, data=args.data, out=args.out,
         draft_vocab_size=args.draft_vocab_size, layer_ids=layer_ids,
-        num_layers=args.num_layers, ttt_length=args.ttt_length, epochs=args.epochs,
+        num_layers=args.num_layers, ttt_length=args.ttt_length,
+        ttt_attention=args.ttt_attention, epochs=args.epochs,
         max_steps=args.max_steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
         grad_clip=args.grad_clip, batch_tokens=args.batch_tokens, max_len=args.max_len,
         eval_fraction=args.eval_fraction, eval_every=args.eval_every,
@@ -250,6 +251,10 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
     t.add_argument("--ttt-length", type=int, default=7,
                    help="training-time-test unroll depth (loss weight 0.8^i per step)")
+    t.add_argument("--ttt-attention", choices=["dense", "sdpa"], default="dense",
+                   help="how the unrolled steps attend: dense fp32 scores (the reference) "
+                        "or one masked scaled_dot_product_attention call per step (stores "
+                        "no score matrix); same result")
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
     t.add_argument("--lr", type=float, default=None,

@@ -24,6 +24,7 @@ class TrainConfig:
     num_layers: int = 1
     ttt_length: int = 7
     loss_decay: float = 0.8
+    ttt_attention: str = "dense"  # train/ttt.py StepKeys: "dense" (reference) or "sdpa"
     epochs: int = 1
     max_steps: int | None = None
     lr: float | None = None

@@ -38,7 +38,8 @@ def evaluate(draft: Eagle3Draft, target: CausalLM, examples: list[Example],
     for idx in token_batches(examples, cfg.batch_tokens, cfg.seed, epoch=-1):
         batch = target_batch(target, [examples[i] for i in idx], draft_ids, device)
         with torch.no_grad(), autocast:
-            _, step_losses, m = ttt_loss(draft, batch, cfg.ttt_length, cfg.loss_decay)
+            _, step_losses, m = ttt_loss(draft, batch, cfg.ttt_length, cfg.loss_decay,
+                                         cfg.ttt_attention)
         for k in walk_steps:
             tokens, cycles = walk_accept_counts(m, batch.label_mask, k)
             walk[k][0] += tokens

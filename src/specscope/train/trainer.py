@@ -62,6 +62,7 @@ from specscope.train.regenerate import regenerate
 from specscope.train.self_prompts import read_openers, self_prompts, write_prompts
 from specscope.train.tap_cache import TapCache, target_batch
 from specscope.train.ttt import (
+    ATTENTION,
     acceptance,
     ttt_loss,
 )
@@ -141,6 +142,9 @@ def train_draft(cfg: TrainConfig) -> Path:
             raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
     if cfg.ttt_length < 1:
         raise ValueError(f"--ttt-length must be >= 1, got {cfg.ttt_length}")
+    if cfg.ttt_attention not in ATTENTION:
+        raise ValueError(f"--ttt-attention must be one of {', '.join(ATTENTION)}, "
+                         f"got {cfg.ttt_attention!r}")
     t_start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -281,7 +285,8 @@ def train_draft(cfg: TrainConfig) -> Path:
             batch = target_batch(target, [train[i] for i in idx], draft_ids, device, idx,
                                  tap_cache)
             with autocast:
-                loss, _, m = ttt_loss(draft, batch, cfg.ttt_length, cfg.loss_decay)
+                loss, _, m = ttt_loss(draft, batch, cfg.ttt_length, cfg.loss_decay,
+                                      cfg.ttt_attention)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)

@@ -28,18 +28,33 @@ from torch import nn
 
 from specscope.draft.eagle3 import Eagle3Draft
 
+ATTENTION = ("dense", "sdpa")
+
 
 class StepKeys:
-    """The K/V of every unrolled step so far, per attention module (draft layer)."""
+    """The K/V of every unrolled step so far, per attention module (draft layer).
 
-    def __init__(self) -> None:
+    attention: "dense" (the reference) materialises step 0's [T, T] scores per head in fp32
+    and adds each later step's diagonal key; "sdpa" hands all steps' keys to one
+    scaled_dot_product_attention call under a [T, (j+1)T] mask (causal block, then one
+    diagonal block per later step), so no score matrix is stored for the backward pass, at
+    the price of attention over (j+1)T keys of which most are masked. Same result."""
+
+    def __init__(self, attention: str = "dense") -> None:
+        if attention not in ATTENTION:
+            raise ValueError(f"TTT attention must be one of {', '.join(ATTENTION)}, "
+                             f"got {attention!r}")
+        self.attention = attention
         self.kv: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def attend(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [B, H, T, D], k/v [B, Hkv, T, D] of this step -> attention output [B, T, H*D]."""
         steps = self.kv.setdefault(module, [])
         steps.append((k, v))
+        if self.attention == "sdpa":
+            return self._attend_sdpa(steps, q, scale)
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         qg = q.view(B, Hkv, H // Hkv, T, D)  # GQA folded: head h uses kv head h // G
@@ -57,6 +72,29 @@ class StepKeys:
         return out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
 
 
+    def _mask(self, T: int, n: int, device: torch.device) -> torch.Tensor:
+        """[T, n*T] bool: step 0's keys causally, steps 1..n-1 at the query's own index."""
+        key = (T, n, device)
+        if key not in self._masks:
+            eye = torch.eye(T, dtype=torch.bool, device=device)
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            self._masks[key] = torch.cat([causal] + [eye] * (n - 1), dim=1)
+        return self._masks[key]
+
+    def _attend_sdpa(self, steps: list[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+        B, H, T, D = q.shape
+        k = torch.cat([ki for ki, _ in steps], dim=2)  # [B, Hkv, n*T, D]
+        v = torch.cat([vi for _, vi in steps], dim=2)
+        G = H // k.shape[1]
+        if G > 1:  # GQA: head h uses kv head h // G
+            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(T, len(steps),
+                                                                             q.device),
+                                             scale=scale)  # [B, H, T, D]
+        return out.transpose(1, 2).reshape(B, T, H * D)
+
+
 def shift_left(x: torch.Tensor, s: int, fill: int | float | bool = 0) -> torch.Tensor:
     """x[:, t + s] at index t along dim 1, `fill` past the end. [B, T, ...] -> same shape."""
     if s == 0:
@@ -66,16 +104,17 @@ def shift_left(x: torch.Tensor, s: int, fill: int | float | bool = 0) -> torch.T
 
 
 def unroll(draft: Eagle3Draft, taps: torch.Tensor, input_ids: torch.Tensor,
-           steps: int) -> list[torch.Tensor]:
+           steps: int, attention: str = "dense") -> list[torch.Tensor]:
     """Draft logits of every unrolled step.
 
     taps [B, T, n * Ht] (the target's, at every index); input_ids [B, T] (the sequence).
     Returns `steps` tensors [B, T, Vd] fp32: entry j at index t predicts tok_{t+2+j}.
-    The rope table must cover positions T + steps (Eagle3Draft.init_rope).
+    The rope table must cover positions T + steps (Eagle3Draft.init_rope). attention: see
+    StepKeys ("dense" is the reference).
     """
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    keys = StepKeys()
+    keys = StepKeys(attention)
     hidden = draft.project(taps)  # [B, T, H]
     out = []
     for j in range(steps):
@@ -108,8 +147,8 @@ class StepMetrics:
     accepted: torch.Tensor | None = None  # [steps, B, T] bool: steps 0..j all hit at index t
 
 
-def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
-             ) -> tuple[torch.Tensor, list[torch.Tensor], StepMetrics]:
+def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8,
+             attention: str = "dense") -> tuple[torch.Tensor, list[torch.Tensor], StepMetrics]:
     """(weighted loss, per-step losses, metrics) of one unrolled batch.
 
     A hit at step j for index t: the draft's top-1 equals the sequence's tok_{t+2+j} AND that
@@ -117,7 +156,7 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
     exactly the tokens the unrolled steps were fed. chain / reached per step is then the
     engine's acceptance-by-position (StepStats definition).
     """
-    logits = unroll(draft, batch.taps, batch.input_ids, steps)
+    logits = unroll(draft, batch.taps, batch.input_ids, steps, attention)
     total = torch.zeros((), device=batch.taps.device)
     losses = []
     count, correct, chain, reached = [], [], [], []
