@@ -59,7 +59,11 @@ def target_batch(target: CausalLM, examples: list[Example], draft_ids: torch.Ten
     """Run the target over a padded batch (or read it from the tap cache): taps, its
     distribution over the draft vocabulary and its greedy token at every position."""
     ids, mask = collate(examples)
-    ids, mask = ids.to(device), mask.to(device)
+    if torch.device(device).type == "cuda":  # pinned, asynchronous: the host need not wait
+        ids = ids.pin_memory().to(device, non_blocking=True)
+        mask = mask.pin_memory().to(device, non_blocking=True)
+    else:
+        ids, mask = ids.to(device), mask.to(device)
     B, T = ids.shape
     cached = [cache.get(i) for i in indices] if cache is not None and indices else [None] * B
     if any(c is None for c in cached):

@@ -274,8 +274,10 @@ def train_draft(cfg: TrainConfig) -> Path:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     bar = _progress(total, step, cfg.progress)
     stopped = "finished"
-    run_sums = torch.zeros(4, cfg.ttt_length)
-    run_loss = 0.0
+    # Running sums stay on the device and are read once per log line (or per step when a
+    # progress bar shows them): a read per step would make the host wait for every step.
+    run_sums = torch.zeros(4, cfg.ttt_length, device=device)
+    run_loss = torch.zeros((), device=device)
     run_n = 0
     t_train = time.perf_counter()
     while step < total:
@@ -294,20 +296,22 @@ def train_draft(cfg: TrainConfig) -> Path:
             sched.step()
             step += 1
             pos_in_epoch += 1
-            run_sums += torch.stack([m.count, m.correct, m.chain, m.reached]).float().cpu()
-            run_loss += float(loss.detach())
+            run_sums += torch.stack([m.count, m.correct, m.chain, m.reached]).float()
+            run_loss += loss.detach().float()
             run_n += 1
             if bar is not None:
                 acc = (run_sums[1] / run_sums[0].clamp_min(1)).tolist()
-                bar.set_postfix_str(f"loss {run_loss / run_n:.3f} acc " +
+                bar.set_postfix_str(f"loss {float(run_loss) / run_n:.3f} acc " +
                                     " ".join(f"{a:.2f}" for a in acc[:4]), refresh=False)
                 bar.update(1)
             if step % cfg.log_every == 0 or step == total:
-                rates = acceptance(run_sums[2], run_sums[3])
+                sums = run_sums.cpu()
+                rates = acceptance(sums[2], sums[3])
                 record({"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
-                        "loss": round(run_loss / run_n, 5), "grad_norm": round(float(gnorm), 4),
+                        "loss": round(float(run_loss) / run_n, 5),
+                        "grad_norm": round(float(gnorm), 4),
                         "top1_by_position": [round(float(c / max(n, 1)), 4) for c, n in
-                                             zip(run_sums[1], run_sums[0], strict=True)],
+                                             zip(sums[1], sums[0], strict=True)],
                         "acceptance_by_position": [round(a, 4) for a in rates],
                         "elapsed_s": round(time.perf_counter() - t_train, 1)})
                 if bar is None and cfg.progress:
@@ -317,7 +321,8 @@ def train_draft(cfg: TrainConfig) -> Path:
                              " ".join(f"{a:.3f}" for a in h["top1_by_position"]),
                              h["elapsed_s"])
                 run_sums.zero_()
-                run_loss, run_n = 0.0, 0
+                run_loss.zero_()
+                run_n = 0
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
                 ev = evaluate(draft, target, held, cfg, device)
                 record({"step": step, "eval": ev})

@@ -143,8 +143,17 @@ class StepMetrics:
     correct: torch.Tensor  # [steps] draft top-1 == target top-1
     chain: torch.Tensor  # [steps] positions where steps 0..j all hit on-policy
     reached: torch.Tensor  # [steps] positions where steps 0..j-1 all hit (j=0: all labels)
-    first_ce: torch.Tensor | None = None  # [n labels] step-0 cross-entropy per label (detached)
     accepted: torch.Tensor | None = None  # [steps, B, T] bool: steps 0..j all hit at index t
+    ce0: torch.Tensor | None = None  # [B, T] step-0 cross-entropy at every index (detached)
+    valid0: torch.Tensor | None = None  # [B, T] bool: index t has a step-0 label
+
+    @property
+    def first_ce(self) -> torch.Tensor | None:
+        """[n labels] step-0 cross-entropy per label. Selected on demand: a boolean index
+        waits for the device, which a training step must not do."""
+        if self.ce0 is None or self.valid0 is None:
+            return None
+        return self.ce0[self.valid0].float()
 
 
 def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8,
@@ -161,7 +170,7 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
     losses = []
     count, correct, chain, reached = [], [], [], []
     alive = None
-    first_ce = None
+    ce0 = valid0 = None
     accepted = []
     for j, lg in enumerate(logits):
         valid = shift_left(batch.label_mask, j + 2, False)  # label tok_{t+2+j} exists, is ours
@@ -174,7 +183,7 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
         total = total + (decay ** j) * loss
         with torch.no_grad():
             if j == 0:
-                first_ce = ce.detach()[valid].float()
+                ce0, valid0 = ce.detach(), valid
             top = draft.to_target(lg.argmax(-1))  # [B, T] target ids
             tgt = shift_left(batch.target_top, j + 1, -1)
             label = shift_left(batch.input_ids, j + 2, -1)
@@ -188,7 +197,7 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, steps: int, decay: float = 0.8
             reached.append(reach.sum().float())
     metrics = StepMetrics(count=torch.stack(count), correct=torch.stack(correct),
                           chain=torch.stack(chain), reached=torch.stack(reached),
-                          first_ce=first_ce, accepted=torch.stack(accepted))
+                          accepted=torch.stack(accepted), ce0=ce0, valid0=valid0)
     return total, losses, metrics
 
 
