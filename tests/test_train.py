@@ -110,6 +110,9 @@ def test_sdpa_attention_equals_the_dense_reference():
         torch.testing.assert_close(a, b, atol=5e-4, rtol=1e-3)  # fp32 summation order
     with pytest.raises(ValueError, match="TTT attention must be one of"):
         unroll(draft, taps, ids, 2, attention="flash")
+    from specscope.cli_draft import TTT_ATTENTION
+    from specscope.train.ttt import ATTENTION
+    assert TTT_ATTENTION == ATTENTION  # the CLI's choices (kept free of the torch import)
 
 
 def test_shift_left_and_predicted_accept_length():

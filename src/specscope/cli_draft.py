@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the command modules import heavy packages only when they ru
     from specscope.server.guardrail import Guardrail
 
 GUARDRAIL_MODES = ("warn", "off-when-slower", "off")  # server/guardrail.py's MODES
+TTT_ATTENTION = ("dense", "sdpa")  # train/ttt.py's ATTENTION (tested equal)
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
@@ -251,7 +252,7 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
     t.add_argument("--ttt-length", type=int, default=7,
                    help="training-time-test unroll depth (loss weight 0.8^i per step)")
-    t.add_argument("--ttt-attention", choices=["dense", "sdpa"], default="dense",
+    t.add_argument("--ttt-attention", choices=TTT_ATTENTION, default="dense",
                    help="how the unrolled steps attend: dense fp32 scores (the reference) "
                         "or one masked scaled_dot_product_attention call per step (stores "
                         "no score matrix); same result")

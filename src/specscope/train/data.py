@@ -106,9 +106,10 @@ def _assistant_texts(hf_tok: Any, messages: Messages) -> list[str]:
                                                 add_generation_prompt=True)]
 
 
-def _example(renders: list[list[int]], has_assistant: bool, max_len: int | None) -> Example:
-    """An Example from the token ids of _assistant_texts' texts."""
-    if not has_assistant:  # nothing to learn, but keep the rendering for counting
+def _example(renders: list[list[int]], max_len: int | None) -> Example:
+    """An Example from the token ids of _assistant_texts' texts: (before, after) pairs, or
+    the one prompt rendering of a conversation without an assistant turn."""
+    if len(renders) == 1:  # nothing to learn, but keep the rendering for counting
         ids = list(renders[0])
         mask = [False] * len(ids)
     else:
@@ -134,7 +135,7 @@ def tokenize_conversation(hf_tok: Any, messages: Messages, max_len: int | None =
     """
     texts = _assistant_texts(hf_tok, messages)
     renders = [list(hf_tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    return _example(renders, any(m["role"] == "assistant" for m in messages), max_len)
+    return _example(renders, max_len)
 
 
 def tokenize_conversations(hf_tok: Any, convs: list[Messages], max_len: int | None = None,
@@ -149,9 +150,8 @@ def tokenize_conversations(hf_tok: Any, convs: list[Messages], max_len: int | No
         flat = [t for ts in texts for t in ts]
         ids = hf_tok(flat, add_special_tokens=False)["input_ids"] if flat else []
         k = 0
-        for messages, ts in zip(part, texts, strict=True):
-            out.append(_example(ids[k:k + len(ts)],
-                                any(m["role"] == "assistant" for m in messages), max_len))
+        for ts in texts:
+            out.append(_example(ids[k:k + len(ts)], max_len))
             k += len(ts)
     return out
 

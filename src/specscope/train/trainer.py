@@ -62,8 +62,8 @@ from specscope.train.regenerate import regenerate
 from specscope.train.self_prompts import read_openers, self_prompts, write_prompts
 from specscope.train.tap_cache import TapCache, target_batch
 from specscope.train.ttt import (
-    ATTENTION,
     acceptance,
+    check_attention,
     ttt_loss,
 )
 
@@ -142,9 +142,7 @@ def train_draft(cfg: TrainConfig) -> Path:
             raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
     if cfg.ttt_length < 1:
         raise ValueError(f"--ttt-length must be >= 1, got {cfg.ttt_length}")
-    if cfg.ttt_attention not in ATTENTION:
-        raise ValueError(f"--ttt-attention must be one of {', '.join(ATTENTION)}, "
-                         f"got {cfg.ttt_attention!r}")
+    check_attention(cfg.ttt_attention)  # before the (slow) model load
     t_start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,13 @@ from specscope.draft.eagle3 import Eagle3Draft
 ATTENTION = ("dense", "sdpa")
 
 
+def check_attention(name: str) -> str:
+    """`name` if it is a TTT attention mode (StepKeys), else a ValueError naming them."""
+    if name not in ATTENTION:
+        raise ValueError(f"TTT attention must be one of {', '.join(ATTENTION)}, got {name!r}")
+    return name
+
+
 class StepKeys:
     """The K/V of every unrolled step so far, per attention module (draft layer).
 
@@ -41,12 +48,8 @@ class StepKeys:
     the price of attention over (j+1)T keys of which most are masked. Same result."""
 
     def __init__(self, attention: str = "dense") -> None:
-        if attention not in ATTENTION:
-            raise ValueError(f"TTT attention must be one of {', '.join(ATTENTION)}, "
-                             f"got {attention!r}")
-        self.attention = attention
+        self.attention = check_attention(attention)
         self.kv: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def attend(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -71,16 +74,6 @@ class StepKeys:
             out = out + p[..., T + i:T + i + 1] * vi[:, :, None]
         return out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
 
-
-    def _mask(self, T: int, n: int, device: torch.device) -> torch.Tensor:
-        """[T, n*T] bool: step 0's keys causally, steps 1..n-1 at the query's own index."""
-        key = (T, n, device)
-        if key not in self._masks:
-            eye = torch.eye(T, dtype=torch.bool, device=device)
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            self._masks[key] = torch.cat([causal] + [eye] * (n - 1), dim=1)
-        return self._masks[key]
-
     def _attend_sdpa(self, steps: list[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
                      scale: float) -> torch.Tensor:
         B, H, T, D = q.shape
@@ -89,9 +82,11 @@ class StepKeys:
         G = H // k.shape[1]
         if G > 1:  # GQA: head h uses kv head h // G
             k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(T, len(steps),
-                                                                             q.device),
-                                             scale=scale)  # [B, H, T, D]
+        # [T, n*T]: step 0's keys causally, each later step's at the query's own index
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        eye = torch.eye(T, dtype=torch.bool, device=q.device)
+        mask = torch.cat([causal] + [eye] * (len(steps) - 1), dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B,H,T,D]
         return out.transpose(1, 2).reshape(B, T, H * D)
 
 
