@@ -24,10 +24,15 @@ fi
 [ -f $R/train/metrics.jsonl ] && cp $R/train/metrics.jsonl $OUT/metrics.jsonl
 F=$R/train/draft
 [ -f $R/train2/draft/model.safetensors ] && F=$R/train2/draft  # the low-lr finish, when run
-if [ -f $R/DONE ] && [ -f $F/model.safetensors ]; then
+if [ -f $R/DONE ] && [ -f $F/model.safetensors ] && [ ! -f $R/draft_sent ]; then
   cp $F/config.json $OUT/config.json
   split -n 2 -d $F/model.safetensors $OUT/model.safetensors.part
   md5sum $F/model.safetensors
+  touch $R/draft_sent
+fi
+# The walk comes after the draft is back, in a call of its own (WALK=1), so a call cut short
+# by the device budget cannot cost the draft.
+if [ -f $R/DONE ] && [ -f $F/model.safetensors ] && [ "${WALK:-0}" = 1 ]; then
   python3 recipes/default_draft/walk_tau.py --target /tmp/smol.gguf --draft $F \
     --device cuda --cache-dir /tmp/sscache 2>&1 | tee $OUT/walk_tau.log
 fi
