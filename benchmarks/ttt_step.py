@@ -41,7 +41,10 @@ def main() -> None:
                     choices=["smollm2-135m", *sorted(SHAPES)])
     ap.add_argument("--draft-vocab", type=int, default=12288)
     ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence (the longest)")
+    ap.add_argument("--fixed-length", action="store_true",
+                    help="every step the same length (default: a new length per step, as the "
+                         "trainer's padded batches have, so per-shape host costs show)")
     ap.add_argument("--ttt-length", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -59,11 +62,18 @@ def main() -> None:
     target.set_taps(layer_ids)
     g = torch.Generator().manual_seed(0)
     B = max(1, args.batch_tokens // args.seq)
-    examples = []
-    for _ in range(B):
-        ids = torch.randint(0, cfg.vocab_size, (args.seq,), generator=g).tolist()
-        cut = args.seq // 8  # a prompt, then the answer the loss is on
-        examples.append(Example(ids=ids, mask=[False] * cut + [True] * (args.seq - cut)))
+    n_iter = args.warmup + args.iters
+    # Step i's length: the longest, less 3 % per step (distinct lengths unless --fixed-length).
+    lengths = [args.seq if args.fixed_length else max(8, args.seq - i * max(1, args.seq // 32))
+               for i in range(n_iter)]
+    batches = []
+    for n in lengths:
+        examples = []
+        for _ in range(B):
+            ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+            cut = n // 8  # a prompt, then the answer the loss is on
+            examples.append(Example(ids=ids, mask=[False] * cut + [True] * (n - cut)))
+        batches.append(examples)
     draft_ids = torch.randperm(cfg.vocab_size, generator=g)[:args.draft_vocab].sort().values
     results = {}
     for mode in args.modes.split(","):
@@ -84,10 +94,10 @@ def main() -> None:
                 torch.cuda.synchronize(dev)
             return time.perf_counter()
 
-        for it in range(args.warmup + args.iters):
+        for it in range(n_iter):
             t0 = now()
             with torch.no_grad():
-                batch = target_batch(target, examples, draft_ids.to(dev), dev)
+                batch = target_batch(target, batches[it], draft_ids.to(dev), dev)
             t1 = now()
             with autocast:
                 loss, _, _ = ttt_loss(draft, batch, args.ttt_length, attention=mode)
@@ -102,17 +112,19 @@ def main() -> None:
                 parts["ttt"] += (t2 - t1) / args.iters * 1e3
                 parts["optimizer"] += (t3 - t2) / args.iters * 1e3
         peak = torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None
+        tokens = B * sum(lengths[args.warmup:]) / args.iters  # per timed step, on average
         step = sum(parts.values())
         results[mode] = {"step_ms": round(step, 2), **{k: round(v, 2) for k, v in parts.items()},
-                         "tokens_per_s": round(B * args.seq / step * 1e3),
+                         "tokens_per_s": round(tokens / step * 1e3),
                          "peak_gib": round(peak, 2) if peak is not None else None,
                          "loss": round(float(loss.detach()), 4)}
         print(f"{mode:6s} step {step:8.2f} ms  (target {parts['target']:.2f}, TTT fwd+bwd "
               f"{parts['ttt']:.2f}, optimizer {parts['optimizer']:.2f})  "
-              f"{B * args.seq / step * 1e3:,.0f} tokens/s"
+              f"{tokens / step * 1e3:,.0f} tokens/s"
               + (f"  peak {peak:.2f} GiB" if peak is not None else ""), flush=True)
         del draft, opt, batch
     meta = {"device": str(dev), "shape": args.shape, "batch": B, "seq": args.seq,
+            "lengths": "fixed" if args.fixed_length else f"{lengths[0]}..{lengths[-1]}",
             "ttt_length": args.ttt_length, "draft_vocab": args.draft_vocab}
     text = json.dumps({"meta": meta, "results": results}, indent=1)
     print(text)

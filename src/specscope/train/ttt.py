@@ -25,10 +25,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specscope.draft.eagle3 import Eagle3Draft
 
 ATTENTION = ("dense", "sdpa")
+# Kernels for the "sdpa" mode. Not cuDNN attention, PyTorch's first choice for a masked SDPA
+# on Hopper: it builds a graph per shape on the host, and the trainer's padded length changes
+# with every batch. Round 5 on the H200 ran 0.55 s per step with it (GPU 6 % busy, the host
+# inside SDPA forward and backward) against 0.15 s dense, though a fixed-shape benchmark ran
+# it faster than dense; benchmarks/ttt_step.py now varies the length per step to see this.
+SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def check_attention(name: str) -> str:
@@ -86,7 +93,8 @@ class StepKeys:
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         eye = torch.eye(T, dtype=torch.bool, device=q.device)
         mask = torch.cat([causal] + [eye] * (len(steps) - 1), dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B,H,T,D]
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B,H,T,D]
         return out.transpose(1, 2).reshape(B, T, H * D)
 
 
