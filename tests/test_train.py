@@ -4,6 +4,7 @@ end-to-end run whose export the engine loads and decodes losslessly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -526,3 +527,113 @@ def test_ttt_step_benchmark_runs(tmp_path):
     assert set(res) == {"dense", "sdpa"}
     assert all(r["step_ms"] > 0 and r["loss"] > 0 for r in res.values())
     assert abs(res["dense"]["loss"] - res["sdpa"]["loss"]) < 1e-3  # same weights, same math
+
+
+def test_provenance_names_data_files_by_their_shortest_distinct_path():
+    """Rounds of regeneration all write regenerated.jsonl: the provenance block tells them
+    apart by the shortest trailing path, without publishing whole directories."""
+    from specscope.train.trainer import short_names
+
+    assert short_names(["/a/x/gsm8k.jsonl", "/b/y/chat.jsonl"]) == ["gsm8k.jsonl", "chat.jsonl"]
+    assert short_names(["/r/regen/regenerated.jsonl", "/r/self4/regenerated.jsonl"]) == [
+        "regen/regenerated.jsonl", "self4/regenerated.jsonl"]
+    assert short_names(["/p/a/d.jsonl", "/q/a/d.jsonl"]) == ["p/a/d.jsonl", "q/a/d.jsonl"]
+    assert short_names([]) == []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_data_parallel_training_over_two_processes(tiny_run, tmp_path):
+    """A torchrun-style launch of two processes (gloo on the CPU): regeneration is sharded
+    and put back in input order, every step averages both ranks' gradients (the replicas are
+    checked bit-equal at each checkpoint and at the end, else training fails), rank 0 alone
+    writes, and its export decodes losslessly."""
+    import os
+    import subprocess
+    import sys
+
+    _, data, _, _ = tiny_run
+    out = tmp_path / "ddp"
+    cfg = dataclasses.asdict(_cfg(tmp_path, data, out, max_steps=6, save_every=3,
+                                  eval_every=3, export_formats=("sglang",)))
+    script = ("import json, sys\n"
+              "from specscope.train.trainer import TrainConfig, train_draft\n"
+              "cfg = json.loads(sys.argv[1])\n"
+              "cfg['export_formats'] = tuple(cfg['export_formats'])\n"
+              "train_draft(TrainConfig(**cfg))\n")
+    port = _free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", script, json.dumps(cfg)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    # each rank answered every other conversation, into its own file
+    shards = [read_regenerated(out / f"regenerated.rank{r}-of-2.jsonl") for r in range(2)]
+    assert sorted(shards[0]) == list(range(20)) and sorted(shards[1]) == list(range(20))
+    assert shards[0][3][0]["content"] == "Write about rain number 6."  # input 2 * 3 + 0
+    assert shards[1][3][0]["content"] == "Write about chess number 7."  # input 2 * 3 + 1
+    assert not (out / "regenerated.jsonl").exists()
+    # rank 0 alone wrote the metrics: one line per log step, the evaluations, the final one
+    hist = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in hist if "loss" in h] == [2, 4, 6]
+    assert [h["step"] for h in hist if "eval" in h] == [3, 6] and hist[-1]["final"]
+    assert hist[-1]["eval"]["labels"] > 0
+    assert latest_checkpoint(out / "checkpoints").name == "step-00000006"
+    prov = json.loads((out / "draft" / "config.json").read_text())["specscope_provenance"]
+    assert prov["processes"] == 2 and prov["steps"] == 6
+    plain = LLM(str(data["model"]), dtype="fp32", device="cpu")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = plain.generate("Write about cats number 3.", params)[0].token_ids
+    spec = LLM(str(data["model"]), dtype="fp32", device="cpu",
+               spec=SpecConfig(draft=str(out / "draft"), num_steps=3))
+    assert spec.generate("Write about cats number 3.", params)[0].token_ids == ref
+
+
+def test_data_parallel_self_prompts_are_sharded_and_read_back_in_order(tmp_path, monkeypatch):
+    """Each rank writes its share of --self-prompts with its own seed into its own file; every
+    rank reads all shares back in rank order, without duplicates."""
+    from specscope.train import trainer
+    from specscope.train.parallel import Ranks
+
+    seeds = []
+
+    def fake(model, tokenizer, n, *, seed, **kw):
+        seeds.append(seed)
+        first = 0 if seed == 4 else 2  # rank 1's first request repeats rank 0's last
+        return [f"request {first + i}" for i in range(n)]
+
+    class Waiting(Exception):
+        pass
+
+    def waits(ranks):  # rank 1 reaches the barrier before rank 0 has written
+        raise Waiting
+
+    monkeypatch.setattr(trainer, "self_prompts", fake)
+    monkeypatch.setattr(trainer, "barrier", waits)
+    cfg = TrainConfig(target=None, data=[], out=str(tmp_path), self_prompts=5, seed=4,
+                      progress=False)
+    with pytest.raises(Waiting):
+        trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks(1, 2, 1))
+    monkeypatch.setattr(trainer, "barrier", lambda ranks: None)
+    got = trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks(0, 2, 0))
+    assert seeds == [4 + 100_003, 4]
+    assert (tmp_path / "self_prompts.rank1-of-2.jsonl").is_file()
+    # rank 0's 3 requests, then rank 1's 2 less the repeat; rank 1 reads the same
+    assert got == ["request 0", "request 1", "request 2", "request 3"]
+    assert trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks(1, 2, 1)) == got
+    assert len(seeds) == 2  # its share was read back, not written again
+    # one process: the old file name and the run's own seed
+    seeds.clear()
+    one = trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks())
+    assert seeds == [4] and len(one) == 5 and (tmp_path / "self_prompts.jsonl").is_file()

@@ -332,6 +332,9 @@ def add_draft_commands(sub: argparse._SubParsersAction,
     c.set_defaults(func=cmd_convert_draft)
 
     t = sub.add_parser("train-draft", help="train an EAGLE-3 draft for a target (regenerates "
-                                           "the data with the target, TTT, exports SGLang)")
+                                           "the data with the target, TTT, exports SGLang)",
+                       epilog="Several GPUs: torchrun --nproc-per-node N -m specscope.cli "
+                              "train-draft ... (data-parallel: regeneration and batches are "
+                              "shared out, gradients averaged; rank 0 writes).")
     _add_train_args(t)
     t.set_defaults(func=cmd_train_draft)

@@ -58,7 +58,19 @@ from specscope.train.data import (
     tokenize_conversations,
 )
 from specscope.train.evaluation import evaluate
-from specscope.train.regenerate import regenerate
+from specscope.train.parallel import (
+    Ranks,
+    all_sum,
+    any_rank,
+    average_gradients,
+    barrier,
+    check_in_sync,
+    ranks_from_env,
+    shard,
+    start,
+    stop,
+)
+from specscope.train.regenerate import read_regenerated, regenerate
 from specscope.train.self_prompts import read_openers, self_prompts, write_prompts
 from specscope.train.tap_cache import TapCache, target_batch
 from specscope.train.ttt import (
@@ -69,6 +81,18 @@ from specscope.train.ttt import (
 
 log = logging.getLogger("specscope.train")
 TRAINER_VERSION = f"specscope-train-draft {__version__}"
+
+
+def short_names(paths: list[str]) -> list[str]:
+    """Each data file by its shortest trailing path that tells it from the others, for the
+    provenance block: rounds of regeneration all write `regenerated.jsonl`, so bare names say
+    nothing, and whole paths would publish the trainer's directories."""
+    parts = [Path(p).parts for p in paths]
+    for k in range(1, max((len(q) for q in parts), default=1) + 1):
+        names = [str(Path(*q[-k:])) if q else "" for q in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(Path(p)) for p in paths]  # the same file twice: as given
 
 
 def new_draft(target: CausalLM, layer_ids: tuple[int, ...], vocab_ids: torch.Tensor,
@@ -115,28 +139,92 @@ def _progress(total: int, initial: int, enabled: bool):
                 dynamic_ncols=True)
 
 
+def _read_prompts(path: Path) -> list[str]:
+    return [row["prompt"] for _, row in jsonl_objects(path.read_text(encoding="utf-8"),
+                                                      str(path))]
+
+
 def _self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, path: Path,
-                  openers: list[str] | None) -> list[str]:
-    """The run's self-written prompts: read back when a whole file of them exists (a resumed
+                  openers: list[str] | None, n: int, seed: int) -> list[str]:
+    """`n` self-written prompts: read back when a whole file of them exists (a resumed
     run must see the same data), else sampled from the target and written atomically."""
     if path.is_file():
-        prompts = [row["prompt"] for _, row in jsonl_objects(path.read_text(encoding="utf-8"),
-                                                             str(path))]
-        if len(prompts) >= cfg.self_prompts:
-            log.info("train-draft: %d self-written prompts from %s", cfg.self_prompts, path)
-            return prompts[:cfg.self_prompts]
-    prompts = self_prompts(target, tokenizer, cfg.self_prompts,
-                           temperature=cfg.self_prompt_temperature,
+        prompts = _read_prompts(path)
+        if len(prompts) >= n:
+            log.info("train-draft: %d self-written prompts from %s", n, path)
+            return prompts[:n]
+    prompts = self_prompts(target, tokenizer, n, temperature=cfg.self_prompt_temperature,
                            top_p=cfg.self_prompt_top_p, batch_size=cfg.regen_batch_size,
-                           seed=cfg.seed, openers=openers,
-                           progress=cfg.progress)
+                           seed=seed, openers=openers, progress=cfg.progress)
     write_prompts(path, prompts)
     log.info("train-draft: the target wrote %d prompts (%s)", len(prompts), path)
     return prompts
 
 
+def _rank_file(out: Path, stem: str, ranks: Ranks, rank: int | None = None) -> Path:
+    """OUT/stem.jsonl for one process; OUT/stem.rank{r}-of-{world}.jsonl per rank."""
+    if not ranks.active:
+        return out / f"{stem}.jsonl"
+    return out / f"{stem}.rank{ranks.rank if rank is None else rank}-of-{ranks.world}.jsonl"
+
+
+def _all_self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, out: Path,
+                      openers: list[str] | None, ranks: Ranks) -> list[str]:
+    """The run's self-written prompts. Data-parallel, each rank writes its share (its own
+    seed and file) and all ranks read every share back, in rank order, without duplicates."""
+    if not ranks.active:
+        return _self_prompts(target, tokenizer, cfg, out / "self_prompts.jsonl", openers,
+                             cfg.self_prompts, cfg.seed)
+    n = len(shard(cfg.self_prompts, ranks))
+    _self_prompts(target, tokenizer, cfg, _rank_file(out, "self_prompts", ranks), openers, n,
+                  cfg.seed + 100_003 * ranks.rank)
+    barrier(ranks)
+    seen: set[str] = set()
+    prompts = []
+    for r in range(ranks.world):
+        share = len(shard(cfg.self_prompts, Ranks(r, ranks.world, r)))
+        for p in _read_prompts(_rank_file(out, "self_prompts", ranks, r))[:share]:
+            if p not in seen:
+                seen.add(p)
+                prompts.append(p)
+    return prompts
+
+
+def _regenerate(target: CausalLM, tokenizer: Tokenizer, convs: list, cfg: TrainConfig,
+                out: Path, ranks: Ranks) -> list:
+    """The conversations answered by the target. Data-parallel, rank r answers conversations
+    r, r + world, … into its own resumable file; all ranks then read every file back and
+    restore the input order, so each sees the same data."""
+    kw: dict[str, Any] = dict(
+        batch_size=cfg.regen_batch_size, max_new_tokens=cfg.regen_max_new_tokens,
+        temperature=cfg.regen_temperature, top_p=cfg.regen_top_p, seed=cfg.seed,
+        max_prompt_len=cfg.max_len, progress=cfg.progress)
+    if not ranks.active:
+        return regenerate(target, tokenizer, convs, out / "regenerated.jsonl", **kw)
+    mine = [convs[i] for i in shard(len(convs), ranks)]
+    kw["seed"] = cfg.seed + 100_003 * ranks.rank
+    regenerate(target, tokenizer, mine, _rank_file(out, "regenerated", ranks), **kw)
+    barrier(ranks)
+    done = [read_regenerated(_rank_file(out, "regenerated", ranks, r))
+            for r in range(ranks.world)]
+    # conversation i is rank (i mod world)'s number (i div world)
+    return [done[i % ranks.world][i // ranks.world] for i in range(len(convs))
+            if i // ranks.world in done[i % ranks.world]]
+
+
 def train_draft(cfg: TrainConfig) -> Path:
-    """Run the whole pipeline; returns the exported draft directory (SGLang format)."""
+    """Run the whole pipeline; returns the exported draft directory (SGLang format).
+
+    Under torchrun (WORLD_SIZE > 1) every process runs this: data-parallel, one GPU each
+    (train/parallel.py); rank 0 writes what is written."""
+    ranks = ranks_from_env()
+    try:
+        return _train_draft(cfg, ranks)
+    finally:
+        stop(ranks)
+
+
+def _train_draft(cfg: TrainConfig, ranks: Ranks) -> Path:
     for fmt in cfg.export_formats:
         if fmt not in FORMATS:
             raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -152,7 +240,10 @@ def train_draft(cfg: TrainConfig) -> Path:
         raise ValueError(f"--self-prompts must be >= 0, got {cfg.self_prompts}")
     openers = read_openers(cfg.self_prompt_openers)  # a bad file fails before the model loads
     convs = read_conversations(cfg.data)  # before the (slow) model load: bad data fails fast
-    device = resolve_device(cfg.device)
+    device = start(ranks, resolve_device(cfg.device))
+    if not ranks.main:  # one voice: rank 0 logs and shows progress
+        cfg = dataclasses.replace(cfg, progress=False)
+        log.setLevel(logging.WARNING)
     tdtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     loaded = load_model(cfg.target, dtype=tdtype, device=device, cache_dir=cfg.cache_dir)
     target, tcfg = loaded.model, loaded.config
@@ -162,20 +253,16 @@ def train_draft(cfg: TrainConfig) -> Path:
         raise ValueError(f"{loaded.path}: the target's tokenizer has no chat template; "
                          f"train-draft needs one to find the assistant tokens")
 
-    log.info("train-draft: %d conversations from %s", len(convs),
-             ", ".join(cfg.data) or "no file")
+    log.info("train-draft: %d conversations from %s%s", len(convs),
+             ", ".join(cfg.data) or "no file",
+             f"; data-parallel over {ranks.world} processes" if ranks.active else "")
     if cfg.self_prompts:
         convs += [[{"role": "user", "content": p}] for p in
-                  _self_prompts(target, tokenizer, cfg, out / "self_prompts.jsonl", openers)]
+                  _all_self_prompts(target, tokenizer, cfg, out, openers, ranks)]
     if not convs:
         raise ValueError("no training data: pass --data FILE... and/or --self-prompts N")
     if cfg.regenerate:
-        convs = regenerate(target, tokenizer, convs, out / "regenerated.jsonl",
-                           batch_size=cfg.regen_batch_size,
-                           max_new_tokens=cfg.regen_max_new_tokens,
-                           temperature=cfg.regen_temperature, top_p=cfg.regen_top_p,
-                           seed=cfg.seed, max_prompt_len=cfg.max_len,
-                           progress=cfg.progress)
+        convs = _regenerate(target, tokenizer, convs, cfg, out, ranks)
     examples = tokenize_conversations(tokenizer.hf, convs, cfg.max_len)
     examples = [e for e in examples if len(e.ids) >= 3 and any(e.mask[2:])]
     if not examples:
@@ -198,10 +285,13 @@ def train_draft(cfg: TrainConfig) -> Path:
     target.set_taps(layer_ids)
     ckpt_root = out / "checkpoints"
     fingerprint = run_fingerprint(cfg, len(examples))
+    if ranks.active:  # a step is `world` batches: resume only with as many processes
+        fingerprint = f"{fingerprint}-w{ranks.world}"
     ckpt = latest_checkpoint(ckpt_root) if cfg.resume else None
     if cfg.resume and ckpt is None:
         log.info("train-draft: --resume but no checkpoint in %s; starting fresh", ckpt_root)
-    remove_partial(ckpt_root)
+    if ranks.main:
+        remove_partial(ckpt_root)
     counts = token_counts(train, tcfg.vocab_size)
     if ckpt is not None:
         state = load_checkpoint(ckpt)
@@ -233,9 +323,16 @@ def train_draft(cfg: TrainConfig) -> Path:
     draft.ensure_rope(cfg.max_len + cfg.ttt_length + 2)
     draft_ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=device))
 
-    batches_per_epoch = len(token_batches(train, cfg.batch_tokens, cfg.seed, 0))
+    # A step takes `world` batches of the shared order, one per rank (the epoch's remainder
+    # is left out so the ranks stay in step).
+    batches_per_epoch = len(token_batches(train, cfg.batch_tokens, cfg.seed, 0)) // ranks.world
+    if batches_per_epoch < 1:
+        raise ValueError(f"{len(train)} training examples make fewer batches than the "
+                         f"{ranks.world} processes; use fewer processes or smaller "
+                         f"--batch-tokens")
     total = cfg.max_steps or cfg.epochs * batches_per_epoch
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, _lr_lambda(total, max(1, int(cfg.warmup_ratio * total)), cfg.min_lr_ratio))
@@ -251,10 +348,14 @@ def train_draft(cfg: TrainConfig) -> Path:
 
     def record(entry: dict[str, Any]) -> None:
         history.append(entry)
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+        if ranks.main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
 
     def checkpoint() -> None:
+        check_in_sync(params, ranks)
+        if not ranks.main:
+            return
         save_checkpoint(ckpt_root, step, {
             "fingerprint": fingerprint, "draft_config": dataclasses.asdict(draft.config),
             "draft": {k: v.detach().cpu() for k, v in draft.state_dict().items()},
@@ -270,7 +371,7 @@ def train_draft(cfg: TrainConfig) -> Path:
               f"{tcfg.hidden_size} bf16)", file=sys.stderr)
         tap_cache = TapCache(cfg.tap_cache, fingerprint)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    bar = _progress(total, step, cfg.progress)
+    bar = _progress(total, step, cfg.progress and ranks.main)
     stopped = "finished"
     # Running sums stay on the device and are read once per log line (or per step when a
     # progress bar shows them): a read per step would make the host wait for every step.
@@ -280,8 +381,8 @@ def train_draft(cfg: TrainConfig) -> Path:
     t_train = time.perf_counter()
     while step < total:
         order = token_batches(train, cfg.batch_tokens, cfg.seed, epoch)
-        while pos_in_epoch < len(order) and step < total:
-            idx = order[pos_in_epoch]
+        while pos_in_epoch + ranks.world <= len(order) and step < total:
+            idx = order[pos_in_epoch + ranks.rank]
             batch = target_batch(target, [train[i] for i in idx], draft_ids, device, idx,
                                  tap_cache)
             with autocast:
@@ -289,11 +390,12 @@ def train_draft(cfg: TrainConfig) -> Path:
                                       cfg.ttt_attention)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            average_gradients(params, ranks)
             gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
             opt.step()
             sched.step()
             step += 1
-            pos_in_epoch += 1
+            pos_in_epoch += ranks.world
             run_sums += torch.stack([m.count, m.correct, m.chain, m.reached]).float()
             run_loss += loss.detach().float()
             run_n += 1
@@ -303,6 +405,9 @@ def train_draft(cfg: TrainConfig) -> Path:
                                     " ".join(f"{a:.2f}" for a in acc[:4]), refresh=False)
                 bar.update(1)
             if step % cfg.log_every == 0 or step == total:
+                all_sum(run_sums, ranks)
+                all_sum(run_loss, ranks)
+                run_n *= ranks.world
                 sums = run_sums.cpu()
                 rates = acceptance(sums[2], sums[3])
                 record({"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
@@ -322,7 +427,8 @@ def train_draft(cfg: TrainConfig) -> Path:
                 run_loss.zero_()
                 run_n = 0
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                ev = evaluate(draft, target, held, cfg, device)
+                ev = evaluate(draft, target, held, cfg, device) if ranks.main else {}
+                barrier(ranks)
                 record({"step": step, "eval": ev})
                 log.info("eval at step %d: acceptance %s, accept length %s (engine walk; "
                          "formula %s)", step, ev.get("acceptance_by_position"),
@@ -333,20 +439,26 @@ def train_draft(cfg: TrainConfig) -> Path:
                 if bar is not None:
                     bar.close()
                 return ckpt_root  # emulated kill: only checkpoints survive
-            if cfg.budget_minutes is not None and \
-                    time.perf_counter() - t_start > cfg.budget_minutes * 60:
+            # Data-parallel, the ranks agree on stopping at log steps (a collective per step
+            # would make the host wait for every step).
+            if cfg.budget_minutes is not None and (
+                    not ranks.active or step % cfg.log_every == 0 or step == total) and \
+                    any_rank(time.perf_counter() - t_start > cfg.budget_minutes * 60, ranks,
+                             device):
                 stopped = f"time budget of {cfg.budget_minutes} min reached"
                 break
         if stopped != "finished":
             break
-        if pos_in_epoch >= len(order):
+        if pos_in_epoch + ranks.world > len(order):
             epoch += 1
             pos_in_epoch = 0
     if bar is not None:
         bar.close()
-    final_eval = evaluate(draft, target, held, cfg, device)
+    final_eval = evaluate(draft, target, held, cfg, device) if ranks.main else {}
     record({"step": step, "eval": final_eval, "final": True, "stopped": stopped})
     checkpoint()
+    if not ranks.main:
+        return out / "draft"  # rank 0 exports
     log.info("train-draft: %s at step %d/%d; held-out acceptance %s, accept length %s "
              "(engine walk; formula %s)", stopped, step, total,
              final_eval.get("acceptance_by_position"), final_eval.get("walk_accept_length"),
@@ -362,13 +474,14 @@ def train_draft(cfg: TrainConfig) -> Path:
         "aux_layer_ids_convention": OUTPUT_OF_LAYER,
         "draft_vocab_size": draft.config.draft_vocab_size,
         "draft_vocab_coverage": round(coverage, 4),
-        "data": [Path(p).name for p in cfg.data],
+        "data": short_names(cfg.data),
         "regenerated": cfg.regenerate,
         "regen_temperature": cfg.regen_temperature if cfg.regenerate else None,
         "train_examples": len(train), "train_tokens": n_tokens,
         "steps": step, "epochs_completed": epoch, "stopped": stopped,
-        "ttt_length": cfg.ttt_length, "lr": cfg.lr, "batch_tokens": cfg.batch_tokens,
-        "init_from": Path(cfg.init_from).name if cfg.init_from else None,
+        "ttt_length": cfg.ttt_length, "ttt_attention": cfg.ttt_attention, "lr": cfg.lr,
+        "warmup_ratio": cfg.warmup_ratio, "batch_tokens": cfg.batch_tokens,
+        "processes": ranks.world, "init_from": Path(cfg.init_from).name if cfg.init_from else None,
         "heldout": final_eval,
     }
     export_dtype = getattr(torch, cfg.export_dtype)
