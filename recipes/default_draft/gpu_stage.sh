@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Brings the default model and the earlier rounds' answers onto the warm H200 machine over
-# back-to-back device calls (each call carries at most 64 MiB), and starts round 5:
+# back-to-back device calls (each call carries at most 64 MiB), and starts a round:
 #   call 1: carry [.stage/a, .whl]  bash recipes/default_draft/gpu_stage.sh a
 #   call 2: carry [.stage/b]        bash recipes/default_draft/gpu_stage.sh b
-#   call 3: carry [.stage/c]        bash recipes/default_draft/gpu_stage.sh c
-#   call 4: carry [.stage/data]     bash recipes/default_draft/gpu_stage.sh data; then gpu_watch.sh
+#   call 3: carry [.stage/c]        ROUND=6 bash recipes/default_draft/gpu_stage.sh c
+#   call 4: carry [.stage/data_a]   bash recipes/default_draft/gpu_stage.sh data
+#   call 5: carry [.stage/data_b]   bash recipes/default_draft/gpu_stage.sh data; then gpu_watch.sh
 # .stage/{a,b,c}/part0{0,1,2} are `split -n 3 -d SmolLM2-135M-Instruct.Q4_1.gguf`; .whl holds
-# the gguf wheel. Call 1 also starts benchmarks/ttt_step.py in the background (dense against
-# sdpa TTT attention on this GPU, while the GPU is otherwise idle); call 3 reads it to choose
-# the round's --ttt-attention and sizes MAX_STEPS to the measured step time.
+# the gguf wheel; .stage/data_a holds regen_{recipe,self,self2}.jsonl.gz and .stage/data_b
+# regen_{self3,self4}.jsonl.gz (round 5 carried all four of its sets in one .stage/data).
+# Call 1 also starts benchmarks/ttt_step.py in the background (dense against sdpa TTT
+# attention on this GPU, while the GPU is otherwise idle); call 3 reads it to choose the
+# round's --ttt-attention and sizes MAX_STEPS to the measured step time and TRAIN_MIN.
 set -eu
 mkdir -p /tmp/parts /tmp/data
 case "$1" in
@@ -29,22 +32,27 @@ case "$1" in
     md5sum /tmp/smol.gguf
     for i in $(seq 60); do [ -f /tmp/ttt.json ] && break; sleep 2; done
     cat /tmp/ttt.out
-    # Round 4 ran 0.17 s per real step with dense attention; a faster mode saves its measured
-    # difference per step, and the cosine is sized to what then fits in the budget.
+    ROUND=${ROUND:-6}
+    GPUS=$(nvidia-smi -L | wc -l)
+    if [ "$ROUND" = 5 ]; then TRAIN_MIN=${TRAIN_MIN:-16.5}
+    elif [ "$GPUS" -gt 1 ]; then TRAIN_MIN=${TRAIN_MIN:-16}  # after 7 min of regeneration
+    else TRAIN_MIN=${TRAIN_MIN:-24}; fi  # one GPU: no regeneration, the budget trains
+    # Round 5's dense run took 0.153 s per real step (evaluations included) after about 90 s
+    # of loading; a faster mode saves its measured difference per step.
     read -r MODE STEPS < <(python3 -c "
 import json
 r = json.load(open('/tmp/ttt.json'))['results']
 d, s = r['dense']['step_ms'], r['sdpa']['step_ms']
 mode = 'sdpa' if s < 0.95 * d else 'dense'
-real = 170.0 - (d - r[mode]['step_ms'])
-print(mode, int(4700 * 170.0 / max(real, 100.0)))" || echo dense 4700)
-    echo "round 5: --ttt-attention $MODE, MAX_STEPS $STEPS"
-    (setsid nohup env TTT_ATTENTION=$MODE MAX_STEPS=$STEPS bash recipes/default_draft/gpu_round5.sh \
-      > /tmp/round.out 2>&1 < /dev/null &)
-    sleep 20; cat /tmp/round.out; tail -c 600 /tmp/round/self.log || true
+real = max(153.0 - (d - r[mode]['step_ms']), 80.0) / 1e3
+print(mode, int(($TRAIN_MIN * 60 - 90) / real))" || echo dense $(python3 -c "print(int(($TRAIN_MIN * 60 - 90) / 0.153))"))
+    echo "round $ROUND on $GPUS GPU(s): --ttt-attention $MODE, MAX_STEPS $STEPS, TRAIN_MIN $TRAIN_MIN"
+    (setsid nohup env TTT_ATTENTION=$MODE MAX_STEPS=$STEPS TRAIN_MIN=$TRAIN_MIN \
+      bash recipes/default_draft/gpu_round$ROUND.sh > /tmp/round.out 2>&1 < /dev/null &)
+    sleep 20; cat /tmp/round.out; cat /tmp/round/plan 2>/dev/null || true
     ;;
   data)
-    for f in .stage/data/regen_*.jsonl.gz; do
+    for f in .stage/data*/regen_*.jsonl.gz; do
       cp "$f" "/tmp/data/$(basename "$f").tmp" && mv "/tmp/data/$(basename "$f").tmp" "/tmp/data/$(basename "$f")"
     done
     ls -la /tmp/data

@@ -9,11 +9,12 @@ R=/tmp/round
 end=$(( $(date +%s) + ${1:-540} ))
 while [ "$(date +%s)" -lt $end ] && [ ! -f $R/DONE ]; do sleep 15; done
 for f in $R/t0 $R/t_regen1 $R/t_regen2 $R/t_train; do [ -f $f ] && echo "$f $(cat $f)"; done
-for f in $R/regen.log $R/self.log $R/train.log $R/train2.log; do
+for f in $R/plan $R/regen.log $R/self.log $R/self5.log $R/self6.log $R/train.log $R/train2.log; do
   [ -f $f ] && { echo "== $f"; tr '\r' '\n' < $f | grep -v '^$' | tail -n 12; }
 done
 if [ -f $R/t_regen2 ] && [ ! -f $R/data_sent ]; then  # once: the round's new answers
-  for n in ${NEW:-self4}; do  # (round 3: NEW=self2, round 4: NEW=self3)
+  # the round's new sets: NEW, else the round's own list (round 6), else round 5's self4
+  for n in ${NEW:-$(cat $R/new_sets 2>/dev/null || echo self4)}; do
     [ -f $R/$n/regenerated.jsonl ] || continue
     gzip -c $R/$n/regenerated.jsonl > /tmp/$n.jsonl.gz
     split -b 15M -d /tmp/$n.jsonl.gz $OUT/$n.jsonl.gz.part  # files back are <= 16 MB each

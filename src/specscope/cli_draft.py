@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -41,8 +42,9 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         export_formats=tuple(args.export_formats.split(",")), export_dtype=args.export_dtype,
         cache_dir=args.cache_dir, tap_cache=args.tap_cache)
     out = train_draft(cfg)
-    print(f"draft written to {out}; serve it with: specscope serve "
-          f"{args.target or ''} --draft {out}".replace("  ", " "))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 exported it
+        print(f"draft written to {out}; serve it with: specscope serve "
+              f"{args.target or ''} --draft {out}".replace("  ", " "))
     return 0
 
 

@@ -243,7 +243,7 @@ def _train_draft(cfg: TrainConfig, ranks: Ranks) -> Path:
     device = start(ranks, resolve_device(cfg.device))
     if not ranks.main:  # one voice: rank 0 logs and shows progress
         cfg = dataclasses.replace(cfg, progress=False)
-        log.setLevel(logging.WARNING)
+        logging.getLogger("specscope").setLevel(logging.WARNING)
     tdtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     loaded = load_model(cfg.target, dtype=tdtype, device=device, cache_dir=cfg.cache_dir)
     target, tcfg = loaded.model, loaded.config
