@@ -176,3 +176,69 @@ def test_batched_regeneration_graphs_equal_eager():
         assert graphs.generate(batch, 24, params, set(), None) == \
             eager.generate(batch, 24, params, set(), None)
     assert graphs.graphs is not None and len(graphs.graphs.graphs) > 1
+
+
+def test_ttt_sdpa_equals_dense_on_cuda_at_changing_lengths():
+    """--ttt-attention sdpa on CUDA (its pinned kernels) gives the dense reference's logits
+    and gradients, fp32, at a new length each call, as the trainer's padded batches come."""
+    from specscope.draft.eagle3 import random_draft
+    from specscope.train.ttt import unroll
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ModelConfig.from_hf(TINY)
+    target = random_model(cfg, torch.float32, "cuda", seed=1)
+    target.set_taps((0, 1, 2))
+    for T in (17, 40, 63):
+        ids = torch.randint(0, cfg.vocab_size, (2, T), device="cuda")
+        _, taps = target(ids, torch.arange(T, device="cuda")[None].expand(2, T),
+                         return_taps=True)
+        got = {}
+        for mode in ("dense", "sdpa"):
+            draft = random_draft(cfg, torch.float32, "cuda", draft_vocab_size=50, seed=2,
+                                 std=0.2, layer_ids=(0, 1, 2))
+            draft.attach_target(target)
+            draft.init_rope(T + 8)
+            draft.requires_grad_(True)
+            out = unroll(draft, taps, ids, 4, attention=mode)
+            sum(o.sum() for o in out).backward()
+            got[mode] = (out, [p.grad for p in draft.parameters() if p.grad is not None])
+        for a, b in zip(got["dense"][0], got["sdpa"][0], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        for a, b in zip(got["dense"][1], got["sdpa"][1], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_data_parallel_training_on_two_gpus(tiny_model_dir, tmp_path):
+    """torchrun-style, NCCL, one process per GPU: the run finishes (the replicas are checked
+    bit-equal at every checkpoint and at the end) and rank 0 exports."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Write about topic {i}."}) + "\n"
+                               for i in range(64)))
+    cfg = dict(target=str(tiny_model_dir), data=[str(prompts)], out=str(tmp_path / "run"),
+               draft_vocab_size=400, ttt_length=3, max_steps=8, lr=3e-3, batch_tokens=512,
+               max_len=96, eval_every=4, save_every=4, log_every=2,
+               regen_max_new_tokens=24, regen_batch_size=8, device="cuda", progress=False)
+    script = ("import json, sys\n"
+              "from specscope.train.trainer import TrainConfig, train_draft\n"
+              "train_draft(TrainConfig(**json.loads(sys.argv[1])))\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(cfg)],
+        env=dict(os.environ, WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    prov = json.loads((tmp_path / "run" / "draft" / "config.json").read_text())[
+        "specscope_provenance"]
+    assert prov["processes"] == 2 and prov["steps"] == 8
