@@ -637,3 +637,21 @@ def test_data_parallel_self_prompts_are_sharded_and_read_back_in_order(tmp_path,
     seeds.clear()
     one = trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks())
     assert seeds == [4] and len(one) == 5 and (tmp_path / "self_prompts.jsonl").is_file()
+
+
+def test_max_answer_tokens_cuts_each_example_after_its_nth_assistant_token():
+    """--max-answer-tokens N keeps each example up to its N-th assistant token (all turns
+    counted together); shorter examples stay whole; runs without it keep their fingerprint."""
+    from specscope.train.config import fingerprint
+    from specscope.train.data import Example, cap_answer_tokens
+
+    ex = Example(ids=list(range(10)), mask=[False, False, True, True, False, True, True, True,
+                                            False, True])
+    assert cap_answer_tokens(ex, 3) == Example(ids=list(range(6)), mask=ex.mask[:6])
+    assert cap_answer_tokens(ex, 6) == ex and cap_answer_tokens(ex, 99) == ex
+    with pytest.raises(ValueError, match="max-answer-tokens"):
+        cap_answer_tokens(ex, 0)
+    base = TrainConfig(target=None, data=[], out="o")
+    capped = dataclasses.replace(base, max_answer_tokens=256)
+    assert fingerprint(base, 10) == "4fdfd8dfe6853cee"  # as before the option existed
+    assert fingerprint(capped, 10) != fingerprint(base, 10)

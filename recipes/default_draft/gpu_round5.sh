@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Round 5 of the default draft (docs/training.md): 40,000 more opener-seeded self-written
 # prompts (seed 3, the 99 openers of openers_round5.txt), answered, then a continuation of the
-# shipped draft (version 4) on everything answered so far: one cosine from lr 3e-4 to 0 over
+# shipped draft (version 4) on everything answered so far: one cosine from lr 3e-4 to 3e-5 over
 # MAX_STEPS steps, sized to the time budget, instead of round 4's cut cosine and separate
 # low-learning-rate finish (whose second read of the data took most of its 4.6 minutes).
 # Started by gpu_stage.sh once the target is on the machine; watch it with gpu_watch.sh.

@@ -7,7 +7,7 @@
 # - one: no new prompts (SELF_PROMPTS=0 by default); the whole budget trains version 5
 #   further on the five sets it was trained on, which tells whether rounds gain from more
 #   training or from more data.
-# Training: --init-from version 5 on every set answered so far, one cosine from lr 3e-4 to 0
+# Training: --init-from version 5 on every set answered so far, one cosine from lr 3e-4 to 3e-5
 # over MAX_STEPS (gpu_stage.sh sizes it from the measured step time), TTT attention as
 # benchmarks/ttt_step.py measured. Needs /tmp/smol.gguf and /tmp/site at start; the earlier
 # answers (/tmp/data/regen_{recipe,self,self2,self3,self4}.jsonl.gz) may arrive later.
@@ -23,7 +23,7 @@ TRAIN_MIN=${TRAIN_MIN:-15}
 MAX_STEPS=${MAX_STEPS:-5000}
 TTT_ATTENTION=${TTT_ATTENTION:-dense}
 S="-m specscope.cli train-draft --target /tmp/smol.gguf --cache-dir /tmp/sscache --max-len 1024 --batch-tokens 16384"
-echo "round 6: $GPUS GPU(s), $SELF_PROMPTS self prompts per GPU, $TRAIN_MIN min, $MAX_STEPS steps, $TTT_ATTENTION" > $R/plan
+echo "round 6: $GPUS GPU(s), $SELF_PROMPTS self prompts per GPU, $TRAIN_MIN min, $MAX_STEPS steps, $TTT_ATTENTION, max answer tokens ${MAX_ANSWER_TOKENS:-all}" > $R/plan
 date +%s > $R/t0
 date +%s > $R/t_regen1
 NEW=""
@@ -52,7 +52,9 @@ for f in self self2 self3 self4; do zcat /tmp/data/regen_$f.jsonl.gz > $R/$f/reg
 FILES="$R/regen/regenerated.jsonl"
 for f in self self2 self3 self4 $NEW; do FILES="$FILES $R/$f/regenerated.jsonl"; done
 if [ "$GPUS" -gt 1 ]; then L="python3 -m torch.distributed.run --nproc-per-node $GPUS"; else L=python3; fi
+# MAX_ANSWER_TOKENS=256 trains only where a 256-token answer drafts (docs/training.md)
 $L $S --data $FILES --no-regenerate --ttt-attention $TTT_ATTENTION \
+  ${MAX_ANSWER_TOKENS:+--max-answer-tokens $MAX_ANSWER_TOKENS} \
   --init-from /tmp/src_r6/specscope/drafts/smollm2_135m_instruct --out $R/train \
   --epochs 100 --max-steps $MAX_STEPS --lr 3e-4 --warmup-ratio 0.01 --eval-every 1000 \
   --save-every 1000 --budget-minutes $TRAIN_MIN > $R/train.log 2>&1

@@ -48,6 +48,7 @@ real = max(153.0 - (d - r[mode]['step_ms']), 80.0) / 1e3
 print(mode, int(($TRAIN_MIN * 60 - 90) / real))" || echo dense $(python3 -c "print(int(($TRAIN_MIN * 60 - 90) / 0.153))"))
     echo "round $ROUND on $GPUS GPU(s): --ttt-attention $MODE, MAX_STEPS $STEPS, TRAIN_MIN $TRAIN_MIN"
     (setsid nohup env TTT_ATTENTION=$MODE MAX_STEPS=$STEPS TRAIN_MIN=$TRAIN_MIN \
+      MAX_ANSWER_TOKENS=${MAX_ANSWER_TOKENS:-} \
       bash recipes/default_draft/gpu_round$ROUND.sh > /tmp/round.out 2>&1 < /dev/null &)
     sleep 20; cat /tmp/round.out; cat /tmp/round/plan 2>/dev/null || true
     ;;

@@ -30,6 +30,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         ttt_attention=args.ttt_attention, epochs=args.epochs,
         max_steps=args.max_steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
         grad_clip=args.grad_clip, batch_tokens=args.batch_tokens, max_len=args.max_len,
+        max_answer_tokens=args.max_answer_tokens,
         eval_fraction=args.eval_fraction, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed, regenerate=args.regenerate,
         regen_temperature=args.regen_temperature,
@@ -267,6 +268,9 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--batch-tokens", type=int, default=None,
                    help="padded tokens per batch (default: 2048 CPU, 32768/8192 CUDA)")
     t.add_argument("--max-len", type=int, default=2048, help="tokens per conversation")
+    t.add_argument("--max-answer-tokens", type=int, default=None, metavar="N",
+                   help="cut each example after N assistant tokens, to train where an engine "
+                        "serving answers of about N tokens drafts (default: keep all)")
     t.add_argument("--eval-fraction", type=float, default=0.02)
     t.add_argument("--eval-every", type=int, default=200)
     t.add_argument("--save-every", type=int, default=500)

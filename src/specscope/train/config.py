@@ -34,6 +34,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     batch_tokens: int | None = None
     max_len: int = 2048
+    max_answer_tokens: int | None = None  # cut each example after this many assistant tokens
     eval_fraction: float = 0.02
     max_eval: int = 256
     eval_every: int = 200
@@ -86,4 +87,6 @@ def fingerprint(cfg: TrainConfig, n_examples: int) -> str:
                ttt=cfg.ttt_length, num_layers=cfg.num_layers, epochs=cfg.epochs,
                max_steps=cfg.max_steps, eval_fraction=cfg.eval_fraction, lr=cfg.lr,
                regenerate=cfg.regenerate)
+    if cfg.max_answer_tokens is not None:  # only when set: older runs keep their fingerprint
+        key["max_answer_tokens"] = cfg.max_answer_tokens
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -156,6 +156,20 @@ def tokenize_conversations(hf_tok: Any, convs: list[Messages], max_len: int | No
     return out
 
 
+def cap_answer_tokens(ex: Example, n: int) -> Example:
+    """The example cut after its n-th assistant token (all assistant turns counted together).
+    An engine that serves answers of about n tokens meets only their first n; training on
+    the rest spends steps where it never drafts."""
+    if n < 1:
+        raise ValueError(f"--max-answer-tokens must be >= 1, got {n}")
+    seen = 0
+    for t, m in enumerate(ex.mask):
+        seen += m
+        if seen == n:
+            return Example(ids=ex.ids[:t + 1], mask=ex.mask[:t + 1])
+    return ex
+
+
 def token_counts(examples: list[Example], vocab_size: int, chunk: int = 4096) -> torch.Tensor:
     """How often each target id appears as an assistant token. [V] int64"""
     counts = torch.zeros(vocab_size, dtype=torch.int64)

@@ -51,6 +51,7 @@ from specscope.train.checkpoint import (
 from specscope.train.config import TrainConfig
 from specscope.train.config import fingerprint as run_fingerprint
 from specscope.train.data import (
+    cap_answer_tokens,
     read_conversations,
     split_examples,
     token_batches,
@@ -264,6 +265,8 @@ def _train_draft(cfg: TrainConfig, ranks: Ranks) -> Path:
     if cfg.regenerate:
         convs = _regenerate(target, tokenizer, convs, cfg, out, ranks)
     examples = tokenize_conversations(tokenizer.hf, convs, cfg.max_len)
+    if cfg.max_answer_tokens is not None:  # before the split: held out the same way
+        examples = [cap_answer_tokens(e, cfg.max_answer_tokens) for e in examples]
     examples = [e for e in examples if len(e.ids) >= 3 and any(e.mask[2:])]
     if not examples:
         raise ValueError("no training example has assistant tokens to learn from (are the "
@@ -481,7 +484,8 @@ def _train_draft(cfg: TrainConfig, ranks: Ranks) -> Path:
         "steps": step, "epochs_completed": epoch, "stopped": stopped,
         "ttt_length": cfg.ttt_length, "ttt_attention": cfg.ttt_attention, "lr": cfg.lr,
         "warmup_ratio": cfg.warmup_ratio, "batch_tokens": cfg.batch_tokens,
-        "processes": ranks.world, "init_from": Path(cfg.init_from).name if cfg.init_from else None,
+        "processes": ranks.world, "max_answer_tokens": cfg.max_answer_tokens,
+        "init_from": Path(cfg.init_from).name if cfg.init_from else None,
         "heldout": final_eval,
     }
     export_dtype = getattr(torch, cfg.export_dtype)
