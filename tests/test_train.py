@@ -603,7 +603,7 @@ def test_data_parallel_training_over_two_processes(tiny_run, tmp_path):
 def test_data_parallel_self_prompts_are_sharded_and_read_back_in_order(tmp_path, monkeypatch):
     """Each rank writes its share of --self-prompts with its own seed into its own file; every
     rank reads all shares back in rank order, without duplicates."""
-    from specscope.train import trainer
+    from specscope.train import corpus
     from specscope.train.parallel import Ranks
 
     seeds = []
@@ -619,23 +619,23 @@ def test_data_parallel_self_prompts_are_sharded_and_read_back_in_order(tmp_path,
     def waits(ranks):  # rank 1 reaches the barrier before rank 0 has written
         raise Waiting
 
-    monkeypatch.setattr(trainer, "self_prompts", fake)
-    monkeypatch.setattr(trainer, "barrier", waits)
+    monkeypatch.setattr(corpus, "self_prompts", fake)
+    monkeypatch.setattr(corpus, "barrier", waits)
     cfg = TrainConfig(target=None, data=[], out=str(tmp_path), self_prompts=5, seed=4,
                       progress=False)
     with pytest.raises(Waiting):
-        trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks(1, 2, 1))
-    monkeypatch.setattr(trainer, "barrier", lambda ranks: None)
-    got = trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks(0, 2, 0))
+        corpus.run_self_prompts(None, None, cfg, tmp_path, None, Ranks(1, 2, 1))
+    monkeypatch.setattr(corpus, "barrier", lambda ranks: None)
+    got = corpus.run_self_prompts(None, None, cfg, tmp_path, None, Ranks(0, 2, 0))
     assert seeds == [4 + 100_003, 4]
     assert (tmp_path / "self_prompts.rank1-of-2.jsonl").is_file()
     # rank 0's 3 requests, then rank 1's 2 less the repeat; rank 1 reads the same
     assert got == ["request 0", "request 1", "request 2", "request 3"]
-    assert trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks(1, 2, 1)) == got
+    assert corpus.run_self_prompts(None, None, cfg, tmp_path, None, Ranks(1, 2, 1)) == got
     assert len(seeds) == 2  # its share was read back, not written again
     # one process: the old file name and the run's own seed
     seeds.clear()
-    one = trainer._all_self_prompts(None, None, cfg, tmp_path, None, Ranks())
+    one = corpus.run_self_prompts(None, None, cfg, tmp_path, None, Ranks())
     assert seeds == [4] and len(one) == 5 and (tmp_path / "self_prompts.jsonl").is_file()
 
 

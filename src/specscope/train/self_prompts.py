@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specscope.bench.datasets import jsonl_objects
 from specscope.config import SamplingParams
 from specscope.models.llama import CausalLM
 from specscope.sampling import make_generator
@@ -120,6 +121,12 @@ def write_prompts(path: Path, prompts: list[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The prompts of a write_prompts file, in order."""
+    return [row["prompt"] for _, row in jsonl_objects(path.read_text(encoding="utf-8"),
+                                                      str(path))]
 
 
 def read_openers(path: str | None) -> list[str] | None:
