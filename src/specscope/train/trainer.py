@@ -157,6 +157,8 @@ def _train_draft(cfg: TrainConfig, ranks: Ranks) -> Path:
     if cfg.ttt_length < 1:
         raise ValueError(f"--ttt-length must be >= 1, got {cfg.ttt_length}")
     check_attention(cfg.ttt_attention)  # before the (slow) model load
+    if cfg.max_answer_tokens is not None and cfg.max_answer_tokens < 1:
+        raise ValueError(f"--max-answer-tokens must be >= 1, got {cfg.max_answer_tokens}")
     t_start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -294,9 +296,10 @@ def _train_draft(cfg: TrainConfig, ranks: Ranks) -> Path:
     tap_cache = None
     if cfg.tap_cache:
         size = TapCache.estimate_bytes(n_tokens, len(layer_ids), tcfg.hidden_size)
-        print(f"train-draft: the tap cache in {cfg.tap_cache} will take about "
-              f"{size / 1e9:.2f} GB ({n_tokens} tokens x {len(layer_ids) + 1} x "
-              f"{tcfg.hidden_size} bf16)", file=sys.stderr)
+        if ranks.main:  # the ranks share one cache (per-example files, atomic renames)
+            print(f"train-draft: the tap cache in {cfg.tap_cache} will take about "
+                  f"{size / 1e9:.2f} GB ({n_tokens} tokens x {len(layer_ids) + 1} x "
+                  f"{tcfg.hidden_size} bf16)", file=sys.stderr)
         tap_cache = TapCache(cfg.tap_cache, fingerprint)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     bar = _progress(total, step, cfg.progress and ranks.main)
