@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from specscope.engine.tokenizer import Tokenizer
 from specscope.models.llama import CausalLM
@@ -44,16 +43,20 @@ def _rank_file(out: Path, stem: str, ranks: Ranks, rank: int | None = None) -> P
     return out / f"{stem}.rank{ranks.rank if rank is None else rank}-of-{ranks.world}.jsonl"
 
 
+def _rank_seed(cfg: TrainConfig, ranks: Ranks) -> int:
+    """The run's seed for rank 0 (and one process), a distinct one for every other rank."""
+    return cfg.seed + 100_003 * ranks.rank
+
+
 def run_self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, out: Path,
                      openers: list[str] | None, ranks: Ranks) -> list[str]:
     """The run's self-written prompts. Data-parallel, each rank writes its share (its own
     seed and file) and all ranks read every share back, in rank order, without duplicates."""
+    mine = _self_prompts_file(target, tokenizer, cfg, _rank_file(out, "self_prompts", ranks),
+                              openers, len(shard(cfg.self_prompts, ranks)),
+                              _rank_seed(cfg, ranks))
     if not ranks.active:
-        return _self_prompts_file(target, tokenizer, cfg, out / "self_prompts.jsonl", openers,
-                             cfg.self_prompts, cfg.seed)
-    n = len(shard(cfg.self_prompts, ranks))
-    _self_prompts_file(target, tokenizer, cfg, _rank_file(out, "self_prompts", ranks), openers, n,
-                  cfg.seed + 100_003 * ranks.rank)
+        return mine
     barrier(ranks)
     seen: set[str] = set()
     prompts = []
@@ -71,15 +74,14 @@ def run_regenerate(target: CausalLM, tokenizer: Tokenizer, convs: list, cfg: Tra
     """The conversations answered by the target. Data-parallel, rank r answers conversations
     r, r + world, … into its own resumable file; all ranks then read every file back and
     restore the input order, so each sees the same data."""
-    kw: dict[str, Any] = dict(
-        batch_size=cfg.regen_batch_size, max_new_tokens=cfg.regen_max_new_tokens,
-        temperature=cfg.regen_temperature, top_p=cfg.regen_top_p, seed=cfg.seed,
-        max_prompt_len=cfg.max_len, progress=cfg.progress)
+    mine = regenerate(target, tokenizer, [convs[i] for i in shard(len(convs), ranks)],
+                      _rank_file(out, "regenerated", ranks), batch_size=cfg.regen_batch_size,
+                      max_new_tokens=cfg.regen_max_new_tokens,
+                      temperature=cfg.regen_temperature, top_p=cfg.regen_top_p,
+                      seed=_rank_seed(cfg, ranks), max_prompt_len=cfg.max_len,
+                      progress=cfg.progress)
     if not ranks.active:
-        return regenerate(target, tokenizer, convs, out / "regenerated.jsonl", **kw)
-    mine = [convs[i] for i in shard(len(convs), ranks)]
-    kw["seed"] = cfg.seed + 100_003 * ranks.rank
-    regenerate(target, tokenizer, mine, _rank_file(out, "regenerated", ranks), **kw)
+        return mine
     barrier(ranks)
     done = [read_regenerated(_rank_file(out, "regenerated", ranks, r))
             for r in range(ranks.world)]
