@@ -9,7 +9,7 @@ R=/tmp/round
 end=$(( $(date +%s) + ${1:-540} ))
 while [ "$(date +%s)" -lt $end ] && [ ! -f $R/DONE ]; do sleep 15; done
 for f in $R/t0 $R/t_regen1 $R/t_regen2 $R/t_train; do [ -f $f ] && echo "$f $(cat $f)"; done
-for f in $R/plan $R/regen.log $R/self.log $R/self5.log $R/self6.log $R/train.log $R/train2.log; do
+for f in $R/plan $R/regen.log $R/self.log $R/self5.log $R/self6.log $R/train_ddp.log $R/train.log $R/train2.log; do
   [ -f $f ] && { echo "== $f"; tr '\r' '\n' < $f | grep -v '^$' | tail -n 12; }
 done
 if [ -f $R/t_regen2 ] && [ ! -f $R/data_sent ]; then  # once: the round's new answers
