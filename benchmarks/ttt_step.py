@@ -71,18 +71,21 @@ def main() -> None:
         return [args.seq if args.fixed_length else
                 max(8, args.seq - i * max(1, args.seq // 32) - k) for i in range(n_iter)]
 
-    def batches_for(lengths: list[int]) -> list[list[Example]]:
+    def batches_for(lengths: list[int], gen: torch.Generator = g) -> list[list[Example]]:
         batches = []
         for n in lengths:
             examples = []
             for _ in range(B):
-                ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+                ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
                 cut = n // 8  # a prompt, then the answer the loss is on
                 examples.append(Example(ids=ids, mask=[False] * cut + [True] * (n - cut)))
             batches.append(examples)
         return batches
 
     draft_ids = torch.randperm(cfg.vocab_size, generator=g)[:args.draft_vocab].sort().values
+    # One batch every mode scores before its first step, with the same weights: the modes must
+    # agree on its loss. Its length is none of the timed ones, so it warms none of their shapes.
+    check = batches_for([max(8, args.seq // 2 + 1)], torch.Generator().manual_seed(1))[0]
     results = {}
     for k, mode in enumerate(args.modes.split(",")):
         lengths = lengths_for(k)
@@ -98,6 +101,9 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
         parts = {"target": 0.0, "ttt": 0.0, "optimizer": 0.0}
+        with torch.no_grad(), autocast:
+            check_loss = float(ttt_loss(draft, target_batch(target, check, draft_ids.to(dev), dev),
+                                        args.ttt_length, attention=mode)[0])
 
         def now() -> float:
             if cuda:
@@ -127,7 +133,8 @@ def main() -> None:
         results[mode] = {"step_ms": round(step, 2), **{k: round(v, 2) for k, v in parts.items()},
                          "tokens_per_s": round(tokens / step * 1e3),
                          "peak_gib": round(peak, 2) if peak is not None else None,
-                         "loss": round(float(loss.detach()), 4)}
+                         "loss": round(float(loss.detach()), 4),
+                         "check_loss": round(check_loss, 4)}
         print(f"{mode:6s} step {step:8.2f} ms  (target {parts['target']:.2f}, TTT fwd+bwd "
               f"{parts['ttt']:.2f}, optimizer {parts['optimizer']:.2f})  "
               f"{tokens / step * 1e3:,.0f} tokens/s"
