@@ -38,7 +38,9 @@ case "$1" in
     elif [ "$GPUS" -gt 1 ]; then TRAIN_MIN=${TRAIN_MIN:-16}  # after 7 min of regeneration
     else TRAIN_MIN=${TRAIN_MIN:-24}; fi  # one GPU: no regeneration, the budget trains
     # Round 5's dense run took 0.153 s per real step (evaluations included) after about 90 s
-    # of loading; a faster mode scales that by its measured ratio to dense.
+    # of loading; a faster mode scales that by its measured ratio to dense. Round 6 planned
+    # 0.103 s from a benchmark whose modes shared their lengths (sdpa, second, found the
+    # target's shapes warm) and ran 0.145 s; ttt_step.py now gives each mode its own.
     read -r MODE STEPS < <(python3 -c "
 import json
 r = json.load(open('/tmp/ttt.json'))['results']
