@@ -533,7 +533,7 @@ def test_ttt_step_benchmark_runs(tmp_path):
 def test_provenance_names_data_files_by_their_shortest_distinct_path():
     """Rounds of regeneration all write regenerated.jsonl: the provenance block tells them
     apart by the shortest trailing path, without publishing whole directories."""
-    from specscope.train.trainer import short_names
+    from specscope.train.provenance import short_names
 
     assert short_names(["/a/x/gsm8k.jsonl", "/b/y/chat.jsonl"]) == ["gsm8k.jsonl", "chat.jsonl"]
     assert short_names(["/r/regen/regenerated.jsonl", "/r/self4/regenerated.jsonl"]) == [

@@ -26,9 +26,7 @@ from typing import Any
 
 import torch
 
-from specscope import __version__
 from specscope.draft.eagle3 import (
-    OUTPUT_OF_LAYER,
     DraftConfig,
     Eagle3Draft,
     default_layer_ids,
@@ -70,6 +68,7 @@ from specscope.train.parallel import (
     start,
     stop,
 )
+from specscope.train.provenance import build_provenance
 from specscope.train.self_prompts import read_openers
 from specscope.train.tap_cache import TapCache, target_batch
 from specscope.train.ttt import (
@@ -79,19 +78,6 @@ from specscope.train.ttt import (
 )
 
 log = logging.getLogger("specscope.train")
-TRAINER_VERSION = f"specscope-train-draft {__version__}"
-
-
-def short_names(paths: list[str]) -> list[str]:
-    """Each data file by its shortest trailing path that tells it from the others, for the
-    provenance block: rounds of regeneration all write `regenerated.jsonl`, so bare names say
-    nothing, and whole paths would publish the trainer's directories."""
-    parts = [Path(p).parts for p in paths]
-    for k in range(1, max((len(q) for q in parts), default=1) + 1):
-        names = [str(Path(*q[-k:])) if q else "" for q in parts]
-        if len(set(names)) == len(names):
-            return names
-    return [str(Path(p)) for p in paths]  # the same file twice: as given
 
 
 def new_draft(target: CausalLM, layer_ids: tuple[int, ...], vocab_ids: torch.Tensor,
@@ -394,28 +380,11 @@ def _train_draft(cfg: TrainConfig, ranks: Ranks) -> Path:
              "(engine walk; formula %s)", stopped, step, total,
              final_eval.get("acceptance_by_position"), final_eval.get("walk_accept_length"),
              final_eval.get("predicted_accept_length"))
-    provenance = {
-        "trainer": TRAINER_VERSION,
-        "target": loaded.source,
-        "target_architecture": tcfg.architecture,
-        "target_num_layers": tcfg.num_layers,
-        "target_hidden_size": tcfg.hidden_size,
-        "target_vocab_size": tcfg.vocab_size,
-        "aux_layer_ids": list(layer_ids),
-        "aux_layer_ids_convention": OUTPUT_OF_LAYER,
-        "draft_vocab_size": draft.config.draft_vocab_size,
-        "draft_vocab_coverage": round(coverage, 4),
-        "data": short_names(cfg.data),
-        "regenerated": cfg.regenerate,
-        "regen_temperature": cfg.regen_temperature if cfg.regenerate else None,
-        "train_examples": len(train), "train_tokens": n_tokens,
-        "steps": step, "epochs_completed": epoch, "stopped": stopped,
-        "ttt_length": cfg.ttt_length, "ttt_attention": cfg.ttt_attention, "lr": cfg.lr,
-        "warmup_ratio": cfg.warmup_ratio, "batch_tokens": cfg.batch_tokens,
-        "processes": ranks.world, "max_answer_tokens": cfg.max_answer_tokens,
-        "init_from": Path(cfg.init_from).name if cfg.init_from else None,
-        "heldout": final_eval,
-    }
+    provenance = build_provenance(
+        cfg, target_source=loaded.source, target_config=tcfg, layer_ids=layer_ids,
+        draft_vocab_size=draft.config.draft_vocab_size, coverage=coverage,
+        train_examples=len(train), train_tokens=n_tokens, steps=step, epochs=epoch,
+        stopped=stopped, processes=ranks.world, heldout=final_eval)
     export_dtype = getattr(torch, cfg.export_dtype)
     exported = None
     for fmt in cfg.export_formats:
