@@ -61,14 +61,15 @@ $L $S --data $FILES --no-regenerate --ttt-attention $TTT_ATTENTION \
 rc=$?
 if [ $rc -ne 0 ] && [ "$GPUS" -gt 1 ] && [ ! -f $R/train/draft/model.safetensors ]; then
   # data-parallel training failed (it had never run on GPUs before this round): train on one
-  # GPU for what is left of the budget, so the round still yields a draft
+  # GPU for what is left of the budget (its cosine sized at round 5's 0.153 s per dense
+  # step, after about 90 s of loading), so the round still yields a draft
   left=$(python3 -c "import time; print(max(3.0, $TRAIN_MIN - (time.time() - $(cat $R/t_regen2)) / 60))")
   echo "torchrun failed (rc $rc); one GPU for $left min" >> $R/plan
   mv $R/train.log $R/train_ddp.log; rm -rf $R/train
   python3 $S --data $FILES --no-regenerate --ttt-attention $TTT_ATTENTION \
     ${MAX_ANSWER_TOKENS:+--max-answer-tokens $MAX_ANSWER_TOKENS} \
     --init-from /tmp/src_r6/specscope/drafts/smollm2_135m_instruct --out $R/train \
-    --epochs 100 --max-steps $((MAX_STEPS * 2 / 3)) --lr 3e-4 --warmup-ratio 0.01 --eval-every 1000 \
+    --epochs 100 --max-steps $(python3 -c "print(int(($left * 60 - 90) / 0.153))") --lr 3e-4 --warmup-ratio 0.01 --eval-every 1000 \
     --save-every 1000 --budget-minutes $left > $R/train.log 2>&1
 fi
 date +%s > $R/t_train

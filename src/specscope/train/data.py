@@ -156,12 +156,18 @@ def tokenize_conversations(hf_tok: Any, convs: list[Messages], max_len: int | No
     return out
 
 
+def check_answer_cap(n: int) -> int:
+    """`n` if it is a valid --max-answer-tokens, else a ValueError saying so."""
+    if n < 1:
+        raise ValueError(f"--max-answer-tokens must be >= 1, got {n}")
+    return n
+
+
 def cap_answer_tokens(ex: Example, n: int) -> Example:
     """The example cut after its n-th assistant token (all assistant turns counted together).
     An engine that serves answers of about n tokens meets only their first n; training on
     the rest spends steps where it never drafts."""
-    if n < 1:
-        raise ValueError(f"--max-answer-tokens must be >= 1, got {n}")
+    check_answer_cap(n)
     seen = 0
     for t, m in enumerate(ex.mask):
         seen += m

@@ -50,6 +50,7 @@ from specscope.train.config import fingerprint as run_fingerprint
 from specscope.train.corpus import run_regenerate, run_self_prompts
 from specscope.train.data import (
     cap_answer_tokens,
+    check_answer_cap,
     read_conversations,
     split_examples,
     token_batches,
@@ -143,8 +144,8 @@ def _train_draft(cfg: TrainConfig, ranks: Ranks) -> Path:
     if cfg.ttt_length < 1:
         raise ValueError(f"--ttt-length must be >= 1, got {cfg.ttt_length}")
     check_attention(cfg.ttt_attention)  # before the (slow) model load
-    if cfg.max_answer_tokens is not None and cfg.max_answer_tokens < 1:
-        raise ValueError(f"--max-answer-tokens must be >= 1, got {cfg.max_answer_tokens}")
+    if cfg.max_answer_tokens is not None:
+        check_answer_cap(cfg.max_answer_tokens)  # before the (slow) model load
     t_start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

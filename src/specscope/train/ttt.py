@@ -35,6 +35,7 @@ ATTENTION = ("dense", "sdpa")
 # with every batch. Round 5 on the H200 ran 0.55 s per step with it (GPU 6 % busy, the host
 # inside SDPA forward and backward) against 0.15 s dense, though a fixed-shape benchmark ran
 # it faster than dense; benchmarks/ttt_step.py now varies the length per step to see this.
+# So pinned, round 6 trained with sdpa at 0.145 s per step per GPU (docs/training.md).
 SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
