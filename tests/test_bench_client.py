@@ -15,6 +15,7 @@ pytest.importorskip("httpx")
 
 
 from specscope.bench.client import compare, format_table, main_bench, run_bench  # noqa: E402
+from specscope.config import ServerConfig  # noqa: E402
 from specscope.engine.llm import LLM  # noqa: E402
 from specscope.server import create_app  # noqa: E402
 from specscope.server.background import BackgroundServer  # noqa: E402
@@ -26,7 +27,7 @@ PROMPTS = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir):
     running = BackgroundServer(create_app(LLM(str(tiny_model_dir), dtype="fp32", device="cpu"),
-                                 served_model_name="tiny"))
+                                          ServerConfig(served_model_name="tiny")))
     yield running
     running.stop()
 
@@ -62,7 +63,7 @@ def test_accept_length_from_spec_server(tiny_model_dir):
 
     spec_llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
                    spec=SpecConfig(draft="random", num_steps=3))
-    running = BackgroundServer(create_app(spec_llm, served_model_name="tiny"))
+    running = BackgroundServer(create_app(spec_llm, ServerConfig(served_model_name="tiny")))
     try:
         res = asyncio.run(run_bench(running.url, model="tiny", prompts=PROMPTS[:3],
                                     concurrency=2, max_tokens=8, progress=False))

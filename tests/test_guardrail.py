@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from specscope.config import SamplingParams, SpecConfig
+from specscope.config import SamplingParams, ServerConfig, SpecConfig
 from specscope.engine.request import RequestMetrics, RequestOutput
 from specscope.server.guardrail import OK, SLOWER, WARMING_UP, GoodputWindow, Guardrail
 
@@ -157,10 +157,12 @@ def test_server_guardrail_with_an_unbeatable_plain_prediction(spec_llm, plain_re
 
     spec = spec_llm.spec
     g = Guardrail(1e9, "injected", mode=mode, window_tokens=40, min_requests=3)
-    srv = BackgroundServer(create_app(spec_llm, served_model_name="x", guardrail=g))
+    admin = ServerConfig(served_model_name="x", api_keys=("k",), enable_admin=True)
+    srv = BackgroundServer(create_app(spec_llm, admin, guardrail=g))
     prompts = ["The quick brown fox", "Once upon a time", "In the beginning", "Hello there"]
     try:
-        with httpx.Client(base_url=srv.url, timeout=60) as c, \
+        with httpx.Client(base_url=srv.url, timeout=60,
+                          headers={"Authorization": "Bearer k"}) as c, \
                 caplog.at_level(logging.WARNING, logger="specscope.server.guardrail"):
             assert c.get("/admin/guardrail").json()["verdict"] == WARMING_UP
             for i, p in enumerate(prompts):
@@ -238,7 +240,8 @@ def test_serve_auto_tune_end_to_end(tiny_model_dir, tmp_path, plain_ref, monkeyp
         seen["tuned"] = app.state.llm.spec  # set before any request could arrive
         srv = BackgroundServer(app)
         try:
-            with httpx.Client(base_url=srv.url, timeout=60) as c:
+            with httpx.Client(base_url=srv.url, timeout=60,
+                              headers={"Authorization": "Bearer k"}) as c:
                 seen["guardrail"] = c.get("/admin/guardrail").json()
                 out = c.post("/v1/completions", json={
                     "model": "x", "prompt": "Hello there", "max_tokens": 24,
@@ -253,6 +256,7 @@ def test_serve_auto_tune_end_to_end(tiny_model_dir, tmp_path, plain_ref, monkeyp
     monkeypatch.setattr("specscope.server.serve.serve", serve)
     assert main(["serve", str(tiny_model_dir), "--dtype", "fp32", "--device", "cpu",
                  "--served-model-name", "x", "--draft", str(d), "--auto-tune",
+                 "--enable-admin", "--api-key", "k",
                  "--auto-tune-prompts", "1", "--auto-tune-max-tokens", "16",
                  "--auto-tune-budget-seconds", "1", "--guardrail", "off-when-slower"]) == 0
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 
-from specscope.config import SamplingParams  # noqa: E402
+from specscope.config import SamplingParams, ServerConfig  # noqa: E402
 from specscope.engine.llm import LLM  # noqa: E402
 from specscope.server import create_app  # noqa: E402
 from specscope.server.background import BackgroundServer  # noqa: E402
@@ -43,7 +43,7 @@ def llm(tiny_model_dir) -> LLM:
 
 @pytest.fixture(scope="module")
 def srv(llm):
-    running = Running(create_app(llm, served_model_name=NAME))
+    running = Running(create_app(llm, ServerConfig(served_model_name=NAME)))
     yield running
     running.stop()
 
@@ -244,6 +244,30 @@ BAD = [
     ("cmpl", {"model": NAME, "prompt": 42}, 400, "prompt"),
     ("cmpl", {"model": NAME, "prompt": "word " * 400}, 400, "prompt"),
     ("cmpl", {"model": NAME, "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    # Found by a hostile-client pass (issue 17): each was a 200, a misleading message or a
+    # crash in the tokenizer.
+    ("chat", {"model": NAME, "messages": MSG, "stop": ""}, 400, "stop"),
+    ("chat", {"model": NAME, "messages": MSG, "stream": 1}, 400, "stream"),
+    ("chat", {"model": NAME, "messages": MSG, "stream": "yes"}, 400, "stream"),
+    ("chat", {"model": NAME, "messages": MSG, "ignore_eos": "x"}, 400, "ignore_eos"),
+    ("chat", {"model": NAME, "messages": MSG, "stream": True,
+              "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
+    ("chat", {"model": NAME, "messages": MSG, "stop": ["x"] * 17}, 400, "stop"),
+    ("chat", {"model": NAME, "messages": MSG, "stop": ["x" * 257]}, 400, "stop"),
+    ("chat", {"model": NAME, "messages": MSG, "n": 10**6}, 400, "n"),
+    ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+             '"temperature": NaN}', 400, None),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+     "messages[0].content"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+     400, "messages[0].content"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400,
+     "messages"),
+    ("cmpl", {"model": NAME, "prompt": "a\udc00"}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": "x", "stop": ""}, 400, "stop"),
+    ("cmpl", {"model": NAME, "prompt": "x" * 300_000}, 400, "prompt"),
 ]
 
 
@@ -265,6 +289,10 @@ def test_bad_input(srv, endpoint, body, status, param):
         assert err["code"] == "model_not_found"
     if isinstance(body, dict) and body.get("n") == 2:
         assert "n > 1 is not supported" in err["message"]
+    if "image_url" in content:
+        assert "images" in err["message"] and "not supported" in err["message"]
+    if "stop" in content and err["param"] == "stop":
+        assert "(" not in err["message"].split(":", 1)[-1][:3], err  # no Python tuple
 
 
 # -- concurrency, disconnects, back-pressure -----------------------------------------------
@@ -367,7 +395,7 @@ def test_speculative_usage_has_spec(tiny_model_dir, llm):
 
     spec_llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
                    spec=SpecConfig(draft="random", num_steps=3))
-    spec_srv = Running(create_app(spec_llm, served_model_name=NAME))
+    spec_srv = Running(create_app(spec_llm, ServerConfig(served_model_name=NAME)))
     try:
         prompt = "Speculate about the weather."
         want = ref(llm, prompt, 20, chat=True)  # plain greedy: the speculative output equals it
@@ -390,7 +418,7 @@ def test_speculative_usage_has_spec(tiny_model_dir, llm):
 def test_queue_full_gives_503(llm, monkeypatch):
     produced: list = []
     slow_stream(monkeypatch, llm, 0.02, produced)
-    small = Running(create_app(llm, served_model_name=NAME, max_queue=0))
+    small = Running(create_app(llm, ServerConfig(served_model_name=NAME, max_queue=0)))
     try:
         body = {"model": NAME, "prompt": "Count:", "max_tokens": 100, "ignore_eos": True,
                 "temperature": 0, "stream": True}
@@ -479,7 +507,7 @@ def test_shutdown_stops_running_and_refuses_queued(llm, monkeypatch):
     queued request gets 503 (never started), and new requests get 503."""
     produced: list = []
     slow_stream(monkeypatch, llm, 0.02, produced)
-    closing = Running(create_app(llm, served_model_name=NAME))
+    closing = Running(create_app(llm, ServerConfig(served_model_name=NAME)))
     try:
         body = {"model": NAME, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True,
                 "temperature": 0, "stream": True}
@@ -582,3 +610,203 @@ def test_sigterm_mid_stream_shuts_down_cleanly(long_tiny_dir, tmp_path, grace):
     out = log.read()
     assert "Traceback" not in out and "ERROR" not in out, out
     assert "shutting down: 1 request(s) in flight" in out, out
+
+
+# -- limits, access rules, the guard (issue 17) -------------------------------------------
+
+
+def _post(url: str, path: str, body, **headers) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{url}{path}", content=content, timeout=30,
+                      headers={"content-type": "application/json", **headers})
+
+
+def _error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_body_limits_and_content_type(llm):
+    """413 past --max-request-bytes (by Content-Length, and for a chunked body while it
+    arrives); 415 for a POST that is not application/json (a browser's cross-site simple
+    request); HEAD /health; /docs and /openapi.json off by default."""
+    small = Running(create_app(llm, ServerConfig(served_model_name=NAME,
+                                                 max_request_bytes=4096)))
+    try:
+        big = {"model": NAME, "prompt": "x" * 5000, "max_tokens": 1}
+        _error(_post(small.url, "/v1/completions", big), 413, "request_too_large")
+
+        def chunks():
+            for _ in range(10):
+                yield b"x" * 1000
+
+        r = httpx.post(f"{small.url}/v1/completions", content=chunks(), timeout=30,
+                       headers={"content-type": "application/json"})
+        _error(r, 413, "request_too_large")
+        ok = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", ""):
+            r = httpx.post(f"{small.url}/v1/completions", content=json.dumps(ok), timeout=30,
+                           headers={"content-type": ctype})
+            _error(r, 415, "unsupported_media_type")
+        assert _post(small.url, "/v1/completions", ok,
+                     **{"content-type": "application/json; charset=utf-8"}).status_code == 200
+        assert httpx.head(f"{small.url}/health").status_code == 200
+        for path in ("/docs", "/openapi.json", "/redoc"):
+            _error(httpx.get(f"{small.url}{path}"), 404)
+        _error(httpx.get(f"{small.url}/admin/spec"), 404, "admin_disabled")
+        _error(_post(small.url, "/admin/spec", {"num_steps": 3}), 404, "admin_disabled")
+    finally:
+        small.stop()
+
+
+def test_api_key_and_allowed_hosts(llm):
+    """With --api-key every route but /health needs the key (401 otherwise); admin routes
+    with --enable-admin need it too; a Host not in --allowed-hosts is refused (DNS
+    rebinding); /docs comes back with --enable-docs."""
+    cfg = ServerConfig(served_model_name=NAME, api_keys=("s3cret", "other"), enable_admin=True,
+                       allowed_hosts=("127.0.0.1", "localhost"), enable_docs=True)
+    guarded = Running(create_app(llm, cfg))
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+    try:
+        url = guarded.url
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "s3cret"},
+                        {"authorization": "Basic s3cret"}, {"authorization": "Bearer"}):
+            for method, path in (("GET", "/v1/models"), ("GET", "/metrics"),
+                                 ("POST", "/v1/completions"), ("GET", "/admin/spec"),
+                                 ("POST", "/admin/spec"), ("GET", "/profile"),
+                                 ("GET", "/openapi.json")):
+                r = httpx.request(method, f"{url}{path}", json=body, headers=headers)
+                err = _error(r, 401, "invalid_api_key")
+                assert err["type"] == "authentication_error"
+        for key in ("s3cret", "other"):
+            auth = {"authorization": f"Bearer {key}"}
+            assert _post(url, "/v1/completions", body, **auth).status_code == 200
+            assert httpx.get(f"{url}/admin/spec", headers=auth).status_code == 200
+            assert httpx.get(f"{url}/openapi.json", headers=auth).status_code == 200
+        auth = {"authorization": "Bearer s3cret"}
+        r = _post(url, "/v1/completions", body, host="evil.example", **auth)
+        _error(r, 400, "invalid_host")
+        assert _post(url, "/v1/completions", body, host="localhost:8000",
+                     **auth).status_code == 200
+        r = httpx.post(f"{url}/admin/spec", content='{"num_steps": 2}', headers={
+            **auth, "content-type": "text/plain", "origin": "http://evil.example"})
+        _error(r, 415)
+    finally:
+        guarded.stop()
+
+
+def test_enable_admin_needs_a_key():
+    with pytest.raises(ValueError, match="API key"):
+        ServerConfig(enable_admin=True)
+
+
+def test_slow_body_times_out_and_leaves_the_server_free(llm):
+    """A client that promises a body and stalls gets 408 after --request-read-timeout (it
+    held its connection forever); one that leaves mid-body is dropped without a traceback;
+    meanwhile /health answers at once."""
+    srv = Running(create_app(llm, ServerConfig(served_model_name=NAME,
+                                               request_read_timeout=0.5)))
+    try:
+        socks = []
+        for stall in (True, False):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"mod")
+            socks.append((s, stall))
+        t0 = time.perf_counter()
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+        assert time.perf_counter() - t0 < 1.0
+        socks[1][0].close()  # leaves mid-body
+        s = socks[0][0]
+        s.settimeout(10)
+        reply = s.recv(65536).decode()
+        s.close()
+        assert reply.startswith("HTTP/1.1 408"), reply
+        assert '"request_timeout"' in reply
+    finally:
+        srv.stop()
+
+
+def test_long_prompt_refused_before_tokenization(llm, monkeypatch):
+    """A prompt too long to fit whatever its tokens are is refused from its length, without
+    being tokenized; tokenization of what is tokenized runs off the event loop."""
+    srv = Running(create_app(llm, ServerConfig(served_model_name=NAME)))
+    calls: list[int] = []
+    orig = llm.encode_prompt
+
+    def encode(prompt, chat=False):
+        calls.append(threading.get_ident())
+        return orig(prompt, chat)
+
+    monkeypatch.setattr(llm, "encode_prompt", encode)
+    try:
+        text = "x" * 200_000
+        err = _error(_post(srv.url, "/v1/completions", {"model": NAME, "prompt": text}), 400,
+                     "context_length_exceeded")
+        assert "characters" in err["message"]
+        err = _error(_post(srv.url, "/v1/chat/completions", {
+            "model": NAME, "messages": [{"role": "user", "content": text}]}), 400,
+            "context_length_exceeded")
+        assert calls == []
+        assert _post(srv.url, "/v1/completions", {"model": NAME, "prompt": "hi",
+                                                  "max_tokens": 1}).status_code == 200
+        assert calls and calls[0] != threading.main_thread().ident
+    finally:
+        srv.stop()
+
+
+def test_max_prompt_tokens(llm):
+    srv = Running(create_app(llm, ServerConfig(served_model_name=NAME, max_prompt_tokens=8)))
+    try:
+        r = _post(srv.url, "/v1/completions", {"model": NAME, "prompt": list(range(9)),
+                                               "max_tokens": 1})
+        assert "--max-prompt-tokens" in _error(r, 400, "context_length_exceeded")["message"]
+        r = _post(srv.url, "/v1/completions", {"model": NAME, "prompt": list(range(8)),
+                                               "max_tokens": 1})
+        assert r.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_assistant_tool_calls_with_null_content(srv):
+    """An assistant turn that called a tool has content null; the conversation is valid."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}
+    r = _post(srv.url, "/v1/chat/completions", {"model": NAME, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_health_stays_fast_while_a_big_prompt_is_tokenized(llm):
+    """A prompt just inside the limits takes a while to tokenize and render: that happens on
+    a thread, so /health keeps answering (it took 30 s behind a 10 MB prompt)."""
+    srv = Running(create_app(llm, ServerConfig(served_model_name=NAME,
+                                               max_request_bytes=64 * 2**20,
+                                               max_prompt_tokens=10**7)))
+    try:
+        words = " ".join(f"w{i}" for i in range(300_000))  # ~2.4 MB, ~600k tokens
+        done = threading.Event()
+
+        def big() -> None:
+            try:
+                _post(srv.url, "/v1/completions", {"model": NAME, "prompt": words})
+            finally:
+                done.set()
+
+        threading.Thread(target=big, daemon=True).start()
+        worst = 0.0
+        while not done.is_set():
+            t0 = time.perf_counter()
+            assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.05)
+        assert worst < 1.0, worst
+    finally:
+        srv.stop()

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from specscope import LLM, SamplingParams, SpecConfig
+from specscope.config import ServerConfig
 from specscope.tune.cost import Calibration, CostModel, calibration_from_summary, fit_cost_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -126,9 +127,11 @@ def test_admin_endpoint_switches_speculation_without_reloading(tmp_path, tiny_mo
     body = {"model": "x", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
     ref = plain.generate(body["prompt"], SamplingParams(max_tokens=12))[0].text
     weights = llm.runner.model
-    srv = BackgroundServer(create_app(llm, served_model_name="x"))
+    admin = ServerConfig(served_model_name="x", api_keys=("k",), enable_admin=True)
+    key = {"Authorization": "Bearer k"}
+    srv = BackgroundServer(create_app(llm, admin))
     try:
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with httpx.Client(base_url=srv.url, timeout=60, headers=key) as c:
             assert c.get("/admin/spec").json()["num_steps"] == 4
             for change, want in [({"num_steps": 2}, (2, 1, 3)),
                                  ({"topk": 4, "num_draft_tokens": 8}, (2, 4, 8)),
@@ -143,15 +146,17 @@ def test_admin_endpoint_switches_speculation_without_reloading(tmp_path, tiny_mo
                 out = c.post("/v1/completions", json=body).json()
                 assert out["choices"][0]["text"] == ref
             for bad in [{"topk": 0}, {"num_steps": 3, "topk": 1, "num_draft_tokens": 9},
-                        {"speed": "max"}, [1]]:
+                        {"speed": "max"}, [1], {"num_steps": True}, {"num_steps": 17},
+                        {"num_steps": 1000000000}, {"topk": 17}, {"enabled": "no"},
+                        {"enabled": 0}, {"num_steps": "3"}, {"enabled": False, "topk": 2}]:
                 r = c.post("/admin/spec", json=bad)
                 assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
         assert llm.runner.model is weights
     finally:
         srv.stop()
-    bare = BackgroundServer(create_app(plain, served_model_name="x"))
+    bare = BackgroundServer(create_app(plain, admin))
     try:
-        r = httpx.post(f"{bare.url}/admin/spec", json={"num_steps": 3})
+        r = httpx.post(f"{bare.url}/admin/spec", json={"num_steps": 3}, headers=key)
         assert r.status_code == 400 and "--draft" in r.json()["error"]["message"]
     finally:
         bare.stop()

@@ -245,6 +245,22 @@ class EngineConfig:
             raise ValueError(f"kv_block must be >= 1, got {self.kv_block}")
 
 
+# Upper bounds on the speculative knobs, for the CLI, the Python API and POST /admin/spec alike:
+# past them a cycle's draft and verify buffers grow without any gain in accept length (a
+# num_steps of 1000 turned an 8-token request into a minute of drafting).
+MAX_NUM_STEPS = 16
+MAX_TOPK = 16
+MAX_NUM_DRAFT_TOKENS = 256
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    """An integer (never a bool) in [lo, hi], or a ValueError naming the field."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or \
+            (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding knobs, named as SGLang's flags (see DESIGN vocabulary).
@@ -272,15 +288,15 @@ class SpecConfig:
     simulate_sibling: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
-            raise ValueError(f"num_steps must be an integer >= 1, got {self.num_steps!r}")
-        if not isinstance(self.topk, int) or self.topk < 1:
-            raise ValueError(f"topk must be an integer >= 1, got {self.topk!r}")
-        max_nodes = 1 + self.topk + (self.num_steps - 1) * self.topk * self.topk
+        _check_int("num_steps", self.num_steps, 1, MAX_NUM_STEPS)
+        _check_int("topk", self.topk, 1, MAX_TOPK)
+        max_nodes = min(1 + self.topk + (self.num_steps - 1) * self.topk * self.topk,
+                        MAX_NUM_DRAFT_TOKENS)
         if self.num_draft_tokens is None:
             default = self.num_steps + 1 if self.topk == 1 else min(max_nodes, 4 * self.num_steps)
             object.__setattr__(self, "num_draft_tokens", default)
         n = self.num_draft_tokens
+        _check_int("num_draft_tokens", n, 2, MAX_NUM_DRAFT_TOKENS)
         if self.topk == 1 and n != self.num_steps + 1:
             raise ValueError(f"with topk 1 (a chain) num_draft_tokens must be num_steps + 1 = "
                              f"{self.num_steps + 1}, got {n}")
@@ -326,3 +342,55 @@ class SpecConfig:
             else:
                 hi = r
         return tuple([(lo + hi) / 2] * k)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `specscope serve` allows: access rules and per-request limits (the CLI's defaults).
+
+    api_keys: with any, every route but /health needs `Authorization: Bearer KEY`.
+    enable_admin: serve /admin/* (off by default; needs an API key). allowed_hosts: the Host
+    header must name one of these (empty: any host). max_request_bytes: larger bodies get 413.
+    max_prompt_tokens: None means the model's context length minus one. request_read_timeout:
+    seconds a client has to send its whole body (408 after). max_stop_strings, max_stop_chars:
+    how many stop strings a request may give and how long each may be. max_n: the largest
+    `n`. shutdown_timeout: seconds running requests get after SIGTERM.
+    """
+
+    served_model_name: str | None = None
+    max_queue: int = 64
+    api_keys: tuple[str, ...] = ()
+    enable_admin: bool = False
+    enable_docs: bool = False
+    allowed_hosts: tuple[str, ...] = ()
+    max_request_bytes: int = 4 * 2**20
+    max_prompt_tokens: int | None = None
+    request_read_timeout: float = 30.0
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    max_n: int = 16
+    shutdown_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check_int("max_queue", self.max_queue, 0)
+        _check_int("max_request_bytes", self.max_request_bytes, 1024)
+        if self.max_prompt_tokens is not None:
+            _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
+        _check_int("max_stop_strings", self.max_stop_strings, 0)
+        _check_int("max_stop_chars", self.max_stop_chars, 1)
+        _check_int("max_n", self.max_n, 1)
+        for name in ("request_read_timeout", "shutdown_timeout"):
+            v = getattr(self, name)
+            lo_ok = v > 0 if name == "request_read_timeout" else v >= 0
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) and lo_ok):
+                raise ValueError(f"{name} must be a finite number "
+                                 f"{'> 0' if name == 'request_read_timeout' else '>= 0'}, "
+                                 f"got {v!r}")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
+        if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):
+            raise ValueError("an API key must be a non-empty string")
+        if self.enable_admin and not self.api_keys:
+            raise ValueError("enable_admin needs an API key (--api-key): admin routes change "
+                             "the engine's configuration")

@@ -5,6 +5,10 @@ num_draft_tokens or turns speculation off ({"enabled": false}) and back on ({"en
 the last configuration). Changes run on the engine thread between requests (a running request
 keeps its configuration); the target and draft weights are never reloaded.
 
+The routes are off unless the server was started with --enable-admin (which needs an API
+key: they change what every client gets); off, /admin/* answers 404 saying so. The body is
+validated with the CLI flags' types and ranges (schemas.SpecUpdate, config.py).
+
 GET /admin/guardrail returns the goodput guardrail's state (server/guardrail.py): the
 window's speculative tok/s, the plain-decoding prediction and its source, the verdict, and
 whether the guardrail switched speculation off.
@@ -12,23 +16,28 @@ whether the guardrail switched speculation off.
 
 from __future__ import annotations
 
-import json
-
 from fastapi import FastAPI, Request
 
 from specscope.config import SpecConfig
 from specscope.engine.llm import LLM
 from specscope.server.guardrail import Guardrail
-from specscope.server.schemas import APIError
+from specscope.server.schemas import APIError, SpecUpdate, parse_json
 from specscope.server.worker import EngineWorker
 
 
 def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker,
                      guardrail: Guardrail | None = None,
-                     draft_spec: SpecConfig | None = None) -> None:
-    """GET/POST /admin/spec and GET /admin/guardrail on `app`. The draft the server was
-    started with (llm.spec, else draft_spec) stays known while speculation is off, so it can
-    be switched back on."""
+                     draft_spec: SpecConfig | None = None, *, enabled: bool = False) -> None:
+    """GET/POST /admin/spec and GET /admin/guardrail on `app` (when `enabled`). The draft the
+    server was started with (llm.spec, else draft_spec) stays known while speculation is off,
+    so it can be switched back on."""
+    if not enabled:
+        @app.api_route("/admin/{rest:path}", methods=["GET", "POST", "HEAD"])
+        async def admin_off(rest: str):
+            raise APIError(404, "admin routes are off: start the server with --enable-admin "
+                           "(and --api-key) to use them", type="not_found_error",
+                           code="admin_disabled")
+        return
     start = llm.spec or draft_spec
     known = {"draft": start.draft if start else None,
              "draft_layer_ids": start.draft_layer_ids if start else None,
@@ -53,18 +62,8 @@ def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker,
 
     @app.post("/admin/spec")
     async def set_spec(request: Request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "expected a JSON object")
-        allowed = {"enabled", "num_steps", "topk", "num_draft_tokens"}
-        extra = sorted(set(body) - allowed)
-        if extra:
-            raise APIError(400, f"unsupported fields {extra}; allowed: {sorted(allowed)}",
-                           param=extra[0])
-        if body.get("enabled", True) is False:
+        upd: SpecUpdate = parse_json(await request.body(), SpecUpdate)
+        if upd.enabled is False:
             new = None
         else:
             if known["draft"] is None:
@@ -73,11 +72,11 @@ def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker,
             cur = llm.spec or known["last"]
             fields = {"num_steps": cur.num_steps if cur else 5, "topk": cur.topk if cur else 1,
                       "num_draft_tokens": None}
-            if cur and "num_steps" not in body and "topk" not in body:
+            if cur and upd.num_steps is None and upd.topk is None:
                 fields["num_draft_tokens"] = cur.num_draft_tokens
             for k in ("num_steps", "topk", "num_draft_tokens"):
-                if k in body:
-                    fields[k] = body[k]
+                if getattr(upd, k) is not None:
+                    fields[k] = getattr(upd, k)
             try:
                 new = SpecConfig(draft=known["draft"],
                                  draft_layer_ids=known["draft_layer_ids"], **fields)

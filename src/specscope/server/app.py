@@ -28,13 +28,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specscope.config import SamplingParams, SpecConfig
+from specscope.config import SamplingParams, ServerConfig, SpecConfig
 from specscope.engine.llm import LLM, StreamDelta
 from specscope.engine.request import RequestOutput
 from specscope.server.admin import add_admin_routes
+from specscope.server.guard import RequestGuard
 from specscope.server.guardrail import Guardrail
 from specscope.server.metrics import CountRequests, Metrics
 from specscope.server.profile_routes import add_profile_routes
@@ -42,6 +42,7 @@ from specscope.server.schemas import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    parse_json,
     validation_error,
 )
 from specscope.server.worker import _END, EngineWorker, _Job
@@ -70,18 +71,26 @@ def _engine_error(e: BaseException, param: str | None = None) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+def _get_and_head(app: FastAPI, path: str) -> Callable:
+    """Register a GET route that also answers HEAD (probes and load balancers send it)."""
+    def register(fn: Callable) -> Callable:
+        app.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+        return app.get(path)(fn)
+    return register
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The longest token's text, in characters (None: unknown). A text of c characters is
+    then at least ceil(c / this) tokens, which bounds a prompt's length before it is
+    tokenized: each character of a byte-level BPE vocabulary entry is one byte, and a text's
+    characters are never more than its bytes."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return None
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise APIError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e.errors(), data) from None
+        return max(len(t) for t in hf.get_vocab())
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _sse(obj: dict) -> str:
@@ -109,28 +118,35 @@ def _usage(out: RequestOutput) -> dict:
 # -- the app ------------------------------------------------------------------------------
 
 
-def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int = 64,
+def create_app(llm: LLM, config: ServerConfig | None = None, *,
                guardrail: Guardrail | None = None,
                draft_spec: SpecConfig | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `llm` (see the module docstring for concurrency).
 
-    guardrail: compares speculative goodput with plain decoding after each request
+    config: access rules and request limits (config.ServerConfig; its defaults are the
+    CLI's). guardrail: compares speculative goodput with plain decoding after each request
     (server/guardrail.py). draft_spec: what POST /admin/spec {"enabled": true} switches to
     when `llm` starts with speculation off (e.g. --auto-tune chose plain decoding).
     """
-    served = served_model_name or llm.model_name
+    cfg = config or ServerConfig()
+    served = cfg.served_model_name or llm.model_name
     metrics = Metrics(served)
-    worker = EngineWorker(llm, max_queue, metrics, guardrail)
+    worker = EngineWorker(llm, cfg.max_queue, metrics, guardrail)
+    limits = PromptLimits(llm, cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         worker.stop()
 
-    app = FastAPI(title="specscope", lifespan=lifespan)
+    docs = {} if cfg.enable_docs else {"docs_url": None, "redoc_url": None,
+                                       "openapi_url": None}
+    app = FastAPI(title="specscope", lifespan=lifespan, **docs)
     app.state.llm, app.state.worker, app.state.metrics = llm, worker, metrics
-    app.state.guardrail = guardrail
+    app.state.guardrail, app.state.config = guardrail, cfg
 
+    # The guard runs inside the counter, so the requests it refuses are counted too.
+    app.add_middleware(RequestGuard, config=cfg)
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)
 
     @app.exception_handler(APIError)
@@ -164,11 +180,9 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
 
     def sampling(req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
                  prompt_field: str) -> SamplingParams:
+        limits.check_tokens(n_prompt, prompt_field)
+        limits.check_request(req)
         room = llm.max_model_len - n_prompt
-        if room < 1:
-            raise APIError(400, f"the prompt ({n_prompt} tokens) fills the model's context "
-                           f"length ({llm.max_model_len}); shorten it", param=prompt_field,
-                           code="context_length_exceeded")
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             max_tokens = room
@@ -307,15 +321,45 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+    def encode_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        """Parse and tokenize a chat request (on a worker thread: see prepare)."""
+        req: ChatCompletionRequest = parse_json(raw, ChatCompletionRequest)
         check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
+        limits.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            ids = llm.encode_prompt(messages, chat=True)
+            return req, llm.encode_prompt(messages, chat=True)
         except (ValueError, TypeError) as e:
             raise _engine_error(e, "messages") from None
+
+    def encode_completion(raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        req: CompletionRequest = parse_json(raw, CompletionRequest)
+        check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            V = llm.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < V]
+            if bad:
+                raise APIError(400, f"prompt holds token ids outside [0, {V}): {bad[:8]}",
+                               param="prompt")
+            return req, list(prompt)
+        text = prompt[0] if isinstance(prompt, list) else prompt
+        limits.check_chars(len(text), "prompt")
+        try:
+            return req, llm.encode_prompt(text)
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e, "prompt") from None
+
+    async def prepare(request: Request, encode: Callable[[bytes], Any]) -> Any:
+        """JSON parsing, validation, chat-template rendering and tokenization run on a
+        thread, never on the event loop: a large prompt must not stall other streams or
+        /health while it is read."""
+        raw = await request.body()  # already read (and bounded) by the RequestGuard
+        return await asyncio.to_thread(encode, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, ids = await prepare(request, encode_chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         sent_role = False
 
@@ -342,22 +386,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req: CompletionRequest = await _parse(request, CompletionRequest)
-        check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], int):
-            V = llm.model_config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < V]
-            if bad:
-                raise APIError(400, f"prompt holds token ids outside [0, {V}): {bad[:8]}",
-                               param="prompt")
-            ids = list(prompt)
-        else:
-            text = prompt[0] if isinstance(prompt, list) else prompt
-            try:
-                ids = llm.encode_prompt(text)
-            except (ValueError, TypeError) as e:
-                raise _engine_error(e, "prompt") from None
+        req, ids = await prepare(request, encode_completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str | None, finish: str | None) -> dict:
@@ -374,22 +403,74 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
 
         return await generate(request, ids, req, "prompt", chunk, full)
 
-    @app.get("/v1/models")
+    @_get_and_head(app, "/v1/models")
     async def models():
         return {"object": "list", "data": [{
             "id": served, "object": "model", "created": 0, "owned_by": "specscope",
             "root": llm.model_name, "max_model_len": llm.max_model_len}]}
 
-    @app.get("/health")
+    @_get_and_head(app, "/health")
     async def health():
-        return {"status": "ok", "model": served, "queue_depth": worker.inflight}
+        # 503 while draining after SIGTERM, so a load balancer stops sending requests here.
+        state = "shutting_down" if worker.shutting_down else "ok"
+        return JSONResponse({"status": state, "model": served,
+                             "queue_depth": worker.inflight},
+                            status_code=503 if worker.shutting_down else 200)
 
-    @app.get("/metrics")
+    @_get_and_head(app, "/metrics")
     async def prometheus():
         return PlainTextResponse(metrics.render(guardrail.state() if guardrail else None),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    add_admin_routes(app, llm, worker, guardrail, draft_spec)
+    add_admin_routes(app, llm, worker, guardrail, draft_spec, enabled=cfg.enable_admin)
     add_profile_routes(app, llm, worker, served)
 
     return app
+
+
+class PromptLimits:
+    """The per-request limits of a ServerConfig, checked as early as each can be."""
+
+    def __init__(self, llm: LLM, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.max_prompt = min(cfg.max_prompt_tokens or llm.max_model_len - 1,
+                              llm.max_model_len - 1)
+        self.context = llm.max_model_len
+        self.token_chars = max_token_chars(llm.tokenizer)
+
+    def check_chars(self, chars: int, field: str) -> None:
+        """Before tokenization: a text too long to fit whatever its tokens turn out to be."""
+        if self.token_chars is None:
+            return
+        at_least = -(-chars // self.token_chars)
+        if at_least > self.max_prompt:
+            raise APIError(400, f"the prompt ({chars} characters, so at least {at_least} "
+                           f"tokens) is longer than this server's limit of {self.max_prompt} "
+                           f"prompt tokens; shorten it", param=field,
+                           code="context_length_exceeded")
+
+    def check_tokens(self, n: int, field: str) -> None:
+        if n > self.max_prompt:
+            where = "the model's context length" if self.max_prompt == self.context - 1 \
+                else "this server's limit (--max-prompt-tokens)"
+            raise APIError(400, f"the prompt ({n} tokens) is longer than {where} allows "
+                           f"({self.max_prompt} tokens with room for one generated token); "
+                           f"shorten it", param=field, code="context_length_exceeded")
+
+    def check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        cfg = self.cfg
+        if req.n > cfg.max_n:
+            raise APIError(400, f"n must be at most {cfg.max_n} (--max-n), got {req.n}",
+                           param="n")
+        if req.n > 1:
+            raise APIError(400, "n > 1 is not supported yet; send one request per choice",
+                           param="n")
+        stops = req.stop or ()
+        if len(stops) > cfg.max_stop_strings:
+            raise APIError(400, f"at most {cfg.max_stop_strings} stop strings are allowed "
+                           f"(--max-stop-strings), got {len(stops)}", param="stop")
+        long = [i for i, s in enumerate(stops) if len(s) > cfg.max_stop_chars]
+        if long:
+            raise APIError(400, f"stop strings may be at most {cfg.max_stop_chars} characters "
+                           f"(--max-stop-chars); stop[{long[0]}] has {len(stops[long[0]])}",
+                           param="stop")

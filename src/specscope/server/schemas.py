@@ -6,9 +6,24 @@ values fail validation and become 400 invalid_request_error responses.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from specscope.config import MAX_NUM_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK
 
 
 class APIError(Exception):
@@ -60,23 +75,76 @@ def validation_error(errors: list[dict], data: Any = _NO_DATA) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+# Content parts of other modalities: named so the error can say what is not supported.
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file",
+               "video_url", "video")
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: StrictStr
+
+
+def _check_part(i: int, part: Any) -> TextPart:
+    if not isinstance(part, dict):
+        raise ValueError(f"content[{i}] must be an object with 'type' and 'text'")
+    kind = part.get("type")
+    if kind in MEDIA_PARTS:
+        raise ValueError(f"content[{i}] is an {kind!r} part: this server's model reads text "
+                         f"only, so images, audio and files are not supported; send text "
+                         f"parts or a string")
+    if kind != "text":
+        raise ValueError(f"content[{i}] has type {kind!r}; the supported part type is 'text'")
+    if not isinstance(part.get("text"), str):
+        raise ValueError(f"content[{i}].text must be a string")
+    return TextPart(type="text", text=part["text"])
 
 
 class ChatMessage(BaseModel):
+    """An OpenAI chat message. Content is a string or a list of text parts (joined); an
+    assistant message may carry tool_calls with null content; a tool message its
+    tool_call_id. These extra keys are passed to the chat template, which may render them."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # A string, or a list of text parts (joined); images and other parts are not supported.
-    content: str | list[TextPart]
+    content: StrictStr | list[Any] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _parts(cls, content: Any, info: ValidationInfo) -> Any:
+        if isinstance(content, list):
+            return [_check_part(i, p) for i, p in enumerate(content)]
+        role = info.data.get("role")
+        if content is None and role != "assistant":
+            raise ValueError(f"a {role or 'non-assistant'} message needs content (only an "
+                             f"assistant message may have null content, beside tool_calls)")
+        return content
+
+    @model_validator(mode="after")
+    def _needs_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # content was left out
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class _Sampling(BaseModel):
@@ -84,24 +152,26 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | StrictInt | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | StrictInt | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # extension (vLLM, SGLang)
-    stop: str | list[str] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
     n: StrictInt = Field(default=1, ge=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens tokens
+    ignore_eos: StrictBool = False  # extension (vLLM): generate exactly max_tokens tokens
 
-    @field_validator("n")
+    @field_validator("stop")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n > 1:
-            raise ValueError("n > 1 is not supported")
-        return n
+    def _stop_strings(cls, stop: str | list[str] | None) -> tuple[str, ...]:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not s for s in stops):
+            raise ValueError("an empty stop string would end every answer before it starts; "
+                             "remove it")
+        return stops
 
     @property
     def include_usage(self) -> bool:
@@ -135,3 +205,43 @@ class CompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class SpecUpdate(BaseModel):
+    """POST /admin/spec: the same names, types and ranges as the CLI flags (config.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: StrictBool | None = None
+    num_steps: StrictInt | None = Field(default=None, ge=1, le=MAX_NUM_STEPS)
+    topk: StrictInt | None = Field(default=None, ge=1, le=MAX_TOPK)
+    num_draft_tokens: StrictInt | None = Field(default=None, ge=2, le=MAX_NUM_DRAFT_TOKENS)
+
+    @model_validator(mode="after")
+    def _not_both(self) -> SpecUpdate:
+        knobs = [k for k in ("num_steps", "topk", "num_draft_tokens")
+                 if getattr(self, k) is not None]
+        if self.enabled is False and knobs:
+            raise ValueError(f"'enabled': false turns speculation off; it cannot be sent with "
+                             f"{knobs}")
+        return self
+
+
+def _no_constant(name: str) -> Any:
+    raise APIError(400, f"the body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json(raw: bytes, model: type[BaseModel]) -> Any:
+    """A request body as `model`, or the APIError naming what is wrong with it."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors(), data) from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None

@@ -107,6 +107,10 @@ class EngineWorker:
     def inflight(self) -> int:
         return self._inflight
 
+    @property
+    def shutting_down(self) -> bool:
+        return self._deadline is not None
+
     def begin_shutdown(self, grace: float) -> None:
         """Refuse new requests; let running and queued ones run for `grace` s more."""
         deadline = time.monotonic() + max(grace, 0.0)
