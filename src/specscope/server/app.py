@@ -8,6 +8,11 @@ worker checks it after every delta (one cycle) and closes the engine's generator
 the engine for the next job. At most `max_queue` requests wait behind the running one;
 more get 503 with Retry-After.
 
+Before a route sees a request, the RequestGuard (guard.py) has checked its Host, API key and
+content type and read its whole body within the size and time limits. The routes then parse,
+validate, render and tokenize on a worker thread, so no request's size can stall the event
+loop that every stream and /health share.
+
 The per-token path is kept short because on a small CPU it shares the GIL (and cores)
 with the engine: a stream sends everything produced since its last send as one write (one
 SSE event per cycle while it keeps up, several cycles' text in one event when it fell
