@@ -96,3 +96,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory,
                    default_model_dir: pathlib.Path) -> pathlib.Path:
     """A 2-layer, hidden-64 random Llama (vocab 49152) with the default model's tokenizer."""
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_llama"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def long_tiny_dir(tiny_model_dir: pathlib.Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The tiny model with a 4096-token context (RoPE has no learned positions), so one
+    stream can outlast the reaction to a signal."""
+    out = tmp_path_factory.mktemp("tiny_long")
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out

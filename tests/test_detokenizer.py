@@ -102,3 +102,78 @@ def test_empty_add(tokenizer: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, _ids(tokenizer, "prompt"))
     assert detok.add([]) == ""
     assert detok.flush() == ""
+
+
+# ------------------------------------------------- Request: stop strings over speculative cycles
+
+STOP_TEXT = ("The quick brown fox 🙂 jumps over the lazy dog. 日本語のテキスト, café 🚀 there!\n"
+             "Next line: the end.")
+STOP_SETS = [
+    (" the",),
+    ("r the",),  # spans a token boundary (" over" " the")
+    (" th",),  # completed by a token (" the") that holds text after it
+    ("fo", "lazy"),  # the earliest of several wins
+    ("🙂",),  # a multi-byte character split over byte-level tokens
+    ("本語の",),  # starts in text the detokenizer holds back
+    ("é 🚀 t",),
+    ("dog.", "\n"),
+    ("line: the end.",),  # ends on the last token
+    ("zzz",),  # never seen
+]
+
+
+def _run_request(tok: Tokenizer, ids: list[int], params, chunks: list[int]):
+    """Feed `ids` to a Request in cycles of the given sizes, as the engine does."""
+    from specscope.engine.request import Request
+
+    req = Request("r", [1, 2, 3], params, tok)
+    streamed, pos = [], 0
+    for n in chunks:
+        if req.finished or pos >= len(ids):
+            break
+        streamed.append(req.append(ids[pos:pos + n]))
+        pos += n
+    assert req.finished, "the test's token stream should always reach a stop or max_tokens"
+    out = req.output()
+    assert "".join(streamed) == out.text  # what was streamed is what was returned
+    assert out.metrics.completion_tokens == len(out.token_ids)
+    return out.token_ids, out.text, out.finish_reason
+
+
+@pytest.mark.parametrize("stop", STOP_SETS, ids=lambda s: repr(s[0]))
+def test_speculative_cycles_stop_exactly_like_plain_decoding(tokenizer: Tokenizer,
+                                                              stop: tuple[str, ...]) -> None:
+    """Several tokens per append (a speculative cycle) give the same output_ids, text and
+    finish_reason as one token per append (plain decoding), whatever the cycle sizes."""
+    import random
+
+    from specscope.config import SamplingParams
+
+    base = _ids(tokenizer, STOP_TEXT)
+    eos = tokenizer.hf.eos_token_id
+    streams = {"plain": base, "eos-mid": base[:9] + [eos] + base[9:],
+               "eos-late": base[:30] + [eos] + base[30:]}
+    rng = random.Random(0)
+    for name, ids in streams.items():
+        for max_tokens in (len(ids), 7, 26):
+            for include in (False, True):
+                params = SamplingParams(max_tokens=max_tokens, stop=stop,
+                                        include_stop_str_in_output=include)
+                want = _run_request(tokenizer, ids, params, [1] * len(ids))
+                for trial in range(6):
+                    sizes = [rng.randint(1, 6) for _ in ids] if trial else [len(ids)]
+                    got = _run_request(tokenizer, ids, params, sizes)
+                    assert got == want, (name, max_tokens, include, sizes)
+
+
+def test_stop_string_drops_the_rest_of_the_cycle(tokenizer: Tokenizer) -> None:
+    """Issue 17: stop [" the"] after "In": 2 completion tokens, not the cycle's 6."""
+    from specscope.config import SamplingParams
+
+    ids = _ids(tokenizer, "In the golden autumn light, leaves")
+    assert [tokenizer.decode([t]) for t in ids[:2]] == ["In", " the"]
+    params = SamplingParams(max_tokens=40, stop=(" the",))
+    # The prefill emits one token, then a speculative cycle accepts five at once.
+    got = _run_request(tokenizer, ids, params, [1, 5, 1])
+    assert got == (ids[:2], "In", "stop")
+    assert _run_request(tokenizer, ids, params, [1] * len(ids)) == got

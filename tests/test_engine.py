@@ -477,3 +477,35 @@ def test_compiled_decode_matches_eager(tiny_model_dir: pathlib.Path) -> None:
     prompt = "Speculative decoding is"
     assert compiled.generate(prompt, params)[0].token_ids == \
         eager.generate(prompt, params)[0].token_ids
+
+
+# ---------------------------------------------------------------- stop strings with speculation
+
+
+def test_speculative_stop_string_counts_like_plain(tiny_model_dir: pathlib.Path) -> None:
+    """Issue 17: a stop string inside a speculative cycle ends the output at the token that
+    completes it; the cycle's later tokens are not output (nor counted as usage)."""
+    from specscope.config import SpecConfig
+    from specscope.engine.request import Request
+
+    def spec_llm() -> LLM:  # simulated acceptance: several tokens per cycle, seeded
+        return make_llm(tiny_model_dir, spec=SpecConfig(draft="random", num_steps=5,
+                                                        simulate_acceptance=4.0))
+
+    full = spec_llm().generate(PROMPT, greedy(40))[0]
+    tok = spec_llm().tokenizer
+    cut = len(tok.decode(full.token_ids[:12]))
+    params = greedy(40, stop=(full.text[cut - 2:cut + 2],))  # spans a token boundary
+    deltas = list(spec_llm().stream(PROMPT, params))
+    out = deltas[-1].output
+    emitted = [t for d in deltas for t in d.token_ids]  # all the cycles' tokens
+    assert max(len(d.token_ids) for d in deltas) > 1  # cycles of several tokens happened
+    plain = Request("ref", out.prompt_token_ids, params, tok)
+    for t in emitted:  # one token per append: the plain-decoding rule
+        plain.append([t])
+        if plain.finished:
+            break
+    want = plain.output()
+    assert out.finish_reason == want.finish_reason == "stop"
+    assert (out.token_ids, out.text) == (want.token_ids, want.text)
+    assert out.metrics.completion_tokens == len(want.token_ids) < len(emitted)

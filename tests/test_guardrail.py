@@ -256,7 +256,7 @@ def test_serve_auto_tune_end_to_end(tiny_model_dir, tmp_path, plain_ref, monkeyp
     monkeypatch.setattr("specscope.server.serve.serve", serve)
     assert main(["serve", str(tiny_model_dir), "--dtype", "fp32", "--device", "cpu",
                  "--served-model-name", "x", "--draft", str(d), "--auto-tune",
-                 "--enable-admin", "--api-key", "k",
+                 "--enable-admin", "--api-key", "k", "--port", "0",
                  "--auto-tune-prompts", "1", "--auto-tune-max-tokens", "16",
                  "--auto-tune-budget-seconds", "1", "--guardrail", "off-when-slower"]) == 0
     err = capsys.readouterr().err
@@ -286,7 +286,7 @@ def test_serve_calibrates_plain_decoding_without_auto_tune(tiny_model_dir, monke
 
     monkeypatch.setattr("specscope.server.serve.serve", serve)
     assert main(["serve", str(tiny_model_dir), "--dtype", "fp32", "--device", "cpu",
-                 "--draft", "random", "--num-steps", "2", "--profile"]) == 0
+                 "--draft", "random", "--num-steps", "2", "--profile", "--port", "0"]) == 0
     err = capsys.readouterr().err
     assert "[guardrail] warn: plain decoding predicted at" in err, err
     assert "plain calibration at start-up" in seen["state"]["plain_source"]

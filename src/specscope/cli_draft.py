@@ -11,6 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specscope.cli_args import (
+    check_draft_arg,
+    check_engine_args,
+    float_in,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+
 if TYPE_CHECKING:  # the command modules import heavy packages only when they run
     from specscope.engine.llm import LLM
     from specscope.server.guardrail import Guardrail
@@ -49,13 +59,19 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def doctor_report(llm, draft: str, prompts_file: str | None, num_prompts: int,
-                   layer_ids: tuple[int, ...] | None, max_new_tokens: int):
+def doctor_prompts(prompts_file: str | None, num_prompts: int) -> list:
+    """The doctor's probe prompts: from a dataset or file, else a few of each built-in set."""
     from specscope.bench.datasets import load_prompts
-    from specscope.doctor import default_probe_prompts, run_doctor
+    from specscope.doctor import default_probe_prompts
 
-    prompts = load_prompts(prompts_file, num_prompts) if prompts_file else \
+    return load_prompts(prompts_file, num_prompts) if prompts_file else \
         default_probe_prompts(num_prompts)
+
+
+def doctor_report(llm, draft: str, prompts: list, layer_ids: tuple[int, ...] | None,
+                  max_new_tokens: int):
+    from specscope.doctor import run_doctor
+
     return run_doctor(llm, draft, prompts=prompts, layer_ids=layer_ids,
                       max_new_tokens=max_new_tokens)
 
@@ -73,11 +89,14 @@ def _layer_ids_arg(text: str | None) -> tuple[int, ...] | None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from specscope.engine.llm import LLM
 
+    check_engine_args(args)  # everything that can fail does so before the target loads
+    layer_ids = _layer_ids_arg(args.draft_layer_ids)
+    check_draft_arg(args.draft)
+    prompts = doctor_prompts(args.prompts, args.num_prompts)
     llm = LLM(args.target or args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs)
-    report = doctor_report(llm, args.draft, args.prompts, args.num_prompts,
-                            _layer_ids_arg(args.draft_layer_ids), args.max_new_tokens)
+    report = doctor_report(llm, args.draft, prompts, layer_ids, args.max_new_tokens)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0 if report.healthy else 1
 
@@ -85,6 +104,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_convert_draft(args: argparse.Namespace) -> int:
     from specscope.draft.convert import convert_draft
 
+    check_draft_arg(args.input)  # before the target is resolved (a download, a conversion)
     target_config = None
     if args.target:
         from specscope.models.loader import read_config, resolve_model_dir
@@ -101,6 +121,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from specscope.engine.llm import LLM
     from specscope.tune.tuner import tune, write_plot
 
+    check_engine_args(args)
+    check_draft_arg(args.draft)  # before the target loads
     prompts = load_prompts(args.dataset, args.num_prompts)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,19 +150,19 @@ def add_serve_draft_args(s: argparse.ArgumentParser) -> None:
                         "off if nothing beats plain decoding")
     s.add_argument("--auto-tune-dataset", default="mt_bench",
                    help="mt_bench | humaneval | gsm8k | FILE.jsonl")
-    s.add_argument("--auto-tune-prompts", type=int, default=3)
-    s.add_argument("--auto-tune-max-tokens", type=int, default=64)
-    s.add_argument("--auto-tune-budget-seconds", type=float, default=None,
+    s.add_argument("--auto-tune-prompts", type=positive_int, default=3)
+    s.add_argument("--auto-tune-max-tokens", type=positive_int, default=64)
+    s.add_argument("--auto-tune-budget-seconds", type=positive_float, default=None,
                    help="stop confirming predictions once the tuner has run this long")
     s.add_argument("--guardrail", choices=GUARDRAIL_MODES, default=None,
                    help="compare speculative decode tok/s over a rolling window with the "
                         "predicted plain-decoding tok/s: warn logs when slower, "
                         "off-when-slower also switches speculation off (default: warn with "
                         "--draft, else off)")
-    s.add_argument("--guardrail-window", type=int, default=512, metavar="TOKENS",
+    s.add_argument("--guardrail-window", type=positive_int, default=512, metavar="TOKENS",
                    help="decode tokens in the rolling window, which also holds at least 3 "
                         "requests (default 512)")
-    s.add_argument("--guardrail-margin", type=float, default=0.05,
+    s.add_argument("--guardrail-margin", type=float, default=0.05,  # checked below
                    help="slower means below (1 - margin) x plain tok/s (default 0.05)")
 
 
@@ -162,6 +184,9 @@ def check_serve_draft_args(args: argparse.Namespace, spec: Any) -> str:
                              "convert-draft, or drop --auto-tune)")
         if args.auto_tune_prompts < 1 or args.auto_tune_max_tokens < 1:
             raise ValueError("--auto-tune-prompts and --auto-tune-max-tokens must be >= 1")
+        from specscope.bench.datasets import load_prompts
+
+        load_prompts(args.auto_tune_dataset, args.auto_tune_prompts)  # a bad file fails now
     mode = args.guardrail or ("warn" if spec is not None else "off")
     if mode != "off" and spec is None:
         raise ValueError(f"--guardrail {mode} compares speculative decoding with plain "
@@ -231,52 +256,52 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
                                                 "checkpoints, metrics, exported draft")
     t.add_argument("--no-regenerate", dest="regenerate", action="store_false",
                    help="train on the dataset's own answers instead of the target's")
-    t.add_argument("--regen-temperature", type=float, default=0.0,
+    t.add_argument("--regen-temperature", type=non_negative_float, default=0.0,
                    help="sampling temperature of the regenerated answers (0: greedy)")
-    t.add_argument("--regen-max-new-tokens", type=int, default=512)
-    t.add_argument("--regen-batch-size", type=int, default=64)
+    t.add_argument("--regen-max-new-tokens", type=positive_int, default=512)
+    t.add_argument("--regen-batch-size", type=positive_int, default=64)
     t.add_argument("--init-from", default=None, metavar="DRAFT",
                    help="start from this trained draft (any format; its taps and vocabulary) "
                         "instead of a fresh one, with a new optimizer and schedule")
-    t.add_argument("--self-prompts", type=int, default=0, metavar="N",
+    t.add_argument("--self-prompts", type=non_negative_int, default=0, metavar="N",
                    help="add N requests written by the target itself (Magpie: its chat "
                         "template up to an opened user turn, sampled); saved to "
                         "OUT/self_prompts.jsonl")
-    t.add_argument("--self-prompt-temperature", type=float, default=0.9)
+    t.add_argument("--self-prompt-temperature", type=non_negative_float, default=0.9)
     t.add_argument("--self-prompt-openers", default=None, metavar="FILE",
                    help="first words of the self-written requests, one per line, used in "
                         "turn (e.g. 'Write a', 'Imagine you are'); the target writes the rest")
-    t.add_argument("--draft-vocab-size", type=int, default=None,
+    t.add_argument("--draft-vocab-size", type=positive_int, default=None,
                    help="default: 12288 for targets under 2048 hidden, else 32000 (capped "
                         "at the target vocab)")
     t.add_argument("--layer-ids", default=None,
                    help="target tap layers, output-of-layer ids (default: EAGLE-3's "
                         "[1, L/2-1, L-4])")
-    t.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
-    t.add_argument("--ttt-length", type=int, default=7,
+    t.add_argument("--num-layers", type=positive_int, default=1, help="draft decoder layers")
+    t.add_argument("--ttt-length", type=positive_int, default=7,
                    help="training-time-test unroll depth (loss weight 0.8^i per step)")
     t.add_argument("--ttt-attention", choices=TTT_ATTENTION, default="dense",
                    help="how the unrolled steps attend: dense fp32 scores (the reference) "
                         "or one masked scaled_dot_product_attention call per step (stores "
                         "no score matrix); same result")
-    t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
-    t.add_argument("--lr", type=float, default=None,
+    t.add_argument("--epochs", type=positive_int, default=1)
+    t.add_argument("--max-steps", type=positive_int, default=None, help="overrides --epochs")
+    t.add_argument("--lr", type=positive_float, default=None,
                    help="peak learning rate (default 3e-4 small targets, 1e-4 large)")
-    t.add_argument("--warmup-ratio", type=float, default=0.02)
+    t.add_argument("--warmup-ratio", type=float_in(0.0, 1.0, hi_open=True), default=0.02)
     t.add_argument("--grad-clip", type=float, default=0.5)
-    t.add_argument("--batch-tokens", type=int, default=None,
+    t.add_argument("--batch-tokens", type=positive_int, default=None,
                    help="padded tokens per batch (default: 2048 CPU, 32768/8192 CUDA)")
-    t.add_argument("--max-len", type=int, default=2048, help="tokens per conversation")
-    t.add_argument("--max-answer-tokens", type=int, default=None, metavar="N",
+    t.add_argument("--max-len", type=positive_int, default=2048, help="tokens per conversation")
+    t.add_argument("--max-answer-tokens", type=positive_int, default=None, metavar="N",
                    help="cut each example after N assistant tokens, to train where an engine "
                         "serving answers of about N tokens drafts (default: keep all)")
-    t.add_argument("--eval-fraction", type=float, default=0.02)
-    t.add_argument("--eval-every", type=int, default=200)
-    t.add_argument("--save-every", type=int, default=500)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--eval-fraction", type=float_in(0.0, 1.0, hi_open=True), default=0.02)
+    t.add_argument("--eval-every", type=non_negative_int, default=200, help="0: never")
+    t.add_argument("--save-every", type=non_negative_int, default=500, help="0: never")
+    t.add_argument("--seed", type=non_negative_int, default=0)
     t.add_argument("--device", default="auto")
-    t.add_argument("--budget-minutes", type=float, default=None,
+    t.add_argument("--budget-minutes", type=positive_float, default=None,
                    help="stop after this long (checkpoint and export); --resume continues")
     t.add_argument("--resume", action="store_true",
                    help="continue from the last complete checkpoint in --out")
@@ -304,8 +329,8 @@ def add_draft_commands(sub: argparse._SubParsersAction,
     d.add_argument("--prompts", default=None,
                    help="probe prompts: mt_bench | humaneval | gsm8k | FILE.jsonl "
                         "(default: a few of each built-in set)")
-    d.add_argument("--num-prompts", type=int, default=8)
-    d.add_argument("--max-new-tokens", type=int, default=64,
+    d.add_argument("--num-prompts", type=positive_int, default=8)
+    d.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="length of the target's answers the draft is probed on")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.set_defaults(func=cmd_doctor)
@@ -316,11 +341,11 @@ def add_draft_commands(sub: argparse._SubParsersAction,
     u.add_argument("--draft", default="default", help="draft checkpoint, or 'default'")
     u.add_argument("--dataset", default="mt_bench",
                    help="mt_bench | humaneval | gsm8k | FILE.jsonl")
-    u.add_argument("--num-prompts", type=int, default=4)
-    u.add_argument("--max-tokens", type=int, default=128)
-    u.add_argument("--confirm", type=int, default=3,
+    u.add_argument("--num-prompts", type=positive_int, default=4)
+    u.add_argument("--max-tokens", type=positive_int, default=128)
+    u.add_argument("--confirm", type=positive_int, default=3,
                    help="how many of the best predictions to confirm by real runs")
-    u.add_argument("--budget-seconds", type=float, default=None,
+    u.add_argument("--budget-seconds", type=positive_float, default=None,
                    help="stop confirming once this much time is spent")
     u.add_argument("--out", default="tune-out", help="directory for tune.json and tune.svg")
     u.set_defaults(func=cmd_tune)
@@ -332,7 +357,7 @@ def add_draft_commands(sub: argparse._SubParsersAction,
     c.add_argument("--to", required=True, choices=["sglang", "eagle", "speculators"])
     c.add_argument("--target", default=None,
                    help="the target model (for its layer count); or --target-layers")
-    c.add_argument("--target-layers", type=int, default=None,
+    c.add_argument("--target-layers", type=positive_int, default=None,
                    help="the target's number of decoder layers")
     c.add_argument("--cache-dir", default=None)
     c.set_defaults(func=cmd_convert_draft)

@@ -213,7 +213,7 @@ class TensorSource:
         self.files: dict[str, Path] = {}
         self._bin: dict[str, torch.Tensor] | None = None
         if any(model_dir.glob("*.safetensors")):
-            self.files = weight_files(model_dir)
+            self.files = weight_files(model_dir, "draft checkpoint")
             self.kind = "safetensors"
         elif (model_dir / "pytorch_model.bin").exists():
             # weights_only: a checkpoint is data, never code to unpickle and run.

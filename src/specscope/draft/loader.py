@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,8 @@ from specscope.draft.formats import (
     parse_config,
 )
 from specscope.draft.vocab import check_vocab_maps
-from specscope.models.loader import name_list
+from specscope.models.loader import name_list, weight_files
+from specscope.models.safetensors_check import check_safetensors
 
 log = logging.getLogger("specscope.draft")
 
@@ -115,7 +117,63 @@ def _resolve_dir(path: str | os.PathLike) -> Path:
         return p.parent
     if p.is_dir() and (p / "config.json").exists():
         return p
-    raise FileNotFoundError(f"draft {str(path)!r} is not a directory holding config.json")
+    what = "does not exist" if not p.exists() else "is not a directory holding config.json"
+    raise FileNotFoundError(f"draft {str(path)!r} {what}: give a draft checkpoint directory "
+                            f"(or {DEFAULT_DRAFT}, random or none)")
+
+
+def _read_config(model_dir: Path) -> dict:
+    cfg_path = model_dir / "config.json"
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"draft config {cfg_path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"draft config {cfg_path} is not a text file") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"draft config {cfg_path} is a JSON {type(raw).__name__}, not an "
+                         f"object")
+    return raw
+
+
+def check_draft_files(path: str | os.PathLike) -> Path:
+    """Check the draft checkpoint at `path` without loading it (the CLI does this before the
+    target loads, so a wrong draft costs seconds, not a target load): its config.json parses
+    as a draft config of a known format and every weight file's header is sound. Reads no
+    tensor; returns the checkpoint directory. Raises ValueError or OSError naming the file.
+    """
+    model_dir = _resolve_dir(path)
+    raw = _read_config(model_dir)
+    cfg_path = str(model_dir / "config.json")
+    parse_config(raw, detect_format(raw, cfg_path), cfg_path)
+    shards = sorted(model_dir.glob("*.safetensors"))
+    for shard in shards:  # every file, even one an index leaves out: it is in the checkpoint
+        check_safetensors(shard, "draft checkpoint")
+    if shards:
+        weight_files(model_dir, "draft checkpoint")  # the index, if any, against the shards
+    elif (model_dir / "pytorch_model.bin").exists():
+        _check_torch_file(model_dir / "pytorch_model.bin")
+    else:
+        raise FileNotFoundError(f"draft checkpoint {model_dir} holds no weights: no "
+                                f"*.safetensors or pytorch_model.bin next to its config.json")
+    return model_dir
+
+
+def _check_torch_file(path: Path) -> None:
+    """A torch.save file: a zip whose central directory (at its end) is readable, so not
+    truncated; the legacy pickle format (torch < 1.6) cannot be checked without loading."""
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(path):
+                return
+        except zipfile.BadZipFile as e:
+            raise ValueError(f"draft checkpoint {path} is truncated or corrupt: {e} (re-download "
+                             f"or re-export it)") from None
+    if magic[:1] != b"\x80":  # the pickle protocol opcode a legacy torch.save starts with
+        raise ValueError(f"draft checkpoint {path} is not a PyTorch checkpoint (neither a zip "
+                         f"archive nor a pickle)")
 
 
 def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
@@ -127,10 +185,7 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
     """
     model_dir = _resolve_dir(path)
     cfg_path = model_dir / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    raw = _read_config(model_dir)
     fmt = detect_format(raw, str(cfg_path))
     parsed = parse_config(raw, fmt, str(cfg_path))
     tc = target_config

@@ -29,7 +29,13 @@ from specscope.config import (
 from specscope.engine.request import Request, RequestOutput
 from specscope.engine.runner import ModelRunner, PlainDecoder
 from specscope.engine.speculative import SpecDecoder, SpecStats
-from specscope.engine.tokenizer import IdTokenizer, Messages, Tokenizer, validate_messages
+from specscope.engine.tokenizer import (
+    IdTokenizer,
+    Messages,
+    Tokenizer,
+    check_unicode,
+    validate_messages,
+)
 from specscope.models.llama import CausalLM
 from specscope.models.loader import load_model
 from specscope.profiler import Phase, Profiler
@@ -215,8 +221,12 @@ class LLM:
     # -- prompts ----------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """Token ids for a raw prompt, or for chat messages through the chat template."""
+        """Token ids for a raw prompt, or for chat messages through the chat template.
+
+        Text never yields control tokens (see Tokenizer); send token ids (`stream(...,
+        prompt_ids=...)`) to use them on purpose."""
         if isinstance(prompt, str):
+            check_unicode(prompt, "prompt")
             if chat:
                 return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             ids = self.tokenizer.encode(prompt)

@@ -63,11 +63,30 @@ class Request:
         return self.finish_reason is not None
 
     def append(self, tokens: list[int]) -> str:
-        """Consume tokens emitted by one cycle; return the text that may now be streamed."""
+        """Consume tokens emitted by one cycle; return the text that may now be streamed.
+
+        A speculative cycle emits several tokens at once. With stop strings they are taken
+        one at a time, checking for a stop after each, so that output_ids, text and
+        finish_reason are exactly those of plain decoding (one token per call): the output
+        ends at the token whose text completes the stop string, and the cycle's later tokens
+        are dropped (they must not count as completion tokens). Without stop strings the
+        whole cycle is decoded at once: that is the hot path, and its result is the same.
+        """
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
         self.t_last = now
+        if not self._max_stop or len(tokens) <= 1:
+            return self._consume(tokens)
+        pieces = []
+        for t in tokens:
+            if self.finished:
+                break
+            pieces.append(self._consume([t]))
+        return "".join(pieces)
+
+    def _consume(self, tokens: list[int]) -> str:
+        """Stop ids and max_tokens per token, then decode what is left and apply stop strings."""
         new: list[int] = []
         for t in tokens:
             if self.finished:

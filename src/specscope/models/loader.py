@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from specscope.config import ModelConfig
 from specscope.models.llama import CausalLM
+from specscope.models.safetensors_check import check_safetensors
 
 log = logging.getLogger("specscope.loader")
 
@@ -116,33 +117,49 @@ def read_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw, name=str(model_dir))
 
 
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor name to the safetensors file holding it (sharded or not)."""
+def weight_files(model_dir: Path, label: str = "model checkpoint") -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it (sharded or not).
+
+    Every file's header is checked first (models/safetensors_check.py), so a truncated or
+    corrupt file is an error naming it, before any tensor is read; `label` starts that
+    message ("model checkpoint", "draft checkpoint").
+    """
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
-        missing = sorted({f for f in weight_map.values() if not (model_dir / f).exists()})
-        if missing:
-            raise FileNotFoundError(f"{index} lists shard files that are missing: {missing}")
-        return {name: model_dir / f for name, f in weight_map.items()}
+        return _indexed_files(index, label)
     if single.exists():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
-    others = sorted(p.name for p in model_dir.glob("*.safetensors"))
+        return {name: single for name in check_safetensors(single, label)}
+    others = sorted(model_dir.glob("*.safetensors"))
     if others:  # sharded without an index, or an unusual name
         out: dict[str, Path] = {}
-        for name in others:
-            with safe_open(str(model_dir / name), framework="pt") as f:
-                out.update({k: model_dir / name for k in f.keys()})
+        for path in others:
+            out.update({k: path for k in check_safetensors(path, label)})
         return out
     bins = sorted(p.name for p in model_dir.glob("*.bin"))
     hint = f" (found {bins}: convert them to safetensors)" if bins else ""
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
                             f"{model_dir}{hint}")
+
+
+def _indexed_files(index: Path, label: str) -> dict[str, Path]:
+    """weight_files for a sharded checkpoint: its index, checked against the shards' headers."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+    shards = sorted(set(weight_map.values()))
+    missing = [f for f in shards if not (index.parent / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"{index} lists shard files that are missing: {missing}")
+    held = {f: set(check_safetensors(index.parent / f, label)) for f in shards}
+    absent = sorted(f"{name} ({f})" for name, f in weight_map.items() if name not in held[f])
+    if absent:
+        raise ValueError(f"{index} lists tensors that their shards do not hold: "
+                         f"{name_list(absent)}")
+    return {name: index.parent / f for name, f in weight_map.items()}
 
 
 def name_list(names: list[str], limit: int = 12) -> str:

