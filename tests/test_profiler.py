@@ -15,6 +15,7 @@ from specscope.bench.datasets import load_prompts
 from specscope.config import SpecConfig
 from specscope.profiler import Profiler, chrome_trace
 from specscope.profiler.profiler import format_summary, summarise
+from specscope.profiler.trace import CycleRecord
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -163,3 +164,58 @@ def test_builtin_and_custom_workloads(tmp_path) -> None:
         load_prompts(str(bad))
     with pytest.raises(FileNotFoundError, match="built-in"):
         load_prompts("nope.jsonl")
+
+
+def _rec(i: int, phases: list[tuple[str, float]], tokens: int = 3) -> CycleRecord:
+    t, out = 0.0, []
+    for name, dur in phases:
+        out.append((name, t, dur))
+        t += dur
+    return CycleRecord(index=i, config="c", start_ms=10.0 * i, wall_ms=t + 0.1, phases=out,
+                       tokens=tokens, accepted=tokens - 1)
+
+
+def test_summary_keeps_graph_replays_and_eager_cycles_apart() -> None:
+    """CUDA-graph mode: most cycles replay two segments, a few (each KV window's first) run
+    eagerly with every phase timed. The per-phase rows of the eager cycles must come from
+    those cycles alone, with their count; the segment rows from the replays alone (a phase
+    averaged over all cycles read 'draft_extend mean 0.021 ms, p50 47 ms')."""
+    eager = [("draft_extend", 40.0), ("draft_step[1]", 5.0), ("verify", 18.0),
+             ("accept", 1.0), ("kv_commit", 1.0)]
+    replay = [("draft", 1.5), ("verify_commit", 2.5)]
+    recs = [_rec(i, eager if i % 50 == 0 else replay) for i in range(200)]
+    s = summarise("c", recs, {}, False, 5)
+    seg, ph = s["modes"]["segments"], s["modes"]["phases"]
+    assert (seg["cycles"], ph["cycles"]) == (196, 4)
+    assert seg["phases"]["draft"]["mean_ms"] == pytest.approx(1.5)
+    assert seg["phases"]["verify_commit"]["p50_ms"] == pytest.approx(2.5)
+    assert "draft_extend" not in seg["phases"] and "draft" not in ph["phases"]
+    assert ph["phases"]["draft_extend"]["mean_ms"] == pytest.approx(40.0)
+    assert ph["phases"]["verify"]["p50_ms"] == pytest.approx(18.0)
+    assert seg["cycle_ms"] == pytest.approx(4.1) and ph["cycle_ms"] == pytest.approx(65.1)
+    # The all-cycle rows still add up to the mean cycle.
+    total = sum(p["mean_ms"] for p in s["phases"].values())
+    assert total == pytest.approx(s["wall_ms"] / s["cycles"])
+    text = format_summary(s)
+    assert "graph replays, timed by segment: 196 cycles" in text
+    assert "eager cycles (incl. each KV window's capture), timed by phase: 4 cycles" in text
+    from specscope.profiler.report import render_report
+
+    html = render_report([s], recs)
+    assert "196 cycles" in html and "4 cycles" in html
+
+
+def test_profiler_totals_split_by_mode_beyond_the_window() -> None:
+    """The split holds for every cycle since the reset, not only the kept window."""
+    import torch
+
+    prof = Profiler(torch.device("cpu"), interval=None, keep=8)
+    for i in range(40):
+        prof.begin_cycle()
+        for name in (("draft", "verify_commit") if i % 10 else ("draft_extend", "verify")):
+            prof.mark(name)
+        prof.end_cycle(2, 1)
+    s = prof.summary("plain")
+    assert s["modes"]["segments"]["cycles"] == 36 and s["modes"]["phases"]["cycles"] == 4
+    assert s["modes"]["segments"]["percentile_cycles"] + \
+        s["modes"]["phases"]["percentile_cycles"] == 8

@@ -153,7 +153,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     summaries: list[dict] = []
     records: list = []
     for spec in configs:
-        llm.setspec_from_args(spec)
+        llm.set_spec(spec)
         llm.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         prof.reset()  # drop the warm-up's cycles (graph capture, first-call costs)
         it = prompts if tqdm is None else tqdm(prompts, desc=prof.config, unit="prompt")

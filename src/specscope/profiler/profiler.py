@@ -10,8 +10,12 @@ claims (host reads, Python between phases), so phases + other = wall by construc
 `attributed` = named / wall says how much the named phases explain.
 
 Summaries cover every cycle since the last reset: throughput, phase means and shares and
-acceptance come from running totals. Only the last `keep` cycles of each configuration are
-held as records, for percentiles and traces (bounded memory on a long-running server).
+acceptance come from running totals. Cycles that replayed CUDA graphs are timed by segment and
+cycles run eagerly (on the CPU, with graphs off, or the capture cycle of a KV window) by
+phase; a summary's `modes` keeps the two apart, each with its own cycle count, so a phase row
+never averages a few eager cycles over all of them. Only the last `keep` cycles of each
+configuration are held as records, for percentiles and traces (bounded memory on a
+long-running server).
 
 Off means no Profiler object at all (callers hold None): zero added work.
 """
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specscope.profiler.phases import Phase
-from specscope.profiler.trace import CycleRecord
+from specscope.profiler.trace import TIMING_MODES, CycleRecord
 
 log = logging.getLogger("specscope.profile")
 
@@ -70,6 +74,25 @@ class Totals:
         return t
 
 
+@dataclass
+class ConfigTotals:
+    """A configuration's totals: over all its cycles, and per timing mode."""
+
+    all: Totals = field(default_factory=Totals)
+    modes: dict[str, Totals] = field(default_factory=lambda: defaultdict(Totals))
+
+    def add(self, r: CycleRecord) -> None:
+        self.all.add(r)
+        self.modes[r.mode].add(r)
+
+    @classmethod
+    def of(cls, recs: list[CycleRecord]) -> ConfigTotals:
+        t = cls()
+        for r in recs:
+            t.add(r)
+        return t
+
+
 class Profiler:
     """Phase timing for an engine. interval: log a summary every N cycles (None: never)."""
 
@@ -95,7 +118,7 @@ class Profiler:
         self._loose: list[tuple[str, str, object, object]] = []  # (config, phase, a, b)
         self._pending: list[_Pending] = []
         self.records: dict[str, deque[CycleRecord]] = defaultdict(lambda: deque(maxlen=keep))
-        self.totals: dict[str, Totals] = defaultdict(Totals)
+        self.totals: dict[str, ConfigTotals] = defaultdict(ConfigTotals)
         self.loose_ms: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self._count: dict[str, int] = defaultdict(int)
         self._since_log = 0
@@ -229,15 +252,9 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else 0.0
 
 
-def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]],
-              simulated: bool, positions: int = 0, totals: Totals | None = None) -> dict:
-    """Per-phase mean/p50/p90/share over cycles, throughput and acceptance.
-
-    totals: aggregates of every cycle, when `recs` holds only the last of them (Profiler
-    keeps a bounded window); means, shares, throughput and acceptance come from it, the
-    percentiles from `recs`. Without it, everything comes from `recs`."""
-    t = totals if totals is not None else Totals.of(recs)
-    wall = t.wall_ms
+def _phase_rows(recs: list[CycleRecord], t: Totals) -> dict[str, dict[str, float]]:
+    """Per phase: mean ms per cycle of `t` (so means add up to the cycle), p50/p90 over the
+    cycles of `recs` that ran the phase, and share of the wall time."""
     per: dict[str, list[float]] = defaultdict(list)
     for r in recs:
         seen: dict[str, float] = defaultdict(float)
@@ -247,10 +264,41 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
             per[name].append(dur)
         per["other"].append(r.other_ms)
     n = max(t.cycles, 1)
-    phases = {name: {"mean_ms": total / n, "p50_ms": _pct(per.get(name, []), 0.5),
-                     "p90_ms": _pct(per.get(name, []), 0.9),
-                     "share": (total / wall) if wall else 0.0}
-              for name, total in t.phase_ms.items()}
+    return {name: {"mean_ms": total / n, "p50_ms": _pct(per.get(name, []), 0.5),
+                   "p90_ms": _pct(per.get(name, []), 0.9),
+                   "share": (total / t.wall_ms) if t.wall_ms else 0.0}
+            for name, total in t.phase_ms.items()}
+
+
+def _by_mode(recs: list[CycleRecord], totals: ConfigTotals) -> dict[str, dict]:
+    out = {}
+    for mode in TIMING_MODES:
+        t = totals.modes.get(mode)
+        if t is None or not t.cycles:
+            continue
+        mine = [r for r in recs if r.mode == mode]
+        out[mode] = {"cycles": t.cycles, "tokens": t.tokens, "wall_ms": t.wall_ms,
+                     "cycle_ms": t.wall_ms / t.cycles, "phases": _phase_rows(mine, t),
+                     "percentile_cycles": len(mine)}
+    return out
+
+
+def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]],
+              simulated: bool, positions: int = 0, totals: ConfigTotals | None = None) -> dict:
+    """Throughput, acceptance, and phase rows per timing mode.
+
+    totals: aggregates of every cycle, when `recs` holds only the last of them (Profiler
+    keeps a bounded window); means, shares, throughput and acceptance come from it, the
+    percentiles from `recs`. Without it, everything comes from `recs`.
+
+    `modes` maps "segments" (graph replays: the draft and verify_commit segments) and
+    "phases" (eager cycles: every phase) to their own cycle count, mean cycle time and phase
+    rows. The top-level `phases` are per cycle over all cycles (their means add up to the
+    mean cycle, whatever the mix); read a phase's own time in `modes`."""
+    ct = totals if totals is not None else ConfigTotals.of(recs)
+    t = ct.all
+    wall = t.wall_ms
+    phases = _phase_rows(recs, t)
     acc = t.accepted
     n_acc = sum(acc.values())
     by_pos = None
@@ -266,10 +314,15 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
         "cycles_per_s": t.cycles / wall * 1e3 if wall else 0.0,
         "accept_length": (sum(a * c for a, c in acc.items()) / n_acc + 1.0) if n_acc else None,
         "acceptance_by_position": by_pos, "simulated": simulated, "phases": phases,
+        "modes": _by_mode(recs, ct),
         "attributed": 1.0 - (phases.get("other", {}).get("share", 0.0) if wall else 0.0),
         "request_phases_ms": {name: sum(xs) / len(xs) for name, xs in loose.items() if xs},
         "percentile_cycles": len(recs),
     }
+
+
+MODE_TITLES = {"segments": "graph replays, timed by segment",
+               "phases": "eager cycles (incl. each KV window's capture), timed by phase"}
 
 
 def format_summary(s: dict) -> str:
@@ -282,13 +335,25 @@ def format_summary(s: dict) -> str:
     if s["acceptance_by_position"]:
         lines.append("  acceptance by position: " + " ".join(
             f"{x:.2f}" for x in s["acceptance_by_position"]))
-    window = s.get("percentile_cycles", s["cycles"])
-    lines.append(f"  {'phase':<16} {'mean ms':>9} {'p50':>8} {'p90':>8} {'share':>7}"
-                 + (f"   (p50/p90: the last {window} cycles)" if window < s["cycles"] else ""))
-    for name, p in sorted(s["phases"].items(), key=_phase_order):
+    modes = s.get("modes") or {"phases": {"cycles": s["cycles"], "phases": s["phases"],
+                                          "percentile_cycles": s.get("percentile_cycles",
+                                                                     s["cycles"])}}
+    for mode, m in modes.items():
+        if len(modes) > 1 or mode == "segments":
+            lines.append(f"  {MODE_TITLES[mode]}: {m['cycles']} cycles"
+                         + (f", {m['cycle_ms']:.3f} ms each" if "cycle_ms" in m else ""))
+        lines.extend(_phase_table(m))
+    return "\n".join(lines)
+
+
+def _phase_table(m: dict) -> list[str]:
+    window = m.get("percentile_cycles", m["cycles"])
+    lines = [f"  {'phase':<16} {'mean ms':>9} {'p50':>8} {'p90':>8} {'share':>7}"
+             + (f"   (p50/p90: the last {window} cycles)" if window < m["cycles"] else "")]
+    for name, p in sorted(m["phases"].items(), key=_phase_order):
         lines.append(f"  {name:<16} {p['mean_ms']:>9.3f} {p['p50_ms']:>8.3f} "
                      f"{p['p90_ms']:>8.3f} {p['share']:>6.1%}")
-    return "\n".join(lines)
+    return lines
 
 
 _ORDER = [p.value for p in Phase]

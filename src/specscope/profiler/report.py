@@ -16,6 +16,7 @@ from html import escape
 from pathlib import Path
 
 from specscope.profiler.phases import Phase
+from specscope.profiler.profiler import MODE_TITLES
 from specscope.profiler.trace import CycleRecord, write_text_atomic
 
 TIMELINE_CYCLES = 30
@@ -227,13 +228,24 @@ def _acceptance(summaries: list[dict]) -> str:
                                                          body)
 
 
-def _phase_table(s: dict) -> str:
-    rows = "".join(
+def _rows(phases: dict) -> str:
+    return "".join(
         f"<tr><td>{_swatch(n)}</td><td>{_ms(p['mean_ms'])}</td><td>{_ms(p['p50_ms'])}</td>"
         f"<td>{_ms(p['p90_ms'])}</td><td>{_pct(p['share'])}</td></tr>"
-        for n, p in sorted(s["phases"].items(), key=lambda kv: _phase_key(kv[0])))
-    return (f'<div><h2>{escape(s["config"])}{_badge(s)}</h2><table><tr><th>phase</th>'
-            f"<th>mean ms</th><th>p50 ms</th><th>p90 ms</th><th>share</th></tr>{rows}</table>"
+        for n, p in sorted(phases.items(), key=lambda kv: _phase_key(kv[0])))
+
+
+def _phase_table(s: dict) -> str:
+    """One table per timing mode (graph replays by segment, eager cycles by phase), each
+    with its cycle count, as format_summary prints them."""
+    head = ("<tr><th>phase</th><th>mean ms</th><th>p50 ms</th><th>p90 ms</th>"
+            "<th>share</th></tr>")
+    modes = s.get("modes") or {"phases": {"cycles": s["cycles"], "phases": s["phases"]}}
+    tables = "".join(
+        (f'<p class="muted">{escape(MODE_TITLES[mode])}: {m["cycles"]} cycles</p>'
+         if len(modes) > 1 or mode == "segments" else "")
+        + f"<table>{head}{_rows(m['phases'])}</table>" for mode, m in modes.items())
+    return (f'<div><h2>{escape(s["config"])}{_badge(s)}</h2>{tables}'
             f'<p class="muted">{s["cycles"]} cycles · {s["wall_ms"]:.1f} ms wall · '
             f"{s['cycles_per_s']:.1f} cycles/s · {_pct(s['attributed'])} attributed</p></div>")
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PID = 1  # one process: the engine
+SEGMENT_PHASES = ("draft", "verify_commit")  # Phase.DRAFT and Phase.VERIFY_COMMIT
+TIMING_MODES = ("segments", "phases")
 
 
 @dataclass
@@ -29,6 +31,13 @@ class CycleRecord:
     phases: list[tuple[str, float, float]]
     tokens: int  # tokens emitted by the cycle
     accepted: int | None = None  # draft tokens accepted (None for plain decoding)
+
+    @property
+    def mode(self) -> str:
+        """How the cycle was timed: "segments" when it replayed CUDA graphs (only the
+        segments draft and verify_commit have times), else "phases" (eager, or the capture
+        cycle of a KV window: every phase timed). The two never share a summary row."""
+        return "segments" if any(n in SEGMENT_PHASES for n, _, _ in self.phases) else "phases"
 
     @property
     def other_ms(self) -> float:
