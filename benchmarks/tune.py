@@ -2,6 +2,11 @@
 
     python benchmarks/tune.py [--dataset mt_bench --num-prompts 3 --max-tokens 96]
 
+GPU, the default model and its shipped draft (real acceptance):
+
+    python benchmarks/tune.py --device cuda --model SmolLM2-135M-Instruct.Q4_1.gguf \
+        --num-prompts 8 --max-tokens 128
+
 GPU, simulated acceptance (a random-weight Llama-3.1-8B-shape target and a random EAGLE-3
 draft; the draft and verify run for real, acceptance follows the given per-position profile
 and sibling rate, and the tuner's acceptance model is that same profile):
@@ -41,9 +46,10 @@ def grid() -> list:
 def build(args: argparse.Namespace) -> tuple[LLM, list]:
     """The target and the prompts: the default model on the CPU, or on CUDA a random-weight
     model of a real shape (no tokenizer: prompts are token ids)."""
-    if args.device == "cpu" and not args.random_target:
-        return LLM(None, dtype=args.dtype, device="cpu"), load_prompts(args.dataset,
-                                                                        args.num_prompts)
+    if args.model is not None or (args.device == "cpu" and not args.random_target):
+        dtype = args.dtype if args.device == "cpu" else "auto"
+        return LLM(args.model, dtype=dtype, device=args.device), load_prompts(
+            args.dataset, args.num_prompts)
     import torch
 
     from specscope.config import ModelConfig
@@ -72,6 +78,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--draft", default="default")
+    ap.add_argument("--model", default=None,
+                    help="a real target (e.g. the default model's GGUF) on any device; "
+                         "default: the embedded model on the CPU, a random --shape on CUDA")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32", help="CPU only (CUDA: bf16)")
     ap.add_argument("--shape", default="llama-3.1-8b", help="CUDA: the random target's shape")

@@ -20,6 +20,7 @@ from specscope.cli_args import (
     positive_float,
     positive_int,
 )
+from specscope.config import SpecConfig
 
 if TYPE_CHECKING:  # the command modules import heavy packages only when they run
     from specscope.engine.llm import LLM
@@ -116,6 +117,20 @@ def cmd_convert_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_config(text: str) -> tuple[int, int, int]:
+    """--served STEPS,TOPK[,NUM_DRAFT_TOKENS] as a tuner configuration."""
+    try:
+        parts = [int(x) for x in text.split(",")]
+        if len(parts) not in (2, 3):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--served must be STEPS,TOPK[,NUM_DRAFT_TOKENS], got {text!r}") \
+            from None
+    spec = SpecConfig(num_steps=parts[0], topk=parts[1],
+                      num_draft_tokens=parts[2] if len(parts) == 3 else None)
+    return spec.num_steps, spec.topk, spec.num_draft_tokens
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from specscope.bench.datasets import load_prompts
     from specscope.engine.llm import LLM
@@ -123,6 +138,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     check_engine_args(args)
     check_draft_arg(args.draft)  # before the target loads
+    served = served_config(args.served)
     prompts = load_prompts(args.dataset, args.num_prompts)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +147,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
               compile=args.compile)
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, confirm=args.confirm,
-               budget_seconds=args.budget_seconds)
+               budget_seconds=args.budget_seconds, served=served)
     print(res.table())
     print(res.recommendation())
     (out_dir / "tune.json").write_text(json.dumps(res.as_dict(), indent=1) + "\n")
@@ -219,7 +235,8 @@ def start_serve_draft(llm: LLM, spec: Any, args: argparse.Namespace,
         say(f"[auto-tune] {spec.draft} on {len(prompts)} {args.auto_tune_dataset} prompts, "
             f"{args.auto_tune_max_tokens} tokens each")
         res = tune(llm, spec.draft, prompts, max_tokens=args.auto_tune_max_tokens,
-                   budget_seconds=args.auto_tune_budget_seconds, log=say)
+                   budget_seconds=args.auto_tune_budget_seconds, log=say,
+                   served=(spec.num_steps, spec.topk, spec.num_draft_tokens))
         say(res.table())
         say(res.recommendation())
         say(f"[auto-tune] serving with {res.recommended}" if res.recommended else
@@ -344,7 +361,10 @@ def add_draft_commands(sub: argparse._SubParsersAction,
     u.add_argument("--num-prompts", type=positive_int, default=4)
     u.add_argument("--max-tokens", type=positive_int, default=128)
     u.add_argument("--confirm", type=positive_int, default=3,
-                   help="how many of the best predictions to confirm by real runs")
+                   help="configurations to confirm by real runs (at least the best predicted "
+                        "chain and tree and the --served one)")
+    u.add_argument("--served", default="5,1", metavar="STEPS,TOPK[,NDT]",
+                   help="the configuration served today, always confirmed (default 5,1)")
     u.add_argument("--budget-seconds", type=positive_float, default=None,
                    help="stop confirming once this much time is spent")
     u.add_argument("--out", default="tune-out", help="directory for tune.json and tune.svg")

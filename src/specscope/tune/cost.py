@@ -1,22 +1,34 @@
 """The cost model of a speculative cycle, fitted from profiler summaries of a calibration run.
 
-A cycle of configuration (num_steps s, topk k, num_draft_tokens n) costs
+A cycle of configuration (num_steps s, topk k, num_draft_tokens n) costs, with tree = 1 when
+k > 1 (an EAGLE-2 tree) and 0 for a chain:
 
-    draft(s, k)  = a_draft + b_step * (s - 1) + b_row * (s - 1) * k
-                   (s - 1 draft forwards of k rows each; the extend always feeds s + 1
-                   pairs, a term linear in s that a_draft and b_step absorb)
-    verify(n)    = a_verify + b_verify * n          (one target forward over n tokens)
-    other        = a_other                          (accept bookkeeping, detokenise, host)
+    draft  = a_draft + b_step * (s - 1)                   the extend and s - 1 chain steps
+             + tree * (c_tree + e_tree * (s - 1))         a tree step's own work, per depth
+             + b_row * (s - 1) * (k - 1)                  the k - 1 extra rows of each step
+    verify = a_verify + b_verify * n                      one target forward over n tokens
+             + tree * (c_tree_verify + d_tree_verify * s) tree mask, tree accept, KV commit
+    other  = other_chain or other_tree                    host work between the segments
 
-and a plain decoding step costs `plain`. Each line is fitted by least squares on the mean
-per-cycle phase times that `Profiler.summary` reports, so the same code fits eager phases
-(draft_extend + draft_step + tree_build) and graph-replayed segments (draft, verify_commit).
+and a plain decoding step costs `plain`. Why the tree terms: at batch 1 on a GPU a 135M
+target's verify is launch-bound, flat in n (2.47 ms + 0.010 ms per token on the H200), and a
+tree adds work a chain never does, whatever its width: the ancestor mask (one pass per
+depth), the general accept walk, the move of the accepted path's KV in every layer, and, in
+drafting, a mask, two top-k and gathers per step. Fitting those as per-token or per-row
+costs priced a (5, 3, 21) tree 14 % too cheap; with them the fit is within 3.1 % of every
+steady cycle of 25 chains and trees measured there (benchmarks/cycle_costs.py).
+
+Each line is fitted by least squares on the mean per-cycle phase times that
+`Profiler.summary` reports (of its graph replays when it has them), so the same code fits
+eager phases (draft_extend + draft_step + tree_build) and graph-replayed segments (draft,
+verify_commit). CALIBRATION in tuner.py is chosen so that every term is identified; the fit
+checks the rank of each design matrix and refuses a calibration that cannot identify a term.
 Predicted speculative tok/s = tau(s, k, n) / cycle(s, k, n); plain tok/s = 1 / plain.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -37,20 +49,49 @@ class Calibration:
     other_ms: float
 
 
+DRAFT_TERMS = ("a_draft", "b_step", "c_tree", "e_tree", "b_row")
+VERIFY_TERMS = ("a_verify", "b_verify", "c_tree_verify", "d_tree_verify")
+
+
+def draft_columns(s: int, k: int, n: int) -> list[float]:
+    tree = 1.0 if k > 1 else 0.0
+    return [1.0, s - 1.0, tree, tree * (s - 1), (s - 1.0) * (k - 1)]
+
+
+def verify_columns(s: int, k: int, n: int) -> list[float]:
+    tree = 1.0 if k > 1 else 0.0
+    return [1.0, float(n), tree, tree * s]
+
+
 @dataclass(frozen=True)
 class CostModel:
     a_draft: float
     b_step: float
+    c_tree: float
+    e_tree: float
     b_row: float
     a_verify: float
     b_verify: float
-    other: float
+    c_tree_verify: float
+    d_tree_verify: float
+    other_chain: float
+    other_tree: float
     plain: float  # ms per plain decoding step
+    # Calibration point -> (measured, fitted) ms of each term: how well the lines fit.
+    residuals: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
+
+    def draft_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
+        x = draft_columns(num_steps, topk, num_draft_tokens)
+        return sum(c * getattr(self, t) for c, t in zip(x, DRAFT_TERMS, strict=True))
+
+    def verify_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
+        x = verify_columns(num_steps, topk, num_draft_tokens)
+        return sum(c * getattr(self, t) for c, t in zip(x, VERIFY_TERMS, strict=True))
 
     def cycle_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
-        s, k, n = num_steps, topk, num_draft_tokens
-        return (self.a_draft + self.b_step * (s - 1) + self.b_row * (s - 1) * k
-                + self.a_verify + self.b_verify * n + self.other)
+        cfg = (num_steps, topk, num_draft_tokens)
+        return (self.draft_ms(*cfg) + self.verify_ms(*cfg)
+                + (self.other_tree if topk > 1 else self.other_chain))
 
     def tok_per_s(self, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         return 1e3 * tau / self.cycle_ms(num_steps, topk, num_draft_tokens)
@@ -60,13 +101,20 @@ class CostModel:
         return 1e3 / self.plain
 
     def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 5) for k, v in asdict(self).items()}
+        return {k: round(v, 5) for k, v in asdict(self).items() if k != "residuals"}
+
+    def worst_residual(self) -> float:
+        """The largest |measured / fitted - 1| over the calibration points and terms."""
+        return max((abs(r["measured_ms"] / r["fitted_ms"] - 1) for rows in
+                    self.residuals.values() for r in rows if r["fitted_ms"]), default=0.0)
 
 
 def calibration_from_summary(summary: dict[str, Any], num_steps: int, topk: int,
                              num_draft_tokens: int) -> Calibration:
-    """Mean ms per cycle of the draft, verify and other terms from a profiler summary."""
-    phases = summary["phases"]  # name -> {"mean_ms": per cycle, ...}
+    """Mean ms per cycle of the draft, verify and other terms from a profiler summary: of
+    its graph replays when it has them (the capture cycles are not the steady state the model
+    predicts), else of all its cycles."""
+    phases = steady_phases(summary)  # name -> {"mean_ms": per cycle, ...}
 
     def base(name: str) -> str:  # "draft_step[3]" -> "draft_step"
         return name.split("[", 1)[0]
@@ -80,6 +128,11 @@ def calibration_from_summary(summary: dict[str, Any], num_steps: int, topk: int,
     return Calibration(num_steps, topk, num_draft_tokens, draft, verify, other)
 
 
+def steady_phases(summary: dict[str, Any]) -> dict[str, Any]:
+    seg = summary.get("modes", {}).get("segments")
+    return seg["phases"] if seg else summary["phases"]
+
+
 def plain_ms_from_summary(summary: dict[str, Any]) -> float:
     """Mean ms per plain decoding cycle (decode step plus per-token host work)."""
     return sum(p["mean_ms"] for name, p in summary["phases"].items() if name != "prefill")
@@ -91,19 +144,41 @@ def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
     return torch.linalg.lstsq(A, b, driver="gelsd").solution[:, 0].tolist()
 
 
+def _check_identified(name: str, terms: tuple[str, ...], rows: list[list[float]],
+                      cals: list[Calibration]) -> None:
+    """Every term of a line must be identified by the calibration: its design matrix must
+    have full column rank (else least squares would share one effect between two terms)."""
+    A = torch.tensor(rows, dtype=torch.float64)
+    rank = int(torch.linalg.matrix_rank(A))
+    if rank < len(terms):
+        shapes = sorted({(c.num_steps, c.topk, c.num_draft_tokens) for c in cals})
+        raise ValueError(f"cost model: the calibration configurations {shapes} cannot "
+                         f"identify the {name} terms {list(terms)} (rank {rank} of "
+                         f"{len(terms)}): it needs chains of two lengths and trees of "
+                         f"several depths, widths and sizes (tuner.CALIBRATION)")
+
+
+def _fit_line(name: str, terms: tuple[str, ...], columns, cals: list[Calibration],
+              attr: str) -> tuple[list[float], list[dict[str, Any]]]:
+    rows = [columns(c.num_steps, c.topk, c.num_draft_tokens) for c in cals]
+    _check_identified(name, terms, rows, cals)
+    y = [getattr(c, attr) for c in cals]
+    coef = _lstsq(rows, y)
+    resid = [{"config": [c.num_steps, c.topk, c.num_draft_tokens], "measured_ms": round(m, 4),
+              "fitted_ms": round(sum(a * b for a, b in zip(r, coef, strict=True)), 4)}
+             for c, r, m in zip(cals, rows, y, strict=True)]
+    return coef, resid
+
+
 def fit_cost_model(cals: list[Calibration], plain_ms: float) -> CostModel:
-    """Least-squares fit of the cycle terms. Needs calibrations that vary num_steps, topk
-    and num_draft_tokens independently enough (at least 3 distinct (s, k) and 2 distinct n);
-    otherwise raises naming what is missing."""
-    sk = {(c.num_steps, c.topk) for c in cals}
-    ns = {c.num_draft_tokens for c in cals}
-    if len(sk) < 3 or len(ns) < 2:
-        raise ValueError(f"cost model: need >= 3 distinct (num_steps, topk) and >= 2 distinct "
-                         f"num_draft_tokens among the calibration runs, got {sorted(sk)} and "
-                         f"{sorted(ns)}")
-    a_d, b_s, b_r = _lstsq([[1.0, c.num_steps - 1, (c.num_steps - 1) * c.topk] for c in cals],
-                           [c.draft_ms for c in cals])
-    a_v, b_v = _lstsq([[1.0, c.num_draft_tokens] for c in cals], [c.verify_ms for c in cals])
-    other = sum(c.other_ms for c in cals) / len(cals)
-    return CostModel(a_draft=a_d, b_step=b_s, b_row=b_r, a_verify=a_v, b_verify=b_v,
-                     other=other, plain=plain_ms)
+    """Least-squares fit of the cycle terms (module docstring), with each calibration
+    point's residual kept. Raises, naming what is missing, when the calibration cannot
+    identify every term (e.g. no tree, or trees of one depth only)."""
+    d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, cals, "draft_ms")
+    v, v_res = _fit_line("verify", VERIFY_TERMS, verify_columns, cals, "verify_ms")
+    chains = [c.other_ms for c in cals if c.topk == 1]
+    trees = [c.other_ms for c in cals if c.topk > 1]
+    terms = dict(zip(DRAFT_TERMS + VERIFY_TERMS, d + v, strict=True))
+    return CostModel(**terms, other_chain=sum(chains) / len(chains),
+                     other_tree=sum(trees) / len(trees), plain=plain_ms,
+                     residuals={"draft": d_res, "verify": v_res})

@@ -7,8 +7,11 @@ configurations in place (LLM.set_spec).
     2. cost model: plain decoding on the prompts, then a short profiled calibration over four
        configurations (cost.py);
     3. prediction for every (num_steps <= 10, topk <= 8, num_draft_tokens <= 64);
-    4. confirmation: the top predictions, each run on the prompts with the profiler, against
-       the plain run of step 2; the best measured wins (within 3 %, the better predicted).
+    4. confirmation: the best predicted chain, the best predicted tree, the configuration being
+       served and the next-best predictions, each run on the prompts with the profiler,
+       against the plain run of step 2; the best measured wins (within 3 %, the better
+       predicted). A cost model that misprices one family (trees, say) can then cost a wrong
+       ranking within the family but never the family itself.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from specscope.tune.cost import (
 )
 
 Config = tuple[int, int, int]  # (num_steps, topk, num_draft_tokens)
-# Four configurations over-determine the cost model's fits (three draft terms, two verify
-# terms): (num_steps - 1) in {0, 7, 2, 4}, rows (num_steps - 1) * topk in {0, 7, 8, 32},
-# verified tokens in {2, 9, 12, 40}. Each costs a run, and on a GPU the runs are most of the tuner's
-# time, so no more than the fit needs.
-CALIBRATION: list[Config] = [(1, 1, 2), (8, 1, 9), (3, 4, 12), (5, 8, 40)]
+# Seven configurations over-determine the cost model's lines (cost.py: five draft terms,
+# four verify terms, each identified): chains of 1, 4 and 8 steps (the chain step, the verify
+# per token), and trees that vary depth, width and size independently enough to tell a
+# tree's per-depth work from its per-row and per-token work. On a GPU each costs well under
+# a second; the confirmation runs are most of the tuner's time.
+CALIBRATION: list[Config] = [(1, 1, 2), (4, 1, 5), (8, 1, 9), (2, 4, 8), (3, 8, 16),
+                             (5, 2, 10), (6, 8, 32)]
 
 
 def max_nodes(num_steps: int, topk: int) -> int:
@@ -58,10 +63,16 @@ def spec_flags(cfg: Config) -> str:
 
 @dataclass
 class Measured:
+    """One configuration's run. tok_per_s is the steady state, which a server sees and the
+    tuner ranks by: on CUDA the graph-replay cycles only, leaving out the first cycle of each
+    KV window (its graph capture, paid once per window in a server's life but several times
+    in a short run); elsewhere every cycle. run_tok_per_s counts every cycle of the run."""
+
     config: Config | None  # None: plain decoding
     tok_per_s: float
     accept_length: float | None
     seconds: float
+    run_tok_per_s: float | None = None
 
 
 @dataclass
@@ -99,11 +110,13 @@ class TuneResult:
 
     def as_dict(self) -> dict[str, Any]:
         best = sorted(self.predictions.items(), key=lambda kv: -kv[1][1])[:20]
-        return {"cost_model": self.cost.as_dict(),
+        return {"cost_model": self.cost.as_dict(), "cost_residuals": self.cost.residuals,
                 "recommended": list(self.recommended) if self.recommended else None,
                 "flags": spec_flags(self.recommended) if self.recommended else None,
                 "measured": [{"config": list(m.config) if m.config else "plain",
                               "tok_per_s": round(m.tok_per_s, 2),
+                              "run_tok_per_s": (round(m.run_tok_per_s, 2)
+                                                if m.run_tok_per_s is not None else None),
                               "accept_length": m.accept_length, "seconds": round(m.seconds, 2),
                               "predicted": (round(self.predictions[m.config][1], 2)
                                             if m.config else round(self.cost.plain_tok_per_s, 2))}
@@ -127,20 +140,43 @@ def spec_for(cfg: Config | None, draft: str, base: SpecConfig | None = None
 
 def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
                params: SamplingParams, base: SpecConfig | None = None,
-               warmup_tokens: int = 8) -> tuple[Measured, dict]:
+               warmup_tokens: int = 8, warm_all: bool = False) -> tuple[Measured, dict]:
     """Measure one configuration in process with the profiler; returns it and the summary.
-    The warm-up runs `warmup_tokens` first (on CUDA, as many as a measured request, so every
-    KV window's graphs are captured before the clock runs)."""
+    The warm-up runs `warmup_tokens` of the first prompt (on CUDA, as many as a measured
+    request, so that prompt's KV windows have their graphs before the clock runs);
+    warm_all: every prompt in full instead, so every window the measured run reaches is
+    captured first (the steady state of a long-running server)."""
     t0 = time.perf_counter()
     llm.set_spec(spec_for(cfg, draft, base))
     prof = llm.enable_profiling(True, interval=None)
-    llm.generate(prompts[0], SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
+    if warm_all:
+        for p in prompts:
+            llm.generate(p, params)
+    else:
+        llm.generate(prompts[0], SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
     prof.reset()
     for p in prompts:
         llm.generate(p, params)
     s = prof.summary(prof.config)
     llm.enable_profiling(False)
-    return Measured(cfg, s["tok_per_s"], s["accept_length"], time.perf_counter() - t0), s
+    return Measured(cfg, s["steady_tok_per_s"], s["accept_length"], time.perf_counter() - t0,
+                    s["tok_per_s"]), s
+
+
+def confirmation_set(preds: dict[Config, tuple[float, float]], confirm: int,
+                     served: Config | None = None) -> tuple[list[Config], list[Config]]:
+    """(must, more): the configurations always confirmed, in order (the top prediction, the
+    best predicted chain and tree, the served configuration), and the next-best predictions
+    up to `confirm` in all, which a time budget may cut."""
+    ranked = sorted(preds, key=lambda c: -preds[c][1])
+    chains = [c for c in ranked if c[1] == 1]
+    trees = [c for c in ranked if c[1] > 1]
+    must: list[Config] = []
+    for c in (ranked[:1] + chains[:1] + trees[:1] + ([served] if served in preds else [])):
+        if c not in must:
+            must.append(c)
+    more = [c for c in ranked if c not in must][:max(confirm - len(must), 0)]
+    return must, more
 
 
 def pick(measured: list[Measured], preds: dict[Config, tuple[float, float]],
@@ -184,9 +220,11 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          calibration_tokens: int = 48, budget_seconds: float | None = None,
          log: Any = print, base: SpecConfig | None = None,
          acceptance: AcceptanceModel | None = None, warmup_tokens: int = 8,
-         tie_margin: float = 0.03) -> TuneResult:
+         tie_margin: float = 0.03, served: Config | None = None) -> TuneResult:
     """The whole tuner on an LLM holding the target (weights never reloaded). With a budget,
-    confirmation runs stop once it is spent (plain and the top prediction always run).
+    confirmation runs stop once it is spent (plain and confirmation_set's must-runs always
+    run: the top prediction, the best chain and tree, and `served`, the configuration in
+    use).
     `base`: settings every configuration keeps (draft layer ids, simulated acceptance).
     `acceptance`: a given acceptance model instead of measuring the draft. With a simulated
     `base` and no `acceptance`, the model is the profile's (simulated_acceptance).
@@ -233,7 +271,8 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary))
     timings["calibration"] = time.perf_counter() - t
     log(f"[tune] cost model from plain + {len(CALIBRATION)} calibration configs "
-        f"({timings['calibration']:.1f} s; runs, s: {', '.join(run_s)}): {cost.as_dict()}")
+        f"({timings['calibration']:.1f} s; runs, s: {', '.join(run_s)}): {cost.as_dict()}; "
+        f"worst calibration residual {cost.worst_residual():.1%}")
 
     t = time.perf_counter()
     preds: dict[Config, tuple[float, float]] = {}
@@ -249,9 +288,12 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     t = time.perf_counter()
     result = TuneResult(cost=cost, acceptance=acc, predictions=preds)
     result.measured.append(plain)
-    for i, cfg in enumerate(ranked[:confirm]):
-        if i and budget_seconds is not None and time.perf_counter() - t_start > budget_seconds:
-            log(f"[tune] budget of {budget_seconds:.0f} s spent: confirmed {i} of {confirm}")
+    must, more = confirmation_set(preds, confirm, served)
+    for i, cfg in enumerate(must + more):
+        if i >= len(must) and budget_seconds is not None and \
+                time.perf_counter() - t_start > budget_seconds:
+            log(f"[tune] budget of {budget_seconds:.0f} s spent: confirmed {i} of "
+                f"{len(must) + len(more)}")
             break
         result.measured.append(run_config(llm, cfg, draft, prompts, params, base,
                                           warmup_tokens)[0])
