@@ -267,6 +267,8 @@ BAD = [
     ("cmpl", {"model": NAME, "prompt": "a\udc00"}, 400, "prompt"),
     ("cmpl", {"model": NAME, "prompt": "x", "stop": ""}, 400, "stop"),
     ("cmpl", {"model": NAME, "prompt": "x" * 300_000}, 400, "prompt"),
+    ("chat", {"model": NAME, "messages": MSG, "stop": {"a": 1}}, 400, "stop"),
+    ("cmpl", '{"model": "tiny", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", 400, None),
 ]
 
 
@@ -739,6 +741,10 @@ def test_long_prompt_refused_before_tokenization(llm, monkeypatch):
         err = _error(_post(srv.url, "/v1/chat/completions", {
             "model": NAME, "messages": [{"role": "user", "content": text}]}), 400,
             "context_length_exceeded")
+        many = [{"role": "user", "content": "a"}] * 20_000  # tiny messages, many tokens
+        err = _error(_post(srv.url, "/v1/chat/completions", {"model": NAME, "messages": many}),
+                     400, "context_length_exceeded")
+        assert "20000 messages" in err["message"]
         assert calls == []
         assert _post(srv.url, "/v1/completions", {"model": NAME, "prompt": "hi",
                                                   "max_tokens": 1}).status_code == 200

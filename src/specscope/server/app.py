@@ -76,6 +76,23 @@ def _engine_error(e: BaseException, param: str | None = None) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
+def message_overhead(llm: LLM) -> int:
+    """The fewest tokens the chat template adds for one more message, over the roles (0
+    when unknown): measured once, from two renderings that differ by one message."""
+    if not getattr(llm.tokenizer, "has_chat_template", False):
+        return 0
+    try:
+        least = None
+        for role in ("user", "assistant", "system"):
+            one = [{"role": "user", "content": "a"}]
+            two = one + [{"role": role, "content": "a"}]
+            extra = len(llm.encode_prompt(two, chat=True)) - len(llm.encode_prompt(one, chat=True))
+            least = extra - 1 if least is None else min(least, extra - 1)  # minus the "a"
+        return max(least or 0, 0)
+    except (ValueError, TypeError):  # a template that refuses such a conversation
+        return 0
+
+
 def _get_and_head(app: FastAPI, path: str) -> Callable:
     """Register a GET route that also answers HEAD (probes and load balancers send it)."""
     def register(fn: Callable) -> Callable:
@@ -331,7 +348,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
         req: ChatCompletionRequest = parse_json(raw, ChatCompletionRequest)
         check_model(req.model)
         messages = [m.for_template() for m in req.messages]
-        limits.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        limits.check_chars(sum(len(m["content"]) for m in messages), "messages",
+                           len(messages))
         try:
             return req, llm.encode_prompt(messages, chat=True)
         except (ValueError, TypeError) as e:
@@ -442,16 +460,20 @@ class PromptLimits:
                               llm.max_model_len - 1)
         self.context = llm.max_model_len
         self.token_chars = max_token_chars(llm.tokenizer)
+        self.per_message = message_overhead(llm)
 
-    def check_chars(self, chars: int, field: str) -> None:
-        """Before tokenization: a text too long to fit whatever its tokens turn out to be."""
+    def check_chars(self, chars: int, field: str, messages: int = 0) -> None:
+        """Before tokenization: a prompt too long to fit whatever its tokens turn out to be.
+        messages: each costs at least the template's own tokens for one (a 4 MB body of
+        131k tiny messages would otherwise be rendered in full before it is refused)."""
         if self.token_chars is None:
             return
-        at_least = -(-chars // self.token_chars)
+        at_least = -(-chars // self.token_chars) + messages * self.per_message
         if at_least > self.max_prompt:
-            raise APIError(400, f"the prompt ({chars} characters, so at least {at_least} "
-                           f"tokens) is longer than this server's limit of {self.max_prompt} "
-                           f"prompt tokens; shorten it", param=field,
+            raise APIError(400, f"the prompt ({chars} characters"
+                           f"{f' in {messages} messages' if messages else ''}, so at least "
+                           f"{at_least} tokens) is longer than this server's limit of "
+                           f"{self.max_prompt} prompt tokens; shorten it", param=field,
                            code="context_length_exceeded")
 
     def check_tokens(self, n: int, field: str) -> None:

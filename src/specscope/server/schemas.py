@@ -42,6 +42,12 @@ class APIError(Exception):
 
 
 _NO_DATA = object()
+# Tags pydantic puts in an error's location for the member of a union that failed.
+_TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "none", "list", "dict", "tuple", "set"}
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "literal"))
 
 
 def param_path(loc: tuple, data: Any = _NO_DATA) -> str | None:
@@ -50,6 +56,8 @@ def param_path(loc: tuple, data: Any = _NO_DATA) -> str | None:
     s = ""
     parts = [p for p in loc if p not in ("body", "query", "path")]
     for p in parts:
+        if isinstance(p, str) and _is_type_tag(p):
+            break  # a union member's tag ('str', 'list[str]'): the field itself is the param
         if data is not _NO_DATA:
             in_dict = isinstance(data, dict) and isinstance(p, str) and p in data
             in_list = isinstance(data, list) and isinstance(p, int) and 0 <= p < len(data)
@@ -235,7 +243,9 @@ def parse_json(raw: bytes, model: type[BaseModel]) -> Any:
     """A request body as `model`, or the APIError naming what is wrong with it."""
     try:
         data = json.loads(raw, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of over 4300 digits
         raise APIError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
