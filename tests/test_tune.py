@@ -23,11 +23,11 @@ def test_cost_model_recovers_known_costs_from_synthetic_timings():
 
     true = CostModel(a_draft=0.16, b_step=0.11, c_tree=0.08, e_tree=0.11, b_row=0.005,
                      a_verify=2.47, b_verify=0.01, c_tree_verify=0.33, d_tree_verify=0.035,
-                     other_chain=0.12, other_tree=0.14, plain=2.2)
+                     other=0.13, plain=2.2)
     rng = random.Random(0)
     cals = [Calibration(s, k, n, true.draft_ms(s, k, n) * (1 + rng.gauss(0, 0.01)),
                         true.verify_ms(s, k, n) * (1 + rng.gauss(0, 0.01)),
-                        (true.other_tree if k > 1 else true.other_chain))
+                        true.other)
             for s, k, n in CALIBRATION]
     fit = fit_cost_model(cals, plain_ms=2.2)
     for s, k, n in [(7, 1, 8), (10, 8, 64), (2, 2, 4), (5, 3, 21), (5, 4, 26)]:
