@@ -147,10 +147,11 @@ def check_draft_files(path: str | os.PathLike) -> Path:
     cfg_path = str(model_dir / "config.json")
     parse_config(raw, detect_format(raw, cfg_path), cfg_path)
     shards = sorted(model_dir.glob("*.safetensors"))
-    for shard in shards:  # every file, even one an index leaves out: it is in the checkpoint
-        check_safetensors(shard, "draft checkpoint")
-    if shards:
-        weight_files(model_dir, "draft checkpoint")  # the index, if any, against the shards
+    if shards:  # the index, if any, against the shards; each file's header checked once
+        checked = set(weight_files(model_dir, "draft checkpoint").values())
+        for shard in shards:  # also a file the index leaves out: it is in the checkpoint
+            if shard not in checked:
+                check_safetensors(shard, "draft checkpoint")
     elif (model_dir / "pytorch_model.bin").exists():
         _check_torch_file(model_dir / "pytorch_model.bin")
     else:

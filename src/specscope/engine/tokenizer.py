@@ -103,6 +103,15 @@ class Tokenizer:
                 raise ValueError(f"{path} has a key holding the special token {tok!r}; "
                                  f"remove it")
 
+    def _may_touch_control(self, text: str) -> bool:
+        """Whether `text`, placed in the template, could be all or part of a control token:
+        it holds one, lies inside one, or starts with the end / ends with the start of one."""
+        if self._control_in(text) is not None:
+            return True
+        return any(text in c or any(text.startswith(c[k:]) or text.endswith(c[:k])
+                                    for k in range(1, len(c)))
+                   for c in self.control_tokens)
+
     def _control_in(self, text: str) -> str | None:
         """The first control-token string in `text`, if any."""
         found = self._control_re.search(text)
@@ -122,6 +131,8 @@ class Tokenizer:
         leaves: list[tuple[str, str]] = []
         marked = [{k: v if k == "role" else mark(v, f"messages[{i}].{k}", leaves)
                    for k, v in m.items()} for i, m in enumerate(messages)]
+        if not any(self._may_touch_control(v) for _, v in leaves):
+            return ids  # no user string can be part of a control token: no second rendering
         try:
             marked_text = self._render(marked)
         except ValueError:
