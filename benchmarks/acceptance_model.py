@@ -8,11 +8,14 @@ every configuration of a `benchmarks/tune.py` grid log (same prompts, same model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+import time
 from pathlib import Path
 
 from specscope import LLM
 from specscope.bench.datasets import load_prompts
+from specscope.config import SamplingParams
 from specscope.doctor.probe import target_probe_data
 from specscope.draft.loader import load_draft
 from specscope.tune.acceptance import measure_acceptance
@@ -28,25 +31,37 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     args = ap.parse_args()
     llm = LLM(None, dtype=args.dtype, device="cpu")
-    ids = [llm.encode_prompt(p) for p in load_prompts(args.dataset, args.num_prompts)]
-    data = target_probe_data(llm.runner.model, ids, args.max_tokens)
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    ids = [llm.encode_prompt(p) for p in prompts]
+    # The engine's own greedy outputs, as the tuner measures them.
+    params = SamplingParams(max_tokens=args.max_tokens)
+    answers = [llm.generate(p, params)[0].token_ids for p in prompts]
+    data = target_probe_data(llm.runner.model, ids, args.max_tokens, answers=answers)
     draft = load_draft(args.draft, llm.model_config, dtype=llm.dtype, device=llm.device).model
     draft.attach_target(llm.runner.model)
+    t0 = time.perf_counter()
     model = measure_acceptance(draft, data, 10)
+    print(f"acceptance model measured in {time.perf_counter() - t0:.1f} s "
+          f"(trees of topk 2-8 unrolled)")
+    # The same ranks with the trees left out: the path-borrowed approximation (_beam_terms),
+    # which is what a simulated profile uses.
+    approx = dataclasses.replace(model, trees={}, _terms=None)
     rows = dict.fromkeys(re.findall(r"grid \((\d+), (\d+), (\d+)\)\s+[\d.]+ tok/s\s+tau ([\d.]+)",
                                     Path(args.log).read_text()))
-    errs = {"chain": [], "tree": []}
+    errs: dict[str, list[float]] = {"chain": [], "tree": [], "tree (approximate)": []}
     for s, k, n, t in rows:
         cfg, measured = (int(s), int(k), int(n)), float(t)
-        pred = model.tau(*cfg)
+        pred, pred_a = model.tau(*cfg), approx.tau(*cfg)
         errs["chain" if cfg[1] == 1 else "tree"].append(pred / measured - 1)
+        if cfg[1] > 1:
+            errs["tree (approximate)"].append(pred_a / measured - 1)
         print(f"{str(cfg):<12} measured {measured:.2f} predicted {pred:.2f} "
-              f"({pred / measured - 1:+.1%})")
+              f"({pred / measured - 1:+.1%}); approximate {pred_a:.2f} "
+              f"({pred_a / measured - 1:+.1%})")
     for kind, e in errs.items():
         if e:
             print(f"{kind}s: mean |error| {sum(map(abs, e)) / len(e):.1%}, worst "
                   f"{max(e, key=abs):+.1%} over {len(e)}")
-
 
 if __name__ == "__main__":
     main()

@@ -133,8 +133,9 @@ def test_walk_cycles_follow_the_engine():
     a = [[0] * 18]
     a[0][2], a[0][5], a[0][6], a[0][9] = 2, 3, 1, 5
     # first answer: t=2 accepts 2 -> t=5 accepts 3 -> t=9 accepts min(5, 12-9-2=1) -> t=11
-    # stops (no root left); second answer: t=13 accepts 0, t=14 0, t=15 0 -> t=16 stops
-    assert walk_cycles(a, answer_spans(mask)) == [2, 3, 1, 0, 0, 0]
+    # stops (no root left); second answer: t=13 accepts 0 (emits tok_15), t=14 0 (emits
+    # tok_16, the answer's last) -> t=15 stops: its root is the last token, nothing follows
+    assert walk_cycles(a, answer_spans(mask)) == [2, 3, 1, 0, 0]
     # the mean over all start positions would count positions the walk skips
     assert walk_cycles([[0] * 18], [[(0, 1)]]) == []
 

@@ -251,7 +251,7 @@ def walk_cycles(accepted: list[list[int]], spans: list[list[tuple[int, int]]]) -
     out = []
     for row, row_spans in zip(accepted, spans, strict=True):
         for t, end in row_spans:
-            while t + 1 < end:  # a cycle has a root token to verify from
+            while t + 2 < end:  # the answer still has a token after this cycle's root
                 acc = min(row[t], max(0, end - t - 2))
                 out.append(acc)
                 t += acc + 1

@@ -1,20 +1,21 @@
 """The acceptance model: predicted accept length tau for any (num_steps, topk, num_draft_tokens)
 from one teacher-forced measurement of the draft.
 
-The target answers a few prompts greedily (doctor/probe.py); the draft is unrolled D steps
-along those answers exactly as the engine runs it (train/ttt.py). At every answer position t
-and depth d the measurement keeps r_d(t): the rank of the target's greedy token among the
-draft's candidates at depth d (1 = the draft's top choice; infinity when the target's token
-is outside the draft vocabulary, or when an earlier token of the path was not the target's
-own, so the path is not the one a greedy verification would walk).
+The target's answers are the engine's own greedy outputs (the tuner's plain run), teacher-
+forced once through the target (doctor/probe.py) for its taps. The draft is unrolled D steps
+along them exactly as the engine runs it (train/ttt.py). At every answer position t and depth
+d the measurement keeps r_d(t): the rank of the answer's token among the draft's candidates at
+depth d (1 = the draft's top choice; infinity when the token is outside the draft vocabulary,
+or when an earlier token of the path was not the target's own, so the path is not the one a
+greedy verification would walk).
 
-A configuration accepts depth d of the path at t when every node on it is in the tree.
-With the draft's scores (the log-prob of each path token and the top-8 log-probs at each
-depth), the tree is EAGLE-2's, approximated from the path (_beam_terms): the path node at d
-must be among its parent's topk children, its parent among the topk beams of its depth, and
-fewer than num_draft_tokens - 1 candidates of the whole tree may outrank it, where every
-beam's children are given the path node's children's log-probs at that depth. A simulated
-profile (ranks drawn, not measured) borrows the scores from the draft that will run
+A configuration accepts depth d of the path at t when every node on it is in the tree. For
+trees (topk 2 .. 8) the engine's EAGLE-2 trees are unrolled at every position at once
+(tune/tree_unroll.py): every beam runs, so whether the path's node at d is a candidate and how
+many candidates outrank it (the final rerank keeps num_draft_tokens - 1) are the engine's own.
+A simulated profile (ranks drawn, not measured) has no tree to unroll; it approximates the
+tree from the path (_beam_terms), every beam's children given the path node's children's
+log-probs at that depth, with the scores borrowed from the draft that will run
 (`draft_scores`): a random draft's nearly flat scores fill the tree breadth first, which cuts
 the top-ranked path at a depth the ranks alone do not show. Without any scores the rank-only
 bound is used: r_i <= topk for i <= d and (d - 1) + sum_{i<=d} (r_i - 1) < num_draft_tokens - 1.
@@ -24,10 +25,9 @@ over all positions: cycles do not start at every position. They start right afte
 previous cycle's bonus token, and rejections cluster at hard positions. So the model replays
 the engine's walk over each answer: the first cycle's extend ends at the last prompt position
 t0, and a cycle at t is followed by one at t + a(t) + 1. Then tau = 1 + mean a over the
-replayed cycles. For a chain (topk 1) this is the engine's greedy accept length on the same
-tokens. For trees it is an estimate (off-path scores are borrowed from the path), which the
-tuner confirms with real runs: on the default model it is within 2.4 % of the engine on
-average over 35 configurations, within 6 % for every tree (docs/tuning.md).
+replayed cycles. In fp32 this replays the engine's cycles one for one, chains and trees
+(tests/test_tune.py), but for each answer's last cycle, which the engine drafts past the
+answer's end; in bf16 the speculative run's text can part from the plain run's at a near-tie.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 from specscope.doctor.probe import ProbeData
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.train.ttt import shift_left, unroll, walk_cycles
+from specscope.tune.tree_unroll import TreeCandidates, unroll_tree
 
 INF_RANK = 1 << 30
 
@@ -51,6 +52,9 @@ class AcceptanceModel:
     path_lp: torch.Tensor | None = None  # [B, T, D] draft log-prob of the path token
     top_lp: torch.Tensor | None = None  # [B, T, D, K] the draft's K best log-probs, sorted
     _terms: dict | None = field(default=None, repr=False)  # (s, k) -> _tree_terms cache
+    # topk -> the engine's trees unrolled at every index (measure_acceptance): exact terms
+    # instead of the path-borrowed approximation of _beam_terms.
+    trees: dict[int, TreeCandidates] = field(default_factory=dict, repr=False)
     # Positions drawn independently (a simulated profile): the walk's cycles are then a
     # plain sample of a(t), so tau is 1 + the mean of a(t), without replaying the walk.
     iid: bool = False
@@ -79,6 +83,9 @@ class AcceptanceModel:
         if key not in self._terms:
             r = self.ranks[..., :num_steps]
             ok = r <= topk  # among its parent's topk children
+            if topk in self.trees:
+                self._terms[key] = self._exact_terms(num_steps, topk)
+                return self._terms[key]
             if self.path_lp is not None and self.top_lp is not None and \
                     topk <= self.top_lp.shape[-1]:
                 outrank, beam = self._beam_terms(num_steps, topk)
@@ -89,6 +96,15 @@ class AcceptanceModel:
                 outrank = torch.arange(num_steps) + (r.clamp(max=INF_RANK) - 1).cumsum(-1)
             self._terms[key] = (ok.long().cumprod(-1).bool(), outrank)
         return self._terms[key]
+
+    def _exact_terms(self, num_steps: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """_tree_terms from the unrolled trees: the path's node at depth d is in the tree when
+        it was a candidate, and the candidates outranking it are counted over depths <= s."""
+        tc = self.trees[topk]
+        every = tc.scores[..., :num_steps, :].flatten(-2)  # [B, T, s * M]
+        outrank = torch.stack([(every > tc.path[..., d, None]).sum(-1)
+                               for d in range(num_steps)], -1)
+        return tc.present[..., :num_steps], outrank
 
     def _beam_terms(self, num_steps: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """EAGLE-2's tree, approximated from the path: every beam's children are given the
@@ -202,9 +218,10 @@ class AcceptanceModel:
 
 
 @torch.inference_mode()
-def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
-                       ) -> AcceptanceModel:
-    """Ranks of the target's greedy path under the draft, `depth` steps deep."""
+def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10,
+                       max_topk: int = 8) -> AcceptanceModel:
+    """Ranks of the target's greedy path under the draft, `depth` steps deep, and the
+    engine's trees of every topk from 2 to max_topk unrolled along it."""
     B, T = data.input_ids.shape
     taps = data.taps(draft.config.aux_layer_ids, draft.fc.weight.dtype)
     draft.ensure_rope(T + depth + 1)
@@ -233,9 +250,27 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10
     lm = data.label_mask.cpu()
     starts = [int(row.nonzero()[0]) - 1 for row in lm]  # last prompt index
     ends = [int(row.nonzero()[-1]) + 1 for row in lm]
+    trees = {k: measure_trees(draft, data, taps, starts, ends, k, depth)
+             for k in range(2, max_topk + 1)}
     return AcceptanceModel(ranks=r, starts=starts, ends=ends,
                            path_lp=torch.stack(path_lp, -1).cpu(),
-                           top_lp=torch.stack(top_lp, -2).cpu())
+                           top_lp=torch.stack(top_lp, -2).cpu(), trees=trees)
+
+
+def measure_trees(draft: Eagle3Draft, data: ProbeData, taps: torch.Tensor, starts: list[int],
+                  ends: list[int], topk: int, depth: int) -> TreeCandidates:
+    """The engine's trees of one topk at every answer index of every sequence, padded to
+    [B, T, ...] (indices outside an answer: no candidates, path absent)."""
+    B, T = data.input_ids.shape
+    M = topk * topk
+    scores = torch.full((B, T, depth, M), float("-inf"), dtype=torch.float64)
+    path = torch.full((B, T, depth), float("-inf"), dtype=torch.float64)
+    present = torch.zeros(B, T, depth, dtype=torch.bool)
+    for b, (lo, end) in enumerate(zip(starts, ends, strict=True)):
+        sc, pa, pr, _ = unroll_tree(draft, taps[b:b + 1, :end], data.input_ids[b:b + 1, :end],
+                                    data.label_mask[b:b + 1, :end], lo, topk, depth)
+        scores[b, lo:end], path[b, lo:end], present[b, lo:end] = sc.cpu(), pa.cpu(), pr.cpu()
+    return TreeCandidates(scores=scores, path=path, present=present)
 
 
 @torch.inference_mode()
@@ -243,7 +278,7 @@ def draft_scores(draft: Eagle3Draft, data: ProbeData, depth: int = 10) -> torch.
     """[N, depth, 8]: the draft's sorted top-8 log-probs at every depth of its unroll, at the
     N positions of `data` whose whole unroll runs over real tokens (a simulated profile's tree
     shape; all unpadded positions when the sequences are too short for that)."""
-    m = measure_acceptance(draft, data, depth)
+    m = measure_acceptance(draft, data, depth, max_topk=1)  # the scores only
     lm = data.label_mask.cpu()
     ends = [int(row.nonzero()[-1]) + 1 if row.any() else lm.shape[1] for row in lm]
     full = [max(e - depth - 1, 0) for e in ends]

@@ -140,12 +140,14 @@ def spec_for(cfg: Config | None, draft: str, base: SpecConfig | None = None
 
 def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
                params: SamplingParams, base: SpecConfig | None = None,
-               warmup_tokens: int = 8, warm_all: bool = False) -> tuple[Measured, dict]:
+               warmup_tokens: int = 8, warm_all: bool = False,
+               outputs: list[list[int]] | None = None) -> tuple[Measured, dict]:
     """Measure one configuration in process with the profiler; returns it and the summary.
     The warm-up runs `warmup_tokens` of the first prompt (on CUDA, as many as a measured
     request, so that prompt's KV windows have their graphs before the clock runs);
     warm_all: every prompt in full instead, so every window the measured run reaches is
-    captured first (the steady state of a long-running server)."""
+    captured first (the steady state of a long-running server). `outputs`: a list that
+    receives each measured prompt's output token ids."""
     t0 = time.perf_counter()
     llm.set_spec(spec_for(cfg, draft, base))
     prof = llm.enable_profiling(True, interval=None)
@@ -156,7 +158,9 @@ def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
         llm.generate(prompts[0], SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
     prof.reset()
     for p in prompts:
-        llm.generate(p, params)
+        out = llm.generate(p, params)[0]
+        if outputs is not None:
+            outputs.append(out.token_ids)
     s = prof.summary(prof.config)
     llm.enable_profiling(False)
     return Measured(cfg, s["steady_tok_per_s"], s["accept_length"], time.perf_counter() - t0,
@@ -235,6 +239,15 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     from specscope.draft.loader import load_draft
 
     timings: dict[str, float] = {}
+    params = SamplingParams(max_tokens=max_tokens)
+    t = time.perf_counter()
+    # Plain decoding runs once, on every prompt: it is the cost model's plain step, the
+    # confirmation's baseline row, and its greedy outputs are the answers the acceptance
+    # model is measured on (the very text a speculative run of the engine produces).
+    answers: list[list[int]] = []
+    plain, plain_summary = run_config(llm, None, draft, prompts, params, base, warmup_tokens,
+                                      outputs=answers)
+    timings["plain"] = time.perf_counter() - t
     t = time.perf_counter()
     if acceptance is not None:
         acc = acceptance
@@ -245,7 +258,7 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
             f"the draft's scores ({time.perf_counter() - t:.1f} s)")
     else:
         ids = [llm.encode_prompt(p) for p in prompts]
-        data = target_probe_data(llm.runner.model, ids, max_tokens)
+        data = target_probe_data(llm.runner.model, ids, max_tokens, answers=answers)
         loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
         loaded.model.attach_target(llm.runner.model)
         acc = measure_acceptance(loaded.model, data, depth)
@@ -255,10 +268,6 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     timings["acceptance_model"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    params = SamplingParams(max_tokens=max_tokens)
-    # Plain decoding runs once, on every prompt: it is both the cost model's plain step and
-    # the confirmation's baseline row.
-    plain, plain_summary = run_config(llm, None, draft, prompts, params, base, warmup_tokens)
     cal_params = SamplingParams(max_tokens=calibration_tokens, ignore_eos=True)
     cal_prompts = prompts[:calibration_prompts]
     # A calibration run reads its graph replays only (steady_phases), so its warm-up only has
@@ -271,8 +280,9 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
         run_s.append(f"{cfg} {m.seconds:.1f}")
     cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary))
     timings["calibration"] = time.perf_counter() - t
+    cal_s = timings["plain"] + timings["calibration"]
     log(f"[tune] cost model from plain + {len(CALIBRATION)} calibration configs "
-        f"({timings['calibration']:.1f} s; runs, s: {', '.join(run_s)}): {cost.as_dict()}; "
+        f"({cal_s:.1f} s; runs, s: {', '.join(run_s)}): {cost.as_dict()}; "
         f"worst calibration residual {cost.worst_residual():.1%}")
 
     t = time.perf_counter()
