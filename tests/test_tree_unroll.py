@@ -58,8 +58,8 @@ def test_unrolled_trees_equal_the_engines(num_layers, topk):
     _, _, _, tokens = unroll_tree(draft, taps, ids, mask, lo, topk, steps)
     for t in range(lo, T - 1):
         eng, _ = _engine_tree(draft, ids, taps, t, topk, steps)
-        mine = torch.cat([tokens[t - lo, 0, :topk]] +
-                         [tokens[t - lo, d] for d in range(1, steps)])
+        mine = torch.cat([tokens[0, t - lo, 0, :topk]] +
+                         [tokens[0, t - lo, d] for d in range(1, steps)])
         assert torch.equal(mine, eng), t
 
 
@@ -83,12 +83,33 @@ def test_the_path_is_found_where_the_answer_follows_the_tree():
     _, taps = target(ids, torch.arange(T)[None], return_taps=True)
     mask = torch.ones(1, T, dtype=torch.bool)
     scores, path, present, _ = unroll_tree(draft, taps, ids, mask, t, topk, steps)
-    assert present[0].tolist() == [True] * steps
+    assert present[0, 0].tolist() == [True] * steps
     for d in range(steps):  # the path's score is one of its depth's candidates'
-        assert (scores[0, d] == path[0, d]).any()
-    assert (path[0, 1:] <= path[0, :-1]).all()  # cumulative log-probs only fall
+        assert (scores[0, 0, d] == path[0, 0, d]).any()
+    assert (path[0, 0, 1:] <= path[0, 0, :-1]).all()  # cumulative log-probs only fall
     # Outside the answer (label mask off), no path at all.
     off = mask.clone()
     off[0, t + 2:] = False
     _, _, present_off, _ = unroll_tree(draft, taps, ids, off, t, topk, steps)
-    assert not present_off[0].any()
+    assert not present_off[0, 0].any()
+
+
+def test_a_batch_of_sequences_equals_each_alone():
+    """Sequences of different lengths unrolled together (padded, from the earliest start)
+    give each one's trees as when it runs alone."""
+    target, draft = _setup(2, seed=5)
+    lens, lo, steps, topk = [15, 11], 4, 4, 3
+    T = max(lens)
+    ids = torch.randint(0, TINY.vocab_size, (2, T))
+    mask = torch.zeros(2, T, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        mask[b, 6:n] = True
+    _, taps = target(ids, torch.arange(T)[None].expand(2, T), return_taps=True)
+    both = unroll_tree(draft, taps, ids, mask, lo, topk, steps)
+    for b, n in enumerate(lens):
+        alone = unroll_tree(draft, taps[b:b + 1, :n], ids[b:b + 1, :n], mask[b:b + 1, :n],
+                            lo, topk, steps)
+        for x, y in zip(both, alone, strict=True):
+            # up to index n - 2: the last index's root would be the token after the end
+            torch.testing.assert_close(x[b:b + 1, :n - 1 - lo], y[:, :n - 1 - lo], atol=1e-5,
+                                       rtol=0)

@@ -322,10 +322,10 @@ def test_confirmation_always_covers_both_families_and_the_served_config():
 
     preds = {(5, 3, 21): (4.0, 780.0), (5, 4, 26): (4.1, 770.0), (3, 4, 13): (3.6, 760.0),
              (5, 1, 6): (3.4, 700.0), (4, 1, 5): (3.2, 690.0), (7, 1, 8): (3.5, 650.0)}
-    must, more = confirmation_set(preds, 3)
+    must, more = confirmation_set(preds, 1)
     assert must == [(5, 3, 21), (5, 1, 6)] and more == [(5, 4, 26)]
-    must, more = confirmation_set(preds, 3, served=(7, 1, 8))
-    assert must == [(5, 3, 21), (5, 1, 6), (7, 1, 8)] and more == []
+    must, more = confirmation_set(preds, 1, served=(7, 1, 8))
+    assert must == [(5, 3, 21), (5, 1, 6), (7, 1, 8)] and more == [(5, 4, 26)]
     chains_only = {c: v for c, v in preds.items() if c[1] == 1}
-    assert confirmation_set(chains_only, 2) == ([(5, 1, 6)], [(4, 1, 5)])
-    assert confirmation_set(preds, 1, served=(9, 9, 99))[0] == [(5, 3, 21), (5, 1, 6)]
+    assert confirmation_set(chains_only, 2) == ([(5, 1, 6)], [(4, 1, 5), (7, 1, 8)])
+    assert confirmation_set(preds, 0, served=(9, 9, 99)) == ([(5, 3, 21), (5, 1, 6)], [])

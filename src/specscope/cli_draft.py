@@ -360,9 +360,10 @@ def add_draft_commands(sub: argparse._SubParsersAction,
                    help="mt_bench | humaneval | gsm8k | FILE.jsonl")
     u.add_argument("--num-prompts", type=positive_int, default=4)
     u.add_argument("--max-tokens", type=positive_int, default=128)
-    u.add_argument("--confirm", type=positive_int, default=3,
-                   help="configurations to confirm by real runs (at least the best predicted "
-                        "chain and tree and the --served one)")
+    u.add_argument("--confirm", type=non_negative_int, default=1,
+                   help="next-best predictions confirmed by real runs beyond those always "
+                        "run (the top prediction, the best predicted chain and tree, and "
+                        "the --served one)")
     u.add_argument("--served", default="5,1", metavar="STEPS,TOPK[,NDT]",
                    help="the configuration served today, always confirmed (default 5,1)")
     u.add_argument("--budget-seconds", type=positive_float, default=None,

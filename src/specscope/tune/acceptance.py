@@ -51,7 +51,7 @@ class AcceptanceModel:
     ends: list[int]  # per answer: the index after its last token
     path_lp: torch.Tensor | None = None  # [B, T, D] draft log-prob of the path token
     top_lp: torch.Tensor | None = None  # [B, T, D, K] the draft's K best log-probs, sorted
-    _terms: dict | None = field(default=None, repr=False)  # (s, k) -> _tree_terms cache
+    _terms: dict | None = field(default=None, repr=False)  # topk -> _full_terms
     # topk -> the engine's trees unrolled at every index (measure_acceptance): exact terms
     # instead of the path-borrowed approximation of _beam_terms.
     trees: dict[int, TreeCandidates] = field(default_factory=dict, repr=False)
@@ -76,62 +76,66 @@ class AcceptanceModel:
 
     def _tree_terms(self, num_steps: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, T, s] bool, [B, T, s]): whether the path node at depth d can be in a tree of
-        this (num_steps, topk) at all, and how many candidates outrank it."""
+        this (num_steps, topk) at all, and how many candidates of depths <= s outrank it.
+        A tree's depths do not depend on num_steps (it only stops the growth), so each topk
+        is worked out once, all D depths deep, and sliced."""
         if self._terms is None:
             self._terms = {}
-        key = (num_steps, topk)
-        if key not in self._terms:
-            r = self.ranks[..., :num_steps]
-            ok = r <= topk  # among its parent's topk children
-            if topk in self.trees:
-                self._terms[key] = self._exact_terms(num_steps, topk)
-                return self._terms[key]
-            if self.path_lp is not None and self.top_lp is not None and \
-                    topk <= self.top_lp.shape[-1]:
-                outrank, beam = self._beam_terms(num_steps, topk)
-                # its parent must also have been one of the topk beams expanded
-                ok = ok & torch.cat([torch.ones_like(beam[..., :1]), beam[..., :-1]], -1)
-            else:
-                # Without scores: the rank-only bound (d-1) + sum(r_i - 1).
-                outrank = torch.arange(num_steps) + (r.clamp(max=INF_RANK) - 1).cumsum(-1)
-            self._terms[key] = (ok.long().cumprod(-1).bool(), outrank)
-        return self._terms[key]
+        if topk not in self._terms:
+            self._terms[topk] = self._full_terms(topk)
+        ok, by_depth = self._terms[topk]  # [B, T, D], [B, T, D, D]
+        return ok[..., :num_steps], by_depth[..., :num_steps, :num_steps].sum(-1)
 
-    def _exact_terms(self, num_steps: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """_tree_terms from the unrolled trees: the path's node at depth d is in the tree when
-        it was a candidate, and the candidates outranking it are counted over depths <= s."""
-        tc = self.trees[topk]
-        every = tc.scores[..., :num_steps, :].flatten(-2)  # [B, T, s * M]
-        outrank = torch.stack([(every > tc.path[..., d, None]).sum(-1)
-                               for d in range(num_steps)], -1)
-        return tc.present[..., :num_steps], outrank
+    def _full_terms(self, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ok [B, T, D] bool, by_depth [B, T, D, D]): the path's node at depth d is a
+        candidate (its ancestors too), and by_depth[..., d, i] candidates of depth i outrank
+        it."""
+        if topk in self.trees:
+            tc = self.trees[topk]
+            by_depth = (tc.scores[..., None, :, :] > tc.path[..., :, None, None]).sum(-1)
+            return tc.present, by_depth
+        r = self.ranks
+        ok = r <= topk  # among its parent's topk children
+        if self.path_lp is not None and self.top_lp is not None and \
+                topk <= self.top_lp.shape[-1]:
+            by_depth, beam = self._beam_terms(topk)
+            # its parent must also have been one of the topk beams expanded
+            ok = ok & torch.cat([torch.ones_like(beam[..., :1]), beam[..., :-1]], -1)
+        else:
+            # Without scores, the rank-only bound (d - 1) + sum(r_i - 1): one ancestor and
+            # r_i - 1 elder siblings per depth i <= d outrank the node at d.
+            D = self.depth
+            step = (r.clamp(max=INF_RANK) - 1) + (torch.arange(D) > 0)  # [B, T, D]
+            by_depth = step[..., None, :] * torch.ones(D, D, dtype=torch.long).tril()
+        return ok.long().cumprod(-1).bool(), by_depth
 
-    def _beam_terms(self, num_steps: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _beam_terms(self, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """EAGLE-2's tree, approximated from the path: every beam's children are given the
         path node's children's top-k log-probs at that depth (the only ones measured).
 
         Candidates at depth 1 are the root's top-k children (exact); at depth i each of the
         topk best candidates of depth i-1 (the beams) proposes topk children. The final tree
-        keeps the num_draft_tokens - 1 best candidates of all depths. Returns the number of
-        candidates outranking the path node at depth d [B, T, s], and whether the path node
-        at depth d is among its depth's topk beams [B, T, s]. Off-path competition is what
-        makes wide trees accept less than their paths alone suggest."""
-        s, k = num_steps, topk
+        keeps the num_draft_tokens - 1 best candidates of all depths. Returns by_depth
+        [B, T, D, D] (candidates of depth i outranking the path node at depth d) and whether
+        the path node at depth d is among its depth's topk beams [B, T, D]. Off-path
+        competition is what makes wide trees accept less than their paths alone suggest."""
+        k = topk
         # float64, and a tie tolerance: the path's own node is also among the candidates,
         # summed in another order, and a rounding difference must not let it outrank itself
         # (that cut the deepest node of a chain in about 1 position of 40).
-        S = self.path_lp[..., :s].double().cumsum(-1) + 1e-9  # [B, T, s] path node scores
-        lp = self.top_lp[..., :s, :k].double()  # [B, T, s, k]
+        S = self.path_lp.double().cumsum(-1) + 1e-9  # [B, T, D] path node scores
+        lp = self.top_lp[..., :k].double()  # [B, T, D, k]
         cands = [lp[..., 0, :]]  # [B, T, k] depth 1
         beams = cands[0]
-        for i in range(1, s):
+        for i in range(1, self.depth):
             c = (beams[..., :, None] + lp[..., i, None, :]).flatten(-2)  # [B, T, k * k]
             cands.append(c)
             beams = c.topk(k, dim=-1).values
-        every = torch.cat(cands, -1)  # [B, T, M]
-        outrank = torch.stack([(every > S[..., d, None]).sum(-1) for d in range(s)], -1)
-        beam = torch.stack([(cands[d] > S[..., d, None]).sum(-1) < k for d in range(s)], -1)
-        return outrank, beam
+        by_depth = torch.stack([torch.stack([(c > S[..., d, None]).sum(-1) for c in cands], -1)
+                                for d in range(self.depth)], -2)  # [B, T, D, D]
+        beam = torch.stack([(cands[d] > S[..., d, None]).sum(-1) < k
+                            for d in range(self.depth)], -1)
+        return by_depth, beam
 
     def cycles(self, num_steps: int, topk: int, num_draft_tokens: int | None = None
                ) -> list[int]:
@@ -142,7 +146,7 @@ class AcceptanceModel:
     def tau(self, num_steps: int, topk: int, num_draft_tokens: int | None = None) -> float:
         if self.iid:
             a = self.accepted_depths(num_steps, topk, num_draft_tokens)
-            return 1.0 + float(a.float().mean())
+            return 1.0 + float(a.double().mean())
         c = self.cycles(num_steps, topk, num_draft_tokens)
         return 1.0 + sum(c) / len(c) if c else 1.0
 
@@ -193,14 +197,19 @@ class AcceptanceModel:
             need = torch.where(inside, outrank + 2,
                                torch.full_like(self.ranks[..., :s], INF_RANK))
             lead = need.cummax(-1).values  # [B, T, s]: n needed to keep depths 0..d
+            if self.iid:  # mean a(t) = sum over d of the share of positions with lead_d <= n
+                srt = lead.reshape(-1, s).T.contiguous().sort(-1).values  # [s, B * T]
+                uniq = sorted(set(ns))
+                q = torch.tensor(uniq, dtype=srt.dtype)[None].expand(s, -1).contiguous()
+                kept = torch.searchsorted(srt, q, right=True).sum(0)  # [len(uniq)]
+                for n, c in zip(uniq, kept.tolist(), strict=True):
+                    out[(s, k, n)] = 1.0 + c / srt.shape[1]
+                continue
             for n in sorted(set(ns)):
                 a = (lead <= n).sum(-1)  # [B, T] leading depths kept (lead is monotone)
-                if self.iid:
-                    out[(s, k, n)] = 1.0 + float(a.float().mean())
-                else:
-                    c = walk_cycles(a.tolist(), [[(st, e)] for st, e in
-                                                 zip(self.starts, self.ends, strict=True)])
-                    out[(s, k, n)] = 1.0 + sum(c) / len(c) if c else 1.0
+                c = walk_cycles(a.tolist(), [[(st, e)] for st, e in
+                                             zip(self.starts, self.ends, strict=True)])
+                out[(s, k, n)] = 1.0 + sum(c) / len(c) if c else 1.0
         return out
 
     def acceptance_by_rank(self, max_rank: int = 8) -> list[list[float]]:
@@ -260,16 +269,25 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10,
 def measure_trees(draft: Eagle3Draft, data: ProbeData, taps: torch.Tensor, starts: list[int],
                   ends: list[int], topk: int, depth: int) -> TreeCandidates:
     """The engine's trees of one topk at every answer index of every sequence, padded to
-    [B, T, ...] (indices outside an answer: no candidates, path absent)."""
+    [B, T, ...] (indices outside an answer: no candidates, path absent). On a GPU all
+    sequences run as one batch (the unroll is launch-bound there); on a CPU one at a time,
+    so no index before a sequence's own answer is unrolled."""
     B, T = data.input_ids.shape
     M = topk * topk
     scores = torch.full((B, T, depth, M), float("-inf"), dtype=torch.float64)
     path = torch.full((B, T, depth), float("-inf"), dtype=torch.float64)
     present = torch.zeros(B, T, depth, dtype=torch.bool)
-    for b, (lo, end) in enumerate(zip(starts, ends, strict=True)):
-        sc, pa, pr, _ = unroll_tree(draft, taps[b:b + 1, :end], data.input_ids[b:b + 1, :end],
-                                    data.label_mask[b:b + 1, :end], lo, topk, depth)
-        scores[b, lo:end], path[b, lo:end], present[b, lo:end] = sc.cpu(), pa.cpu(), pr.cpu()
+    groups = [list(range(B))] if data.input_ids.is_cuda else [[b] for b in range(B)]
+    for rows in groups:
+        lo, end = min(starts[b] for b in rows), max(ends[b] for b in rows)
+        sel = torch.tensor(rows, device=data.input_ids.device)
+        sc, pa, pr, _ = unroll_tree(draft, taps[sel, :end], data.input_ids[sel, :end],
+                                    data.label_mask[sel, :end], lo, topk, depth)
+        sc, pa, pr = sc.cpu(), pa.cpu(), pr.cpu()
+        for i, b in enumerate(rows):  # each row's own answer span only
+            a, e = starts[b], ends[b]
+            scores[b, a:e], path[b, a:e] = sc[i, a - lo:e - lo], pa[i, a - lo:e - lo]
+            present[b, a:e] = pr[i, a - lo:e - lo]
     return TreeCandidates(scores=scores, path=path, present=present)
 
 
