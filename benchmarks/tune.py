@@ -31,6 +31,7 @@ from pathlib import Path
 
 from specscope import LLM, SamplingParams, SpecConfig
 from specscope.bench.datasets import load_prompts
+from specscope.cli_draft import served_config
 from specscope.tune.tuner import max_nodes, run_config, tune
 
 
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--pair-repeats", type=int, default=3,
                     help="re-measure the grid's best and the tuner's pick alternately this "
                          "many times (untimed), against the max-of-grid selection bias")
+    ap.add_argument("--served", default="5,1",
+                    help="the tuner's --served (as `specscope tune`'s default); 'none': none")
     ap.add_argument("--quick", action="store_true", help="a 4-configuration grid (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -122,7 +125,8 @@ def main() -> None:
     t = time.perf_counter()
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens,
                log=lambda x: log_line(lines, x), base=base,
-               warmup_tokens=warm)
+               warmup_tokens=warm,
+               served=None if args.served == "none" else served_config(args.served))
     tune_s = time.perf_counter() - t
     lines += [res.table(), res.recommendation()]
     params = SamplingParams(max_tokens=args.max_tokens)

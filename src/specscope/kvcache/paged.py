@@ -1,0 +1,107 @@
+"""Paged K/V storage: one model's keys and values in fixed-size blocks, every write and every
+commit of an accepted tree path in one place.
+
+Layout per layer: k and v [num_blocks, block_size, Hkv, D] ("NHD", FlashInfer's paged layout,
+so a paged kernel reads it in place). A token's slot is block * block_size + offset; a
+sequence's block table lists its blocks in position order, so the token at position p of a
+sequence lives in slot table[p // block_size] * block_size + p % block_size.
+
+The attention here is the torch reference (CPU, tests): it gathers each sequence's K/V into a
+contiguous copy, which a fast path must never do every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+    """K and V of one token over all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def blocks_for_budget(budget_bytes: int, block_size: int, num_layers: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype) -> int:
+    """How many blocks a byte budget holds (at least 1, or a ValueError naming the budget)."""
+    per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    n = budget_bytes // per_block
+    if n < 1:
+        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} "
+                         f"tokens ({per_block} bytes); raise the budget")
+    return int(n)
+
+
+def slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Slots [N] of N tokens: token i is at `positions[i]` of sequence `seq_index[i]`, whose
+    blocks are row seq_index[i] of block_tables [B, max_blocks] (int64)."""
+    blocks = block_tables[seq_index, positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+class PagedKV:
+    """K/V blocks for `num_layers` layers."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])  # [slots, Hkv, D]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [N, Hkv, D] into slots [N] (int64, on the device: no host sync)."""
+        kf, vf = self._flat(layer)
+        kf.index_copy_(0, slots, k.to(kf.dtype))
+        vf.index_copy_(0, slots, v.to(vf.dtype))
+
+    def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move K/V from slots src [M] to dst [M] in every layer: the accepted path of a
+        verified tree, from the slots its nodes were verified in to the positions they now
+        hold. Copied through a gather first, so overlapping src and dst are safe."""
+        for layer in range(self.num_layers):
+            kf, vf = self._flat(layer)
+            kf.index_copy_(0, dst, kf.index_select(0, src))
+            vf.index_copy_(0, dst, vf.index_select(0, src))
+
+    def gather(self, layer: int, block_table: torch.Tensor, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `length` tokens of K/V, contiguous [length, Hkv, D]
+        (reference path and tests)."""
+        nb = -(-length // self.block_size)
+        k = self.k[layer][block_table[:nb]].flatten(0, 1)[:length]
+        v = self.v[layer][block_table[:nb]].flatten(0, 1)[:length]
+        return k, v
+
+
+def paged_attention_reference(q: torch.Tensor, kv: PagedKV, layer: int,
+                              block_tables: torch.Tensor, seq_index: torch.Tensor,
+                              allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of a flattened ragged batch over paged K/V, the torch reference.
+
+    q [N, H, D]: N query tokens of B sequences; seq_index [N]: each one's sequence;
+    block_tables [B, max_blocks]; allowed [N, L] bool: which of its sequence's first L
+    positions each query sees (causal for prefill and decode, the ancestor mask inside a
+    verify tree). Returns [N, H * D]."""
+    N, H, D = q.shape
+    L = allowed.shape[1]
+    nb = -(-L // kv.block_size)
+    k = kv.k[layer][block_tables[:, :nb]].flatten(1, 2)[:, :L]  # [B, L, Hkv, D]
+    v = kv.v[layer][block_tables[:, :nb]].flatten(1, 2)[:, :L]
+    k, v = k[seq_index], v[seq_index]  # [N, L, Hkv, D]
+    G = H // k.shape[2]
+    qg = q.view(N, k.shape[2], G, D)
+    s = torch.einsum("nhgd,nlhd->nhgl", qg, k).float() * scale
+    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    p = s.softmax(-1).to(q.dtype)
+    out = torch.einsum("nhgl,nlhd->nhgd", p, v)
+    return out.reshape(N, H * D)
