@@ -1,0 +1,87 @@
+"""A sequence: everything one request owns while the batched engine serves it.
+
+The scheduler, the runner and the speculative cycle read and update sequences; none of them
+keeps per-request state of its own. Host-side fields are plain Python (the engine knows every
+length it fed, so no length is read back from the device); the speculative state between
+cycles holds device tensors (the next draft extend's inputs), which a batched step gathers.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from specscope.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not yet scheduled, or preempted (its KV freed, to be recomputed)
+    RUNNING = "running"  # holds KV blocks; prefilling in chunks or decoding
+    FINISHED = "finished"  # done (stop, length, cancelled); its blocks are released
+
+
+@dataclass
+class SpecState:
+    """A speculating sequence between cycles (all of it per request, none in the decoder).
+
+    ext_tokens [k + 1] int64 and ext_taps [k + 1, n_taps]: the pending draft-extend inputs
+    (the last cycle's accepted tokens and the target's taps at them); ext_len of them are
+    real (accepted + 1, known on the host from the step's one read). accepted: draft tokens
+    accepted per cycle (accept length and acceptance by position come from it)."""
+
+    ext_tokens: torch.Tensor | None = None
+    ext_taps: torch.Tensor | None = None
+    ext_len: int = 0
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def accept_length(self) -> float | None:
+        return 1 + sum(self.accepted) / len(self.accepted) if self.accepted else None
+
+
+@dataclass
+class Sequence:
+    """One request. `block_tables[i]` lists its blocks in pool i (0: the target's, 1: the
+    draft's when there is one), in position order."""
+
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose target K/V are written (or taken from the cache)
+    draft_computed: int = 0  # positions whose draft K/V are written (the extend lags by one)
+    num_cached: int = 0  # of num_computed, from the prefix cache at its last admission
+    block_tables: list[list[int]] = field(default_factory=list)
+    registered: list[int] = field(default_factory=list)  # per pool: leading blocks registered
+    block_hashes: list[list[bytes]] = field(default_factory=list)  # per pool: their keys
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    spec: SpecState | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the target before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token is uncomputed: the prompt (or, after a preemption, the
+        prompt and the output so far) is being prefilled."""
+        return self.num_uncomputed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
