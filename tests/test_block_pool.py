@@ -8,10 +8,11 @@ import torch
 
 from specscope.kvcache.block_pool import BlockPool, OutOfBlocks, block_hash, prefix_hashes
 from specscope.kvcache.paged import (
+    BatchMeta,
     PagedKV,
+    attention_reference,
     blocks_for_budget,
     kv_bytes_per_token,
-    paged_attention_reference,
     slot_mapping,
 )
 
@@ -160,9 +161,8 @@ def test_reference_attention_equals_dense_causal_attention():
     N = len(seq)
     q, k, v = torch.randn(N, H, D), torch.randn(N, Hkv, D), torch.randn(N, Hkv, D)
     kv.write(0, k, v, slot_mapping(tables, seq, pos, bs))
-    L = max(lens)
-    allowed = torch.arange(L)[None, :] <= pos[:, None]
-    out = paged_attention_reference(q, kv, 0, tables, seq, allowed, D ** -0.5)
+    meta = BatchMeta.causal(tables, seq, pos, bs)
+    out = attention_reference(q, kv.k[0], kv.v[0], meta, D ** -0.5)
     start = 0
     for n in lens:
         sl = slice(start, start + n)

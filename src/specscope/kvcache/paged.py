@@ -12,6 +12,8 @@ contiguous copy, which a fast path must never do every step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -83,25 +85,67 @@ class PagedKV:
         return k, v
 
 
-def paged_attention_reference(q: torch.Tensor, kv: PagedKV, layer: int,
-                              block_tables: torch.Tensor, seq_index: torch.Tensor,
-                              allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of a flattened ragged batch over paged K/V, the torch reference.
+@dataclass
+class BatchMeta:
+    """What attention needs about a flattened ragged batch of N tokens from B sequences
+    (built by the runner from a step's plan; prefill chunks, decode tokens and verify trees
+    side by side).
 
-    q [N, H, D]: N query tokens of B sequences; seq_index [N]: each one's sequence;
-    block_tables [B, max_blocks]; allowed [N, L] bool: which of its sequence's first L
-    positions each query sees (causal for prefill and decode, the ancestor mask inside a
-    verify tree). Returns [N, H * D]."""
+    slots [N]: where each token's K/V are written; seq_index [N]: its sequence;
+    block_tables [B, max_blocks] int64; allowed [N, L] bool: the positions of its own
+    sequence each token attends to (causal, or the ancestor mask inside a verify tree)."""
+
+    slots: torch.Tensor
+    seq_index: torch.Tensor
+    block_tables: torch.Tensor
+    allowed: torch.Tensor
+
+    @classmethod
+    def causal(cls, block_tables: torch.Tensor, seq_index: torch.Tensor,
+               positions: torch.Tensor, block_size: int, sliding_window: int | None = None
+               ) -> BatchMeta:
+        """Every token sees its sequence's positions up to its own (prefill and decode),
+        the last `sliding_window` of them with a window (Mistral semantics)."""
+        L = int(positions.max()) + 1 if positions.numel() else 1
+        key = torch.arange(L, device=positions.device)[None, :]
+        allowed = key <= positions[:, None]
+        if sliding_window is not None:
+            allowed = allowed & (key > positions[:, None] - sliding_window)
+        return cls(slot_mapping(block_tables, seq_index, positions, block_size), seq_index,
+                   block_tables, allowed)
+
+
+def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: BatchMeta, scale: float) -> torch.Tensor:
+    """One layer's attention step for a flattened batch: write this step's K/V at
+    meta.slots, then attend over the paged cache (the torch reference).
+
+    q [1, H, N, D], k/v [1, Hkv, N, D] (the model's layout); k_cache/v_cache one layer's
+    blocks [num_blocks, block_size, Hkv, D]. Returns [1, N, H * D]."""
+    kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    kf.index_copy_(0, meta.slots, k[0].transpose(0, 1).to(kf.dtype))
+    vf.index_copy_(0, meta.slots, v[0].transpose(0, 1).to(vf.dtype))
+    out = attention_reference(q[0].transpose(0, 1), k_cache, v_cache, meta, scale)
+    return out[None]
+
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: BatchMeta, scale: float) -> torch.Tensor:
+    """Attention of a flattened ragged batch over one layer's paged K/V, the torch reference.
+
+    q [N, H, D]: N query tokens of B sequences. Gathers each sequence's first L positions
+    into a contiguous copy (what a fast backend must not do). Returns [N, H * D]."""
     N, H, D = q.shape
-    L = allowed.shape[1]
-    nb = -(-L // kv.block_size)
-    k = kv.k[layer][block_tables[:, :nb]].flatten(1, 2)[:, :L]  # [B, L, Hkv, D]
-    v = kv.v[layer][block_tables[:, :nb]].flatten(1, 2)[:, :L]
-    k, v = k[seq_index], v[seq_index]  # [N, L, Hkv, D]
+    bs = k_cache.shape[1]
+    L = meta.allowed.shape[1]
+    nb = -(-L // bs)
+    k = k_cache[meta.block_tables[:, :nb]].flatten(1, 2)[:, :L]  # [B, L, Hkv, D]
+    v = v_cache[meta.block_tables[:, :nb]].flatten(1, 2)[:, :L]
+    k, v = k[meta.seq_index], v[meta.seq_index]  # [N, L, Hkv, D]
     G = H // k.shape[2]
-    qg = q.view(N, k.shape[2], G, D)
+    qg = q.reshape(N, k.shape[2], G, D)
     s = torch.einsum("nhgd,nlhd->nhgl", qg, k).float() * scale
-    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    s = s.masked_fill(~meta.allowed[:, None, None, :], float("-inf"))
     p = s.softmax(-1).to(q.dtype)
     out = torch.einsum("nhgl,nlhd->nhgd", p, v)
     return out.reshape(N, H * D)

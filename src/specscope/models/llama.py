@@ -22,6 +22,7 @@ from torch import nn
 from specscope.config import ModelConfig
 from specscope.kvcache import KVCache, attention, causal_mask, write_kv
 from specscope.kvcache.attention import fold_mask
+from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend
 from specscope.models.rope import apply_rope, rope_tables
 
 
@@ -45,26 +46,36 @@ class ForwardContext:
 
     cos: torch.Tensor  # [B, 1, T, D] model dtype
     sin: torch.Tensor  # [B, 1, T, D]
-    mask: torch.Tensor  # [B, 1, G*T, S] bool, folded GQA layout
+    mask: torch.Tensor | None  # [B, 1, G*T, S] bool, folded GQA layout (None: paged)
     slots: torch.Tensor | None  # [B, T] cache slots to write, None without a cache
     kv_len: int  # keys visible: cache slots [0, kv_len)
     # Training-time test (train/ttt.py): attention over the keys of earlier unrolled draft
     # steps instead of a cache. None at inference.
     ttt: Any = None
+    # A flattened ragged batch over a paged cache (B = 1, T = its N tokens): where each
+    # token writes and what it attends to.
+    paged: BatchMeta | None = None
 
 
 def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                    cache: KVCache | None, kv_len: int | None, slots: torch.Tensor | None,
-                    attn_mask: torch.Tensor | None, groups: int,
-                    sliding_window: int | None = None) -> ForwardContext:
+                    cache: KVCache | PagedKV | None, kv_len: int | None,
+                    slots: torch.Tensor | None, attn_mask: torch.Tensor | None, groups: int,
+                    sliding_window: int | None = None, batch: BatchMeta | None = None
+                    ) -> ForwardContext:
     """Rope rows, mask and cache window for one forward (shared by target and draft).
 
     With a cache, slot s holds position s: keys are slots [0, kv_len) and this step writes
     at `slots` (default `positions`). Without one, the T tokens attend to each other.
-    attn_mask [B, T, S] overrides the causal mask (tree attention).
+    attn_mask [B, T, S] overrides the causal mask (tree attention). A PagedKV cache takes
+    a flattened batch (positions [1, N]) described by `batch`.
     """
     cos_t, sin_t = rope
     T = positions.shape[1]
+    if isinstance(cache, PagedKV):
+        if batch is None:
+            raise ValueError("a paged KV cache needs the batch's BatchMeta")
+        return ForwardContext(cos=cos_t[positions][:, None], sin=sin_t[positions][:, None],
+                              mask=None, slots=None, kv_len=0, paged=batch)
     if cache is not None:
         kv_len = kv_len if kv_len is not None else cache.capacity
         k_pos = torch.arange(kv_len, device=positions.device)
@@ -115,6 +126,9 @@ class Attention(nn.Module):
         q, k, v = self.project(x, ctx.cos, ctx.sin)
         if ctx.ttt is not None:
             return self.o_proj(ctx.ttt.attend(self, q, k, v, self.scale))
+        if ctx.paged is not None:
+            k_cache, v_cache = kv
+            return self.o_proj(paged_attend(q, k, v, k_cache, v_cache, ctx.paged, self.scale))
         if kv is not None:
             k_cache, v_cache = kv
             write_kv(k_cache, v_cache, k, v, ctx.slots)
@@ -203,9 +217,10 @@ class CausalLM(nn.Module):
     # -- forward --------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None = None, *, kv_len: int | None = None,
+                cache: KVCache | PagedKV | None = None, *, kv_len: int | None = None,
                 slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                return_taps: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return_taps: bool = False, batch: BatchMeta | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the decoder.
 
         input_ids, positions: [B, T] (rope positions).
@@ -213,6 +228,8 @@ class CausalLM(nn.Module):
             `positions`) and attend over slots [0, kv_len). Without a cache, the T tokens
             attend to each other causally (full recompute; training and reference path).
         attn_mask: optional [B, T, S] bool overriding the causal mask (tree verification).
+        batch: with a PagedKV cache, the flattened ragged batch (input_ids and positions
+            [1, N]) the tokens form.
         Returns hidden [B, T, hidden] after the final norm, and taps [B, T, n_taps * hidden]
         (None unless return_taps).
         """
@@ -220,7 +237,7 @@ class CausalLM(nn.Module):
         if self._rope is None:  # the engine builds it sized to its context; this is a fallback
             self.init_rope(cfg.max_position_embeddings)
         ctx = forward_context(self._rope, positions, cache, kv_len, slots, attn_mask,
-                              cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
+                              cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window, batch)
 
         h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         if return_taps and not self.tap_layer_ids:
