@@ -41,6 +41,17 @@ def test_cost_model_recovers_known_costs_from_synthetic_timings():
     assert fit.worst_residual() < 0.03
 
 
+def test_cost_terms_are_never_fitted_negative():
+    """A cost falling with the number of steps is noise: the fit holds that term at 0 and
+    refits the rest (exact non-negative least squares), instead of pricing deep trees below
+    shallow ones."""
+    from specscope.tune.cost import _lstsq
+
+    rows = [[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]]
+    assert _lstsq(rows, [2.0, 1.5, 1.0]) == pytest.approx([1.5, 0.0])
+    assert _lstsq(rows, [1.0, 1.5, 2.0]) == pytest.approx([1.0, 0.5])  # unconstrained
+
+
 def test_cost_model_refuses_a_calibration_that_cannot_identify_a_term():
     """Chains alone cannot tell a tree's per-depth work from its per-row work; trees of one
     depth cannot either. The fit says so instead of sharing one effect between terms."""

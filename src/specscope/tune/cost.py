@@ -18,7 +18,7 @@ drafting, a mask, two top-k and gathers per step. Fitting those as per-token or 
 costs priced a (5, 3, 21) tree 14 % too cheap; with them the fit is within 3.1 % of every
 steady cycle of 25 chains and trees measured there (benchmarks/cycle_costs.py).
 
-Each line is fitted by least squares on the mean per-cycle phase times that
+Each line is fitted by non-negative least squares on the mean per-cycle phase times that
 `Profiler.summary` reports (of its graph replays when it has them), so the same code fits
 eager phases (draft_extend + draft_step + tree_build) and graph-replayed segments (draft,
 verify_commit). CALIBRATION in tuner.py is chosen so that every term is identified; the fit
@@ -137,9 +137,26 @@ def plain_ms_from_summary(summary: dict[str, Any]) -> float:
 
 
 def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares with every cost >= 0, exactly: the best unconstrained fit on each
+    subset of the terms (the rest held at 0) whose coefficients are all >= 0. A line has at
+    most five terms, so there are at most 32 subsets. A negative cost is noise fitted (the
+    2-core CPU's calibration once gave the per-depth tree verify term -2.4 ms, and the model
+    then priced deep trees below shallow ones)."""
     A = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(y, dtype=torch.float64)[:, None]
-    return torch.linalg.lstsq(A, b, driver="gelsd").solution[:, 0].tolist()
+    m = A.shape[1]
+    best, best_err = [0.0] * m, float((b ** 2).sum())
+    for mask in range(1, 1 << m):
+        cols = [j for j in range(m) if mask >> j & 1]
+        sol = torch.linalg.lstsq(A[:, cols], b, driver="gelsd").solution[:, 0]
+        if (sol < 0).any():
+            continue
+        err = float(((A[:, cols] @ sol[:, None] - b) ** 2).sum())
+        if err < best_err - 1e-12:
+            best, best_err = [0.0] * m, err
+            for j, x in zip(cols, sol.tolist(), strict=True):
+                best[j] = x
+    return best
 
 
 def _check_identified(name: str, terms: tuple[str, ...], rows: list[list[float]],
@@ -169,8 +186,8 @@ def _fit_line(name: str, terms: tuple[str, ...], columns, cals: list[Calibration
 
 
 def fit_cost_model(cals: list[Calibration], plain_ms: float) -> CostModel:
-    """Least-squares fit of the cycle terms (module docstring), with each calibration
-    point's residual kept. Raises, naming what is missing, when the calibration cannot
+    """Non-negative least-squares fit of the cycle terms (module docstring), with each
+    calibration point's residual kept. Raises, naming what is missing, when the calibration cannot
     identify every term (e.g. no tree, or trees of one depth only)."""
     d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, cals, "draft_ms")
     v, v_res = _fit_line("verify", VERIFY_TERMS, verify_columns, cals, "verify_ms")
