@@ -160,6 +160,9 @@ def main() -> None:
         log_line(lines, f"paired re-measurement (best, pick): {paired['best']} "
                         f"{paired['pick']}")
     med = {k: sorted(v)[len(v) // 2] for k, v in paired.items() if v}
+    # Each repeat runs the pair back to back, so the ratio within a pair cancels a drift of
+    # the machine's speed that the two sides' medians keep.
+    ratios = sorted(p / b for b, p in zip(paired["best"], paired["pick"], strict=True))
     summary = {
         "grid_configs": len(rows), "grid_seconds": round(grid_s, 1),
         "grid_best": str(best.config or "plain"), "grid_best_tok_per_s": round(best.tok_per_s, 2),
@@ -167,6 +170,8 @@ def main() -> None:
         "tuner_pick_tok_per_s": round(pick.tok_per_s, 2),
         "pick_vs_best": round(pick.tok_per_s / best.tok_per_s - 1, 4),
         "paired_median_pick_vs_best": round(med["pick"] / med["best"] - 1, 4) if med else 0.0,
+        "paired_ratio_median_pick_vs_best":
+            round(ratios[len(ratios) // 2] - 1, 4) if ratios else 0.0,
         "paired_repeats": args.pair_repeats if med else 0,
         "paired_fresh_draws": bool(med and base is not None),
         "tuner_seconds": round(tune_s, 1), "tuner_time_share": round(tune_s / grid_s, 3),

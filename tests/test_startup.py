@@ -341,7 +341,7 @@ BAD_FLAGS = [
     (["profile", "--num-prompts", "0"], "--num-prompts", "must be >= 1"),
     (["bench", "--url", "http://x", "--concurrency", "0"], "--concurrency", "must be >= 1"),
     (["bench", "--url", "http://x", "--timeout", "0"], "--timeout", "> 0"),
-    (["tune", "--confirm", "0"], "--confirm", "must be >= 1"),
+    (["tune", "--confirm", "-1"], "--confirm", "must be >= 0"),
     (["doctor", "--draft", "default", "--num-prompts", "-2"], "--num-prompts", ">= 1"),
     (["train-draft", "--out", "x", "--lr", "-1"], "--lr", "> 0"),
 ]
