@@ -20,7 +20,9 @@ from specscope.spec.verify import (
     _normalize_or,
     children_table,
     emitted_tokens,
+    emitted_tokens_batch,
     verify_greedy,
+    verify_greedy_batch,
     verify_sampling,
     verify_sampling_from_noise,
 )
@@ -99,6 +101,40 @@ def test_greedy_tree_deeper_branch_wins_and_ancestors_matter() -> None:
     # One more level of padding changes nothing but the shapes.
     v = verify_greedy(tree, _logits(y), max_depth=4)
     _check(v, tree, [0, 2, 5, 7, -1], 13, [7, 3, 4, 13, -1])
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_batch_of_trees_is_verified_each_as_alone(chain: bool) -> None:
+    """Batch-first verification of 6 trees of one shape, each with its own tokens and
+    logits (some accept everything, some nothing), equals each verified alone: no row reads
+    another's nodes."""
+    g = torch.Generator().manual_seed(7)
+    parents = _chain_parents(5) if chain else [-1, 0, 0, 1, 1, 2, 3]
+    N, V, D = len(parents), 16, 4 if chain else 3
+    trees, logits = [], []
+    for b in range(6):
+        tokens = torch.randperm(V, generator=g)[:N].tolist()  # distinct: siblings differ
+        t = _tree(parents, tokens)
+        t.chain = chain
+        # the target agrees with a random child after each node, more often for low b
+        arg = [tokens[c] if torch.rand(1, generator=g) < 1 - b / 6 else (tokens[c] + 1) % V
+               for c in [next((j for j in range(N) if parents[j] == i), 0)
+                         for i in range(N)]]
+        trees.append(t)
+        logits.append(_logits(arg, V))
+    tok = torch.stack([t.tokens for t in trees])
+    par = torch.stack([t.parents for t in trees])
+    dep = torch.stack([t.depth for t in trees])
+    path, a, bonus = verify_greedy_batch(tok, par, dep, torch.stack(logits), D, chain)
+    emitted = emitted_tokens_batch(tok, path, a, bonus)
+    seen = set()
+    for b, (t, lg) in enumerate(zip(trees, logits, strict=True)):
+        v = verify_greedy(t, lg, D)
+        assert path[b].tolist() == v.path.tolist() and int(a[b]) == int(v.num_accepted)
+        assert int(bonus[b]) == int(v.bonus)
+        assert emitted[b].tolist() == emitted_tokens(t, v).tolist()
+        seen.add(int(a[b]))
+    assert len(seen) > 1  # the batch mixes accept lengths
 
 
 def test_greedy_root_only() -> None:

@@ -101,38 +101,63 @@ def children_table(parents: torch.Tensor, max_children: int) -> torch.Tensor:
 
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: int) -> Verdict:
-    """Greedy verification. target_logits [N, V] (row i: the target's logits after node i)."""
-    N = tree.size
-    assert target_logits.shape[0] == N, (target_logits.shape, N)
-    y = target_logits.argmax(-1)  # [N]: the target's greedy token after each node
-    if tree.chain:
-        return _verify_greedy_chain(tree, y, max_depth)
-    parent = tree.parents.clamp_min(0)  # [N]; the root points at itself, masked below
-    is_root = tree.parents < 0  # [N]
+    """Greedy verification. target_logits [N, V] (row i: the target's logits after node i).
+    One tree: verify_greedy_batch with B = 1."""
+    assert target_logits.shape[0] == tree.size, (target_logits.shape, tree.size)
+    path, a, bonus = verify_greedy_batch(tree.tokens[None], tree.parents[None],
+                                         tree.depth[None], target_logits[None], max_depth,
+                                         tree.chain)
+    return Verdict(path=path[0], num_accepted=a[0], bonus=bonus[0])
+
+
+def verify_greedy_batch(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                        target_logits: torch.Tensor, max_depth: int, chain: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification of B trees of N nodes each (batch-first).
+
+    tokens, parents, depth [B, N] (DraftTree's fields, one row per tree); target_logits
+    [B, N, V]. chain: every tree is a chain (parents[i] = i - 1), a host-known fact that
+    takes the few-op path. Returns path [B, max_depth + 1] (-1 padded), num_accepted [B],
+    bonus [B], all int64 on the device."""
+    y = target_logits.argmax(-1)  # [B, N]: the target's greedy token after each node
+    N = tokens.shape[1]
+    if chain:
+        assert tokens.shape[1] - 1 == max_depth, (N, max_depth)
+        correct = tokens[:, 1:] == y[:, :-1]  # [B, N - 1]: draft token i + 1 matches
+        a = correct.long().cumprod(1).sum(1)  # [B]: the leading run of matches
+        slot = torch.arange(N, device=y.device)[None]  # [1, N]
+        path = torch.where(slot <= a[:, None], slot, -1)  # [B, N]
+        return path, a, y.gather(1, a[:, None])[:, 0]
+    parent = parents.clamp_min(0)  # [B, N]; the root points at itself, masked below
+    is_root = parents < 0
     # correct[i] = tokens[i] == y[parents[i]]; the root is correct by definition.
-    correct = is_root | (tree.tokens == y[parent])  # [N]
+    correct = is_root | (tokens == y.gather(1, parent))  # [B, N]
     # accepted[i] = correct[i] & accepted[parents[i]]; depth <= max_depth, so max_depth
     # rounds of propagation reach every node.
     accepted = correct
     for _ in range(max_depth):
-        accepted = correct & (is_root | accepted[parent])  # [N]
+        accepted = correct & (is_root | accepted.gather(1, parent))
     # The deepest accepted node (unique: siblings carry distinct tokens; the root has depth
     # 0 and is always accepted, so argmax never lands on a rejected node).
-    d = torch.where(accepted, tree.depth, -1).argmax()  # []
-    path = _path_to(tree, d, max_depth)  # [max_depth + 1]
-    return Verdict(path=path, num_accepted=_at(tree.depth, d).long(), bonus=_at(y, d))
+    d = torch.where(accepted, depth, -1).argmax(1)  # [B]
+    path = _paths_to(parents, depth, d, max_depth)  # [B, max_depth + 1]
+    return path, depth.gather(1, d[:, None])[:, 0].long(), y.gather(1, d[:, None])[:, 0]
 
 
-def _verify_greedy_chain(tree: DraftTree, y: torch.Tensor, max_depth: int) -> Verdict:
-    """verify_greedy for a chain (parents[i] = i - 1) in a few ops instead of a walk: the
-    accepted prefix is the leading run of correct tokens, and node i sits at depth i."""
-    N = tree.size
-    assert tree.size == max_depth + 1, (tree.size, max_depth)
-    correct = tree.tokens[1:] == y[:-1]  # [N - 1]: draft token i + 1 matches the target
-    a = correct.long().cumprod(0).sum()  # []: length of the leading run of matches
-    slot = torch.arange(N, device=y.device)  # [N]
-    path = torch.where(slot <= a, slot, -1)  # [N]: nodes 0..a, then -1
-    return Verdict(path=path, num_accepted=a, bonus=_at(y, a))
+def _paths_to(parents: torch.Tensor, depth: torch.Tensor, node: torch.Tensor,
+              max_depth: int) -> torch.Tensor:
+    """[B, max_depth + 1] int64: each tree's root-to-`node[b]` path by depth, -1 padded."""
+    B = parents.shape[0]
+    dev = parents.device
+    slot = torch.arange(max_depth + 1, device=dev)[None]  # [1, D + 1]
+    path = torch.full((B, max_depth + 1), -1, dtype=torch.long, device=dev)
+    cur = node  # [B]
+    for _ in range(max_depth + 1):
+        here = cur >= 0
+        c = cur.clamp_min(0)[:, None]  # [B, 1]
+        path = torch.where(here[:, None] & (slot == depth.gather(1, c)), c, path)
+        cur = torch.where(here, parents.gather(1, c)[:, 0], cur)
+    return path
 
 
 def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, max_depth: int,
@@ -220,27 +245,21 @@ def emitted_tokens(tree: DraftTree, verdict: Verdict) -> torch.Tensor:
     """[max_depth + 1] int64: the tokens this cycle emits (accepted drafts, then the bonus),
     padded with -1. A device op: read verdict.num_accepted once to know how many are valid.
     """
-    path = verdict.path  # [D + 1]
-    D1 = path.shape[0]
-    k = torch.arange(D1, device=path.device)  # [D + 1]: output position
+    return emitted_tokens_batch(tree.tokens[None], verdict.path[None],
+                                verdict.num_accepted.reshape(1), verdict.bonus.reshape(1))[0]
+
+
+def emitted_tokens_batch(tokens: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor,
+                         bonus: torch.Tensor) -> torch.Tensor:
+    """[B, D + 1] int64: each tree's emitted tokens, -1 padded. tokens [B, N], path
+    [B, D + 1], num_accepted and bonus [B]."""
+    D1 = path.shape[1]
+    k = torch.arange(D1, device=path.device)[None]  # [1, D + 1]: output position
     # Position k < num_accepted holds the token of path[k + 1]; shift path left by one.
-    nodes = torch.cat([path[1:], path.new_full((1,), -1)])  # [D + 1]
-    drafted = tree.tokens[nodes.clamp_min(0)]  # [D + 1]
-    out = torch.where(k < verdict.num_accepted, drafted, -1)
-    return torch.where(k == verdict.num_accepted, verdict.bonus, out)  # [D + 1]
-
-
-def _path_to(tree: DraftTree, node: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[max_depth + 1] int64: the root-to-`node` path indexed by depth, -1 padded."""
-    slot = torch.arange(max_depth + 1, device=tree.tokens.device)  # [max_depth + 1]
-    path = torch.full((max_depth + 1,), -1, dtype=torch.long, device=tree.tokens.device)
-    cur = node  # []
-    for _ in range(max_depth + 1):
-        here = cur >= 0
-        c = cur.clamp_min(0)
-        path = torch.where(here & (slot == _at(tree.depth, c)), c, path)
-        cur = torch.where(here, _at(tree.parents, c), cur)
-    return path
+    nodes = torch.cat([path[:, 1:], path.new_full((path.shape[0], 1), -1)], 1)  # [B, D + 1]
+    drafted = tokens.gather(1, nodes.clamp_min(0))
+    out = torch.where(k < num_accepted[:, None], drafted, -1)
+    return torch.where(k == num_accepted[:, None], bonus[:, None], out)
 
 
 def _normalize_or(r: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
