@@ -62,3 +62,46 @@ def test_a_paged_cache_without_its_batch_is_refused():
     kv = PagedKV(TINY.num_layers, 4, 4, TINY.num_kv_heads, TINY.head_dim, torch.float32, "cpu")
     with pytest.raises(ValueError, match="needs the batch's BatchMeta"):
         model(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], kv)
+
+
+def test_verify_trees_over_paged_kv_equal_the_contiguous_tree_forward():
+    """Two sequences' draft trees verified side by side over the paged cache give each node
+    the logits of the single-request tree forward (a contiguous cache, the ancestor mask)."""
+    from specscope.kvcache import KVCache
+    from specscope.kvcache.paged import tree_meta
+    from specscope.spec.tree import DraftTree
+
+    model = random_model(TINY, torch.float32, "cpu", seed=0)
+    bs = 4
+    kv = PagedKV(TINY.num_layers, 16, bs, TINY.num_kv_heads, TINY.head_dim, torch.float32,
+                 "cpu")
+    g = torch.Generator().manual_seed(2)
+    prefixes = [torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in (7, 10)]
+    tables = torch.tensor([[4, 11, 2, 9, 0], [6, 1, 13, 3, 8]])
+    parents = torch.tensor([-1, 0, 0, 1, 2, 2])
+    depth = torch.tensor([0, 1, 1, 2, 2, 2])
+    trees = [DraftTree(tokens=torch.randint(0, TINY.vocab_size, (6,), generator=g),
+                       parents=parents, depth=depth) for _ in prefixes]
+    # the prefixes' K/V, as earlier steps wrote them
+    ids = torch.cat(prefixes)[None]
+    seq = torch.cat([torch.full((len(p),), b) for b, p in enumerate(prefixes)])
+    pos = torch.cat([torch.arange(len(p)) for p in prefixes])
+    model(ids, pos[None], kv, batch=BatchMeta.causal(tables, seq, pos, bs))
+    n = torch.tensor([len(p) for p in prefixes])
+    anc = torch.stack([t.ancestor_mask(2) for t in trees])
+    meta = tree_meta(tables, n, anc, bs)
+    rope = torch.cat([len(p) + t.depth for p, t in zip(prefixes, trees, strict=True)])
+    tok = torch.cat([t.tokens for t in trees])[None]
+    hidden, _ = model(tok, rope[None], kv, batch=meta)
+    got = model.compute_logits(hidden[0]).split(6)
+    for p, t, out in zip(prefixes, trees, got, strict=True):
+        cache = KVCache(TINY.num_layers, 1, TINY.num_kv_heads, 32, TINY.head_dim,
+                        torch.float32, "cpu")
+        model(p[None], torch.arange(len(p))[None], cache, kv_len=len(p))
+        L = len(p) + 6
+        mask = torch.zeros(1, 6, L, dtype=torch.bool)
+        mask[0, :, :len(p)] = True
+        mask[0, :, len(p):] = t.ancestor_mask(2)
+        h, _ = model(t.tokens[None], (len(p) + t.depth)[None], cache, kv_len=L,
+                     slots=(len(p) + torch.arange(6))[None], attn_mask=mask)
+        torch.testing.assert_close(out, model.compute_logits(h[0]), atol=1e-5, rtol=1e-5)

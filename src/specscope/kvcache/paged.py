@@ -115,6 +115,30 @@ class BatchMeta:
                    block_tables, allowed)
 
 
+def tree_meta(block_tables: torch.Tensor, prefix_len: torch.Tensor, ancestors: torch.Tensor,
+              block_size: int) -> BatchMeta:
+    """The BatchMeta of S verify trees of N nodes each, flattened tree by tree (S * N tokens).
+
+    Tree s is verified right after its sequence's committed prefix of prefix_len[s] tokens:
+    node i's K/V go to cache position prefix_len[s] + i (the commit later moves the accepted
+    path into place), and node i attends to the whole prefix plus its own ancestors
+    (ancestors [S, N, N] bool, DraftTree.ancestor_mask: [s, i, j] = j is i or an ancestor).
+    Rope positions (prefix_len + depth) are the forward's positions, not this one's."""
+    S, N, _ = ancestors.shape
+    dev = prefix_len.device
+    seq = torch.arange(S, device=dev).repeat_interleave(N)  # [S * N]
+    node = torch.arange(N, device=dev).repeat(S)  # [S * N]
+    cache_pos = prefix_len[seq] + node
+    L = int(prefix_len.max()) + N if S else 1
+    key = torch.arange(L, device=dev)[None, :]  # [1, L]
+    rel = key - prefix_len[seq][:, None]  # [S * N, L]: tree slot of each key, < 0 in prefix
+    in_tree = (rel >= 0) & (rel < N)
+    anc = ancestors.reshape(S * N, N).gather(1, rel.clamp(0, N - 1))  # [S * N, L]
+    allowed = (rel < 0) | (in_tree & anc)
+    return BatchMeta(slot_mapping(block_tables, seq, cache_pos, block_size), seq,
+                     block_tables, allowed)
+
+
 def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: BatchMeta, scale: float) -> torch.Tensor:
     """One layer's attention step for a flattened batch: write this step's K/V at
