@@ -224,6 +224,46 @@ def simulated_acceptance(llm: Any, draft: str, base: SpecConfig, prompts: list[A
                                      scores=scores)
 
 
+def _acceptance_model(llm: Any, draft: str, prompts: list[Any], answers: list[list[int]],
+                      base: SpecConfig | None, depth: int, calibration_prompts: int,
+                      max_tokens: int, log: Any) -> AcceptanceModel:
+    """The draft measured along the engine's plain answers, or a simulated profile's model."""
+    t = time.perf_counter()
+    if base is not None and base.simulated:
+        acc = simulated_acceptance(llm, draft, base, prompts[:calibration_prompts], depth,
+                                   answers[:calibration_prompts])
+        log(f"[tune] simulated acceptance model: the profile's ranks, the tree's shape from "
+            f"the draft's scores ({time.perf_counter() - t:.1f} s)")
+        return acc
+    from specscope.doctor.probe import target_probe_data
+    from specscope.draft.loader import load_draft
+
+    ids = [llm.encode_prompt(p) for p in prompts]
+    data = target_probe_data(llm.runner.model, ids, max_tokens, answers=answers)
+    loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
+    loaded.model.attach_target(llm.runner.model)
+    acc = measure_acceptance(loaded.model, data, depth)
+    log(f"[tune] acceptance model: {depth} steps over {data.answer_tokens} answer tokens "
+        f"({time.perf_counter() - t:.1f} s)")
+    return acc
+
+
+def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | None,
+               plain_summary: dict, calibration_tokens: int, warmup_tokens: int
+               ) -> tuple[CostModel, list[str]]:
+    """The cost model fitted from the CALIBRATION shapes' runs (and each run's seconds)."""
+    cal_params = SamplingParams(max_tokens=calibration_tokens, ignore_eos=True)
+    # A calibration run reads its graph replays only (steady_phases), so its warm-up only has
+    # to take the first-use costs: a capture in the measured run is left out anyway.
+    cal_warm = min(warmup_tokens, calibration_tokens, 8)
+    cals, run_s = [], []
+    for cfg in CALIBRATION:
+        m, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
+        cals.append(calibration_from_summary(s, *cfg))
+        run_s.append(f"{cfg} {m.seconds:.1f}")
+    return fit_cost_model(cals, plain_ms_from_summary(plain_summary)), run_s
+
+
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          confirm: int = 1, depth: int = 10, calibration_prompts: int = 1,
          calibration_tokens: int = 48, budget_seconds: float | None = None,
@@ -240,9 +280,6 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     `tie_margin`: confirmed configurations measured within this share of the fastest are
     tied, and the tie goes to the higher prediction (pick)."""
     t_start = time.perf_counter()
-    from specscope.doctor.probe import target_probe_data
-    from specscope.draft.loader import load_draft
-
     timings: dict[str, float] = {}
     params = SamplingParams(max_tokens=max_tokens)
     t = time.perf_counter()
@@ -254,37 +291,16 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
                                       outputs=answers)
     timings["plain"] = time.perf_counter() - t
     t = time.perf_counter()
+    acc = acceptance if acceptance is not None else _acceptance_model(
+        llm, draft, prompts, answers, base, depth, calibration_prompts, max_tokens, log)
     if acceptance is not None:
-        acc = acceptance
         log(f"[tune] acceptance model given ({acc.depth} steps)")
-    elif base is not None and base.simulated:
-        acc = simulated_acceptance(llm, draft, base, prompts[:calibration_prompts], depth,
-                                   answers[:calibration_prompts])
-        log(f"[tune] simulated acceptance model: the profile's ranks, the tree's shape from "
-            f"the draft's scores ({time.perf_counter() - t:.1f} s)")
-    else:
-        ids = [llm.encode_prompt(p) for p in prompts]
-        data = target_probe_data(llm.runner.model, ids, max_tokens, answers=answers)
-        loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
-        loaded.model.attach_target(llm.runner.model)
-        acc = measure_acceptance(loaded.model, data, depth)
-        del loaded
-        log(f"[tune] acceptance model: {depth} steps over {data.answer_tokens} answer tokens "
-            f"({time.perf_counter() - t:.1f} s)")
     timings["acceptance_model"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    cal_params = SamplingParams(max_tokens=calibration_tokens, ignore_eos=True)
-    cal_prompts = prompts[:calibration_prompts]
-    # A calibration run reads its graph replays only (steady_phases), so its warm-up only has
-    # to take the first-use costs: a capture in the measured run is left out anyway.
-    cal_warm = min(warmup_tokens, calibration_tokens, 8)
-    cals, run_s = [], [f"plain {plain.seconds:.1f}"]
-    for cfg in CALIBRATION:
-        m, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
-        cals.append(calibration_from_summary(s, *cfg))
-        run_s.append(f"{cfg} {m.seconds:.1f}")
-    cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary))
+    cost, run_s = _calibrate(llm, draft, prompts[:calibration_prompts], base, plain_summary,
+                             calibration_tokens, warmup_tokens)
+    run_s.insert(0, f"plain {plain.seconds:.1f}")
     timings["calibration"] = time.perf_counter() - t
     cal_s = timings["plain"] + timings["calibration"]
     log(f"[tune] cost model from plain + {len(CALIBRATION)} calibration configs "
