@@ -10,6 +10,7 @@ from specscope.kvcache.block_pool import BlockPool, OutOfBlocks, block_hash, pre
 from specscope.kvcache.paged import (
     BatchMeta,
     PagedKV,
+    accepted_path_slots,
     attention_reference,
     blocks_for_budget,
     kv_bytes_per_token,
@@ -173,3 +174,26 @@ def test_reference_attention_equals_dense_causal_attention():
         torch.testing.assert_close(out[sl], ref[0].transpose(0, 1).reshape(n, H * D),
                                    atol=1e-5, rtol=1e-5)
         start += n
+
+
+def test_accepted_paths_of_several_sequences_move_in_one_commit():
+    """Two sequences verified trees of 5 nodes after prefixes of 6 and 3 tokens; their
+    accepted paths (nodes 0, 2, 4 and just the root) move to consecutive positions in one
+    commit, and nothing else in their blocks changes."""
+    bs = 4
+    kv = _paged(num_blocks=8, bs=bs, layers=1)
+    tables = torch.tensor([[5, 1, 7], [2, 6, 0]])
+    prefix = torch.tensor([6, 3])
+    k = torch.randn(2, 11, 2, 8)  # positions 0..10 of each sequence
+    for b in range(2):
+        pos = torch.arange(11)
+        kv.write(0, k[b], k[b], slot_mapping(tables, torch.full((11,), b), pos, bs))
+    path = torch.tensor([[0, 2, 4, -1], [0, -1, -1, -1]])
+    src, dst = accepted_path_slots(tables, prefix, path, bs)
+    kv.commit(src, dst)
+    got0, _ = kv.gather(0, tables[0], 11)
+    torch.testing.assert_close(got0[:6], k[0, :6])  # the prefix is untouched
+    torch.testing.assert_close(got0[6:9], k[0, [6, 8, 10]])  # nodes 0, 2, 4 in place
+    torch.testing.assert_close(got0[9:], k[0, 9:])  # the rest copied onto itself
+    got1, _ = kv.gather(0, tables[1], 11)
+    torch.testing.assert_close(got1, k[1])  # only the root accepted: nothing moves

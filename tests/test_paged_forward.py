@@ -105,3 +105,62 @@ def test_verify_trees_over_paged_kv_equal_the_contiguous_tree_forward():
         h, _ = model(t.tokens[None], (len(p) + t.depth)[None], cache, kv_len=L,
                      slots=(len(p) + torch.arange(6))[None], attn_mask=mask)
         torch.testing.assert_close(out, model.compute_logits(h[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_verify_accept_commit_then_decode_over_paged_kv():
+    """One batched speculative step's K/V bookkeeping end to end: verify two trees (whose
+    tokens follow the target's greedy choices on some branches), accept per sequence
+    (verify_greedy_batch), move the accepted paths into place (one commit), then decode the
+    bonus tokens: the logits equal a full forward over prefix + accepted + bonus."""
+    from specscope.kvcache.paged import accepted_path_slots, tree_meta
+    from specscope.spec.tree import DraftTree
+    from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch
+
+    model = random_model(TINY, torch.float32, "cpu", seed=3)
+    bs, N = 4, 6
+    kv = PagedKV(TINY.num_layers, 16, bs, TINY.num_kv_heads, TINY.head_dim, torch.float32,
+                 "cpu")
+    g = torch.Generator().manual_seed(4)
+    prefixes = [torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in (5, 9)]
+    tables = torch.tensor([[9, 3, 14, 1, 7], [0, 12, 5, 10, 2]])
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])
+    depth = torch.tensor([0, 1, 1, 2, 2, 3])
+
+    def full_logits(ids):
+        h, _ = model(ids[None], torch.arange(len(ids))[None])
+        return model.compute_logits(h[0])
+
+    trees = []
+    for b, p in enumerate(prefixes):  # node 1 and its child follow the target; node 2 not
+        root = torch.randint(0, TINY.vocab_size, (1,), generator=g)
+        t1 = full_logits(torch.cat([p, root]))[-1].argmax()
+        t3 = full_logits(torch.cat([p, root, t1[None]]))[-1].argmax()
+        other = torch.randint(0, TINY.vocab_size, (3,), generator=g)
+        tok = torch.stack([root[0], t1, (t1 + 1) % TINY.vocab_size, t3, other[0],
+                           other[1] if b == 0 else (t3 + 1) % TINY.vocab_size])
+        trees.append(DraftTree(tokens=tok, parents=parents, depth=depth))
+    # the prefixes (all but each root) already in the cache
+    ids = torch.cat(prefixes)[None]
+    seq = torch.cat([torch.full((len(p),), b) for b, p in enumerate(prefixes)])
+    pos = torch.cat([torch.arange(len(p)) for p in prefixes])
+    model(ids, pos[None], kv, batch=BatchMeta.causal(tables, seq, pos, bs))
+    n = torch.tensor([len(p) for p in prefixes])
+    meta = tree_meta(tables, n, torch.stack([t.ancestor_mask(3) for t in trees]), bs)
+    rope = torch.cat([len(p) + t.depth for p, t in zip(prefixes, trees, strict=True)])
+    hidden, _ = model(torch.cat([t.tokens for t in trees])[None], rope[None], kv, batch=meta)
+    logits = model.compute_logits(hidden[0]).view(2, N, -1)
+    tok = torch.stack([t.tokens for t in trees])
+    path, a, bonus = verify_greedy_batch(tok, parents.expand(2, N), depth.expand(2, N),
+                                         logits, 3)
+    assert a.tolist()[0] >= 2 and a.tolist()[1] >= 2  # both accepted nodes 1 and 3
+    kv.commit(*accepted_path_slots(tables, n, path, bs))
+    emitted = emitted_tokens_batch(tok, path, a, bonus)
+    # decode each sequence's bonus token at its new length
+    new_pos = n + a + 1
+    dec = BatchMeta.causal(tables, torch.arange(2), new_pos, bs)
+    h, _ = model(bonus[None], new_pos[None], kv, batch=dec)
+    got = model.compute_logits(h[0])
+    for b, p in enumerate(prefixes):
+        acc = emitted[b, :int(a[b])]
+        ref = full_logits(torch.cat([p, trees[b].tokens[:1], acc, bonus[b:b + 1]]))[-1]
+        torch.testing.assert_close(got[b], ref, atol=1e-5, rtol=1e-5)

@@ -139,6 +139,23 @@ def tree_meta(block_tables: torch.Tensor, prefix_len: torch.Tensor, ancestors: t
                      block_tables, allowed)
 
 
+def accepted_path_slots(block_tables: torch.Tensor, prefix_len: torch.Tensor,
+                        path: torch.Tensor, block_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dst) slots [B * (D + 1)] that move each sequence's accepted tree path into
+    place with one PagedKV.commit: node path[b, k], verified at position prefix_len[b] +
+    path[b, k], goes to position prefix_len[b] + k. path [B, D + 1] (verify_greedy_batch's,
+    -1 past the accepted nodes): those rows copy a slot onto itself, so the shapes stay
+    static and nothing is read back to the host."""
+    B, D1 = path.shape
+    k = torch.arange(D1, device=path.device)[None].expand(B, D1)
+    node = torch.where(path >= 0, path, k)
+    seq = torch.arange(B, device=path.device)[:, None].expand(B, D1).reshape(-1)
+    src = slot_mapping(block_tables, seq, (prefix_len[:, None] + node).reshape(-1), block_size)
+    dst = slot_mapping(block_tables, seq, (prefix_len[:, None] + k).reshape(-1), block_size)
+    return src, dst
+
+
 def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: BatchMeta, scale: float) -> torch.Tensor:
     """One layer's attention step for a flattened batch: write this step's K/V at
