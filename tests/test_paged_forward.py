@@ -19,6 +19,27 @@ TINY = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=9
                    max_position_embeddings=128, tie_word_embeddings=False, name="tiny")
 
 
+def _kv(bs: int) -> PagedKV:
+    return PagedKV(TINY.num_layers, 16, bs, TINY.num_kv_heads, TINY.head_dim, torch.float32,
+                   "cpu")
+
+
+def _verify_after_prefixes(model, kv, tables, prefixes, trees, bs, max_depth):
+    """Write the prefixes' K/V (as earlier steps would have), then verify one tree per
+    sequence in one forward. Returns the nodes' logits [S * N, V] and the prefix lengths."""
+    from specscope.kvcache.paged import tree_meta
+
+    ids = torch.cat(prefixes)[None]
+    seq = torch.cat([torch.full((len(p),), b) for b, p in enumerate(prefixes)])
+    pos = torch.cat([torch.arange(len(p)) for p in prefixes])
+    model(ids, pos[None], kv, batch=BatchMeta.causal(tables, seq, pos, bs))
+    n = torch.tensor([len(p) for p in prefixes])
+    meta = tree_meta(tables, n, torch.stack([t.ancestor_mask(max_depth) for t in trees]), bs)
+    rope = torch.cat([len(p) + t.depth for p, t in zip(prefixes, trees, strict=True)])
+    hidden, _ = model(torch.cat([t.tokens for t in trees])[None], rope[None], kv, batch=meta)
+    return model.compute_logits(hidden[0]), n
+
+
 def _step(model, kv, tables, pieces, bs, window=None):
     """pieces: (seq, tokens, first position). Returns logits per piece."""
     ids = torch.cat([t for _, t, _ in pieces])[None]
@@ -68,13 +89,11 @@ def test_verify_trees_over_paged_kv_equal_the_contiguous_tree_forward():
     """Two sequences' draft trees verified side by side over the paged cache give each node
     the logits of the single-request tree forward (a contiguous cache, the ancestor mask)."""
     from specscope.kvcache import KVCache
-    from specscope.kvcache.paged import tree_meta
     from specscope.spec.tree import DraftTree
 
     model = random_model(TINY, torch.float32, "cpu", seed=0)
     bs = 4
-    kv = PagedKV(TINY.num_layers, 16, bs, TINY.num_kv_heads, TINY.head_dim, torch.float32,
-                 "cpu")
+    kv = _kv(bs)
     g = torch.Generator().manual_seed(2)
     prefixes = [torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in (7, 10)]
     tables = torch.tensor([[4, 11, 2, 9, 0], [6, 1, 13, 3, 8]])
@@ -82,18 +101,8 @@ def test_verify_trees_over_paged_kv_equal_the_contiguous_tree_forward():
     depth = torch.tensor([0, 1, 1, 2, 2, 2])
     trees = [DraftTree(tokens=torch.randint(0, TINY.vocab_size, (6,), generator=g),
                        parents=parents, depth=depth) for _ in prefixes]
-    # the prefixes' K/V, as earlier steps wrote them
-    ids = torch.cat(prefixes)[None]
-    seq = torch.cat([torch.full((len(p),), b) for b, p in enumerate(prefixes)])
-    pos = torch.cat([torch.arange(len(p)) for p in prefixes])
-    model(ids, pos[None], kv, batch=BatchMeta.causal(tables, seq, pos, bs))
-    n = torch.tensor([len(p) for p in prefixes])
-    anc = torch.stack([t.ancestor_mask(2) for t in trees])
-    meta = tree_meta(tables, n, anc, bs)
-    rope = torch.cat([len(p) + t.depth for p, t in zip(prefixes, trees, strict=True)])
-    tok = torch.cat([t.tokens for t in trees])[None]
-    hidden, _ = model(tok, rope[None], kv, batch=meta)
-    got = model.compute_logits(hidden[0]).split(6)
+    logits, _ = _verify_after_prefixes(model, kv, tables, prefixes, trees, bs, 2)
+    got = logits.split(6)
     for p, t, out in zip(prefixes, trees, got, strict=True):
         cache = KVCache(TINY.num_layers, 1, TINY.num_kv_heads, 32, TINY.head_dim,
                         torch.float32, "cpu")
@@ -112,14 +121,13 @@ def test_verify_accept_commit_then_decode_over_paged_kv():
     tokens follow the target's greedy choices on some branches), accept per sequence
     (verify_greedy_batch), move the accepted paths into place (one commit), then decode the
     bonus tokens: the logits equal a full forward over prefix + accepted + bonus."""
-    from specscope.kvcache.paged import accepted_path_slots, tree_meta
+    from specscope.kvcache.paged import accepted_path_slots
     from specscope.spec.tree import DraftTree
     from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch
 
     model = random_model(TINY, torch.float32, "cpu", seed=3)
     bs, N = 4, 6
-    kv = PagedKV(TINY.num_layers, 16, bs, TINY.num_kv_heads, TINY.head_dim, torch.float32,
-                 "cpu")
+    kv = _kv(bs)
     g = torch.Generator().manual_seed(4)
     prefixes = [torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in (5, 9)]
     tables = torch.tensor([[9, 3, 14, 1, 7], [0, 12, 5, 10, 2]])
@@ -139,16 +147,8 @@ def test_verify_accept_commit_then_decode_over_paged_kv():
         tok = torch.stack([root[0], t1, (t1 + 1) % TINY.vocab_size, t3, other[0],
                            other[1] if b == 0 else (t3 + 1) % TINY.vocab_size])
         trees.append(DraftTree(tokens=tok, parents=parents, depth=depth))
-    # the prefixes (all but each root) already in the cache
-    ids = torch.cat(prefixes)[None]
-    seq = torch.cat([torch.full((len(p),), b) for b, p in enumerate(prefixes)])
-    pos = torch.cat([torch.arange(len(p)) for p in prefixes])
-    model(ids, pos[None], kv, batch=BatchMeta.causal(tables, seq, pos, bs))
-    n = torch.tensor([len(p) for p in prefixes])
-    meta = tree_meta(tables, n, torch.stack([t.ancestor_mask(3) for t in trees]), bs)
-    rope = torch.cat([len(p) + t.depth for p, t in zip(prefixes, trees, strict=True)])
-    hidden, _ = model(torch.cat([t.tokens for t in trees])[None], rope[None], kv, batch=meta)
-    logits = model.compute_logits(hidden[0]).view(2, N, -1)
+    flat, n = _verify_after_prefixes(model, kv, tables, prefixes, trees, bs, 3)
+    logits = flat.view(2, N, -1)
     tok = torch.stack([t.tokens for t in trees])
     path, a, bonus = verify_greedy_batch(tok, parents.expand(2, N), depth.expand(2, N),
                                          logits, 3)

@@ -199,10 +199,7 @@ class Scheduler:
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Take the longest prefix every pool has cached, below the sequence's last token."""
-        if not seq.block_tables:
-            seq.block_tables = [[] for _ in self.pools]
-            seq.registered = [0] * len(self.pools)
-            seq.block_hashes = [[] for _ in self.pools]
+        self._ensure_tables(seq)
         if any(seq.block_tables) or not all(p.blocks.enable_prefix_caching for p in self.pools):
             return
         limit = (seq.num_tokens - 1) // self.block_size
@@ -217,12 +214,16 @@ class Scheduler:
         seq.registered = [n] * len(self.pools)
         seq.num_computed = seq.draft_computed = seq.num_cached = n * self.block_size
 
-    def _reserve(self, seq: Sequence, item: Scheduled) -> bool:
-        """Blocks for every position this step may write, in every pool, or none at all."""
+    def _ensure_tables(self, seq: Sequence) -> None:
+        """Empty per-pool block tables and prefix keys for a sequence that holds none."""
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.pools]
             seq.registered = [0] * len(self.pools)
             seq.block_hashes = [[] for _ in self.pools]
+
+    def _reserve(self, seq: Sequence, item: Scheduled) -> bool:
+        """Blocks for every position this step may write, in every pool, or none at all."""
+        self._ensure_tables(seq)
         need = []
         for p, table in zip(self.pools, seq.block_tables, strict=True):
             extra = p.spec_lookahead if item.speculative else 0
