@@ -35,6 +35,7 @@ from torch import nn
 from specscope.config import ModelConfig
 from specscope.draft.vocab import vocab_maps
 from specscope.kvcache import KVCache
+from specscope.kvcache.paged import BatchMeta, PagedKV
 from specscope.models.llama import (
     MLP,
     Attention,
@@ -249,15 +250,17 @@ class Eagle3Draft(nn.Module):
         return self.fc(taps)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None = None, *, kv_len: int | None = None,
+                cache: KVCache | PagedKV | None = None, *, kv_len: int | None = None,
                 slots: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                ttt: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ttt: Any = None, batch: BatchMeta | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass over T tokens.
 
         input_ids, positions: [B, T]; hidden: [B, T, H], either `project(taps)` (draft extend)
         or the first output of an earlier pass (later draft steps).
         cache / kv_len / slots / attn_mask: as CausalLM.forward (the draft's own KV cache,
-        num_layers layers; attn_mask [B, T, S] bool overrides the causal mask).
+        num_layers layers; attn_mask [B, T, S] bool overrides the causal mask); with a
+        PagedKV cache, `batch` describes the flattened ragged batch (B = 1, T = N tokens).
         Returns (next_hidden, normed), both [B, T, H]: `normed` = norm(h) feeds
         `compute_logits`; `next_hidden` is what the next draft step takes as `hidden`: the
         pre-norm output h, or `normed` for EAGLE-3.1 drafts with config.norm_output.
@@ -270,7 +273,7 @@ class Eagle3Draft(nn.Module):
         if self._rope is None:  # the engine sizes it to its context; this is a fallback
             self.init_rope(cfg.max_position_embeddings)
         ctx = forward_context(self._rope, positions, cache, kv_len, slots, attn_mask,
-                              cfg.num_heads // cfg.num_kv_heads)
+                              cfg.num_heads // cfg.num_kv_heads, batch=batch)
         ctx.ttt = ttt
 
         def kv(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:

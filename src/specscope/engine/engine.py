@@ -1,15 +1,23 @@
-"""The batched engine loop: schedule -> one forward over the flattened batch -> sample ->
-append -> free.
+"""The batched engine loop: schedule -> draft -> one target forward over the flattened batch
+-> sample / verify -> commit -> append -> free.
 
-`Engine.step()` runs one step for every sequence the scheduler packs: prefill chunks and
-decode tokens side by side in one forward over the paged KV cache, then one sample per
-sequence whose piece reaches its last token, each with its own sampling params and
-generator. The step's one device->host read is `_read`.
+`Engine.step()` runs one step for every sequence the scheduler packs. With a draft:
 
-This is the plain-decoding half of the batched engine; the batched speculative cycle (draft
-extend, draft steps and one verify for every speculating sequence) and the switch of `LLM`
-and the server onto this loop are still to come (issue 19), so nothing drives it yet but its
-tests.
+1. **draft extend**: one draft forward over every scheduled sequence's pending pairs (the
+   target's taps at positions it computed since the draft last caught up, each with the
+   token after it: a prefill chunk's, a plain step's, or a verify's accepted path);
+2. **draft steps** for the speculating sequences, all in one batch per step: a chain, or an
+   EAGLE-2 tree (spec/drafter.py);
+3. **one target forward**: prefill chunks and plain decode tokens (causal) beside the
+   speculating sequences' trees (tree mask), with taps;
+4. one sample per plain sequence whose piece reaches its last token, and per speculating
+   sequence a verification (greedy, lossless sampling, or simulated acceptance) giving its
+   ragged accepted length and bonus token, each with its own sampling params and generator;
+5. the **commit** of every accepted tree path into place (kvcache/paged.py); the path's
+   taps become the next extend's pending pairs.
+
+The step's one device->host read is `_read`: the sampled tokens, the accepted lengths and
+the emitted tokens, in one tensor. Everything per request lives in its `Sequence`.
 """
 
 from __future__ import annotations
@@ -18,11 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
-from specscope.engine.scheduler import Pool, Scheduler, StepPlan
-from specscope.engine.sequence import Sequence
+from specscope.config import SamplingParams, SpecConfig
+from specscope.draft.eagle3 import Eagle3Draft
+from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
+from specscope.engine.sequence import Sequence, SpecState
 from specscope.kvcache.block_pool import BlockPool
-from specscope.kvcache.paged import BatchMeta, PagedKV
-from specscope.sampling import make_generator, sample
+from specscope.kvcache.paged import BatchMeta, PagedKV, accepted_path_slots, tree_meta
+from specscope.sampling import make_generator, processed_logits, sample
+from specscope.spec.drafter import draft_chain_batch, draft_tree_batch
+from specscope.spec.simulate import simulated_verdict
+from specscope.spec.tree import DraftTree
+from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch, verify_sampling
 
 
 @dataclass
@@ -37,88 +51,238 @@ class EngineConfig:
 
 @dataclass
 class StepOutput:
-    """What one step produced for one sequence: its new tokens and whether it finished."""
+    """What one step produced for one sequence: its new tokens and whether it finished.
+    accepted: draft tokens accepted, for a speculative step (None for a plain one)."""
 
     seq: Sequence
     new_tokens: list[int]
     finished: bool
+    accepted: int | None = None
+
+
+@dataclass
+class _TargetBatch:
+    """The target forward's flattened batch: causal pieces (prefill chunks, plain decode
+    tokens) first, then the trees. pieces: (item index, first row, rows) per causal piece;
+    last_rows / sampling: the rows and item indices that sample a token."""
+
+    ids: torch.Tensor
+    rope: torch.Tensor
+    meta: BatchMeta
+    pieces: list[tuple[int, int, int]]
+    last_rows: list[int]
+    sampling: list[int]
+    tree_base: int
+
+
+@dataclass
+class _Verdicts:
+    """The speculating sequences' verification: path [S, k + 1], accepted [S], emitted
+    [S, k + 1] (-1 padded), and the taps of the accepted path [S, k + 1, n_taps]."""
+
+    accepted: torch.Tensor
+    emitted: torch.Tensor
+    path_taps: torch.Tensor
 
 
 class Engine:
-    """A target model served in batches over one paged KV pool."""
+    """A target model (and optionally an EAGLE-3 draft) served in batches over paged KV."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), draft: Eagle3Draft | None = None,
+                 spec: SpecConfig | None = None) -> None:
+        if (draft is None) != (spec is None):
+            raise ValueError("speculative decoding needs both a draft and its SpecConfig")
         mc = model.config
         dev = model.model.embed_tokens.weight.device
         dtype = model.model.embed_tokens.weight.dtype
-        self.model, self.config, self.device = model, config, dev
+        self.model, self.config, self.device, self.dtype = model, config, dev, dtype
         self.eos = eos_token_ids
-        self.pool = BlockPool(config.num_blocks, config.block_size,
-                              config.enable_prefix_caching)
-        self.kv = PagedKV(mc.num_layers, config.num_blocks, config.block_size,
-                          mc.num_kv_heads, mc.head_dim, dtype, dev)
-        self.scheduler = Scheduler([Pool(self.pool)],
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
+        bs, nb = config.block_size, config.num_blocks
+        self.pool = BlockPool(nb, bs, config.enable_prefix_caching)
+        self.kv = PagedKV(mc.num_layers, nb, bs, mc.num_kv_heads, mc.head_dim, dtype, dev)
+        pools = [Pool(self.pool)]
+        self.draft, self.spec = draft, spec
+        self.draft_pool: BlockPool | None = None
+        if draft is not None:
+            dc = draft.config
+            self.draft_pool = BlockPool(nb, bs, config.enable_prefix_caching)
+            self.draft_kv = PagedKV(dc.num_layers, nb, bs, dc.num_kv_heads, dc.head_dim,
+                                    dtype, dev)
+            pools.append(Pool(self.draft_pool, draft=True, spec_lookahead=self._draft_slots))
+            model.set_taps(dc.aux_layer_ids)
+            draft.ensure_rope(config.max_model_len)
+            rates = spec.acceptance_rates()
+            self.sim_rates = None if rates is None else torch.tensor(rates, device=dev)
+            self.sim_gen = torch.Generator(device=dev)
+            self.reset_simulation()
+        self.scheduler = Scheduler(pools, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs,
-                                   max_model_len=config.max_model_len)
+                                   max_model_len=config.max_model_len,
+                                   spec_tokens=spec.num_draft_tokens if spec else 0)
         model.ensure_rope(config.max_model_len)
+
+    @property
+    def _draft_slots(self) -> int:
+        """Draft positions a speculative step writes past the committed length: the chain's
+        draft steps, or every tree step's beams (num_steps - 1 steps of topk slots)."""
+        s = self.spec
+        return max(s.num_steps - 1, 1) if s.topk == 1 else max(s.num_steps - 1, 1) * s.topk
+
+    def reset_simulation(self) -> None:
+        """Restart the simulated-acceptance random stream (identical accept decisions on
+        identical workloads)."""
+        if self.spec is not None:
+            self.sim_gen.manual_seed(self.spec.simulate_seed)
 
     def add(self, seq: Sequence) -> None:
         if seq.generator is None and not seq.params.greedy:
             seq.generator = make_generator(seq.params.seed, self.device)
         self.scheduler.add(seq)
 
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """End a sequence now (client gone, cancelled): its blocks are free for the next step."""
+        if seq.spec is not None:
+            seq.spec.taps = None
+        self.scheduler.finish(seq, reason)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        logits, sampling = self._forward(plan)
-        tokens = self._read(self._sample(logits, [plan.scheduled[i].seq for i in sampling]))
-        out = []
-        done_at = dict(zip(sampling, tokens, strict=True))
-        for i, item in enumerate(plan.scheduled):
-            seq = item.seq
-            new = [done_at[i]] if i in done_at else []
-            seq.output_ids += new
-            self.scheduler.computed(seq, item.num_tokens)
-            finished = bool(new) and self._stops(seq)
-            if finished:
-                self.scheduler.finish(seq, seq.finish_reason or "stop")
-            out.append(StepOutput(seq, new, finished))
-        return out
+        items = plan.scheduled
+        spec_idx = [i for i, it in enumerate(items) if it.speculative]
+        tree = None
+        if self.draft is not None:
+            heads = self._extend(items, spec_idx)
+            if spec_idx:
+                tree = self._draft_trees([items[i].seq for i in spec_idx], *heads)
+        batch = self._target_batch(items, spec_idx, tree)
+        hidden, taps = self.model(batch.ids[None], batch.rope[None], self.kv, batch=batch.meta,
+                                  return_taps=self.draft is not None)
+        logits = self.model.compute_logits(hidden[0, batch.last_rows])
+        sampled = self._sample(logits, [items[i].seq for i in batch.sampling])
+        verdicts = None
+        if spec_idx:
+            verdicts = self._verify(items, spec_idx, tree, hidden[0, batch.tree_base:],
+                                    taps[0, batch.tree_base:])
+        counts, emitted = self._read(sampled, verdicts)
+        return self._update(plan, batch, spec_idx, counts, emitted, taps, verdicts)
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
-        """The flattened batch's forward; logits [S, V] at the last token of the S pieces
-        that complete their sequence's uncomputed tokens (those sample), and their indices."""
-        bs = self.config.block_size
-        ids, pos, seq_idx, last, sampling = [], [], [], [], []
-        width = max(len(it.seq.block_tables[0]) for it in plan.scheduled)
-        tables = torch.zeros(len(plan.scheduled), width, dtype=torch.long)
-        n = 0
-        for i, item in enumerate(plan.scheduled):
-            seq = item.seq
-            a = seq.num_computed
-            ids += seq.token_ids[a:a + item.num_tokens]
-            pos += range(a, a + item.num_tokens)
-            seq_idx += [i] * item.num_tokens
-            tables[i, :len(seq.block_tables[0])] = torch.tensor(seq.block_tables[0])
-            n += item.num_tokens
-            if item.num_tokens == seq.num_uncomputed:
-                last.append(n - 1)
-                sampling.append(i)
+    # -- 1. draft extend ----------------------------------------------------------------------
+
+    def _extend(self, items: list[Scheduled], spec_idx: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+        """One draft forward over every scheduled sequence's pending pairs: pair p is the
+        target's taps at position p and the token at p + 1. Returns the draft's output at
+        the last pair of each speculating sequence (h0 [S, Hd], logits0 [S, Vd]), which
+        predicts its first draft token."""
+        work = [it.seq for it in items if it.seq.spec is not None and
+                it.seq.spec.taps is not None]
+        if not work:
+            assert not spec_idx, "a speculating sequence always has pending pairs"
+            return ()
+        ids, pos, rows, taps, last = [], [], [], [], {}
+        for r, seq in enumerate(work):
+            dc, P = seq.draft_computed, seq.spec.taps.shape[0]
+            ids += seq.token_ids[dc + 1:dc + 1 + P]
+            pos += range(dc, dc + P)
+            rows += [r] * P
+            taps.append(seq.spec.taps)
+            last[seq.seq_id] = len(pos) - 1
         dev = self.device
-        positions = torch.tensor(pos, device=dev)
-        meta = BatchMeta.causal(tables.to(dev), torch.tensor(seq_idx, device=dev), positions,
-                                bs, self.model.config.sliding_window)
-        hidden, _ = self.model(torch.tensor(ids, device=dev)[None], positions[None], self.kv,
-                               batch=meta)
-        rows = hidden[0, torch.tensor(last, dtype=torch.long, device=dev)]
-        return self.model.compute_logits(rows), sampling
+        pos_t = torch.tensor(pos, device=dev)
+        meta = BatchMeta.causal(self._tables(work, 1), torch.tensor(rows, device=dev), pos_t,
+                                self.config.block_size, max_len=max(pos) + 1)
+        h, normed = self.draft(torch.tensor(ids, device=dev)[None],
+                               self.draft.project(torch.cat(taps)[None]), pos_t[None],
+                               self.draft_kv, batch=meta)
+        for seq in work:
+            P = seq.spec.taps.shape[0]
+            seq.spec.taps = None
+            self.scheduler.computed(seq, 0, P)
+        if not spec_idx:
+            return ()
+        sel = torch.tensor([last[items[i].seq.seq_id] for i in spec_idx], device=dev)
+        return h[0, sel], self.draft.compute_logits(normed[0, sel])
+
+    # -- 2. draft steps -----------------------------------------------------------------------
+
+    def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor,
+                     logits0: torch.Tensor) -> DraftTree:
+        """Every speculating sequence's chain or tree, each draft step one batched forward
+        over the draft's paged KV."""
+        spec, dev, bs = self.spec, self.device, self.config.block_size
+        S = len(seqs)
+        n_host = [s.num_computed for s in seqs]  # each root's position
+        n = torch.tensor(n_host, device=dev)
+        root = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
+        tables = self._tables(seqs, 1)
+        rows = torch.arange(S, device=dev)
+        reach = max(n_host) + self._draft_slots
+
+        def step(tokens, hidden, rope, query_slots, ancestors):
+            Q = tokens.shape[1]
+            if query_slots is None:
+                meta = BatchMeta.causal(tables, rows.repeat_interleave(Q), rope.reshape(-1),
+                                        bs, max_len=reach)
+            else:
+                meta = tree_meta(tables, n, ancestors, bs, query_slots=query_slots,
+                                 max_len=reach)
+            h, normed = self.draft(tokens.reshape(1, -1), hidden.reshape(1, S * Q, -1),
+                                   rope.reshape(1, -1), self.draft_kv, batch=meta)
+            return h.view(S, Q, -1), self.draft.compute_logits(normed[0]).view(S, Q, -1)
+
+        params = [s.params for s in seqs]
+        if spec.topk == 1:
+            return draft_chain_batch(step, self.draft, h0, logits0, root, n, spec.num_steps,
+                                     params, [s.generator for s in seqs])
+        return draft_tree_batch(step, self.draft, h0, logits0, root, n, spec.num_steps,
+                                spec.topk, spec.num_draft_tokens, params)
+
+    # -- 3. the target forward ----------------------------------------------------------------
+
+    def _target_batch(self, items: list[Scheduled], spec_idx: list[int],
+                      tree: DraftTree | None) -> _TargetBatch:
+        dev, bs = self.device, self.config.block_size
+        window = self.model.config.sliding_window
+        ids, pos, rows, pieces, last, sampling = [], [], [], [], [], []
+        for i, item in enumerate(items):
+            if item.speculative:
+                continue
+            seq, m = item.seq, item.num_tokens
+            a = seq.num_computed
+            pieces.append((i, len(ids), m))
+            ids += seq.token_ids[a:a + m]
+            pos += range(a, a + m)
+            rows += [i] * m
+            if m == seq.num_uncomputed:
+                last.append(len(ids) - 1)
+                sampling.append(i)
+        tables = self._tables([it.seq for it in items], 0)
+        metas, base = [], len(ids)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        rope = torch.tensor(pos, dtype=torch.long, device=dev)
+        if pieces:
+            metas.append(BatchMeta.causal(tables, torch.tensor(rows, device=dev), rope, bs,
+                                          window, max_len=max(pos) + 1))
+        if spec_idx:
+            n_host = [items[i].seq.num_computed for i in spec_idx]
+            n = torch.tensor(n_host, device=dev)
+            tree_rope = n[:, None] + tree.depth  # [S, N]
+            metas.append(tree_meta(tables, n, tree.ancestor_mask(self.spec.num_steps), bs,
+                                   rows=torch.tensor(spec_idx, device=dev), rope=tree_rope,
+                                   sliding_window=window, max_len=max(n_host) + tree.size))
+            ids_t = torch.cat([ids_t, tree.tokens.reshape(-1)])
+            rope = torch.cat([rope, tree_rope.reshape(-1)])
+        return _TargetBatch(ids_t, rope, BatchMeta.cat(metas), pieces, last, sampling, base)
+
+    # -- 4. sample and verify -----------------------------------------------------------------
 
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -130,18 +294,125 @@ class Engine:
                 out[r] = sample(logits[r:r + 1], seq.params, seq.generator)[0]
         return out
 
+    def _verify(self, items: list[Scheduled], spec_idx: list[int], tree: DraftTree,
+                hidden: torch.Tensor, taps: torch.Tensor) -> _Verdicts:
+        """Verify every tree, commit the accepted paths, gather their taps."""
+        seqs = [items[i].seq for i in spec_idx]
+        S, N, k = len(seqs), tree.size, self.spec.num_steps
+        logits = self.model.compute_logits(hidden).view(S, N, -1)
+        path, a, bonus = self._accept(seqs, tree, logits)
+        if not tree.chain:  # a chain's accepted nodes already sit where they belong
+            tables = self._tables(seqs, 0)
+            n = torch.tensor([s.num_computed for s in seqs], device=self.device)
+            self.kv.commit(*accepted_path_slots(tables, n, path, self.config.block_size))
+        node = path.clamp_min(0)[..., None].expand(S, k + 1, taps.shape[-1])
+        path_taps = taps.view(S, N, -1).gather(1, node)
+        return _Verdicts(a, emitted_tokens_batch(tree.tokens, path, a, bonus), path_taps)
+
+    def _accept(self, seqs: list[Sequence], tree: DraftTree, logits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """path [S, k + 1], accepted [S], bonus [S]: greedy rows in one batched verify,
+        sampled rows by lossless rejection with their own generator, or all rows by
+        simulated acceptance."""
+        spec, k = self.spec, self.spec.num_steps
+        S = len(seqs)
+        if self.sim_rates is None and all(s.params.greedy for s in seqs):
+            return verify_greedy_batch(tree.tokens, tree.parents, tree.depth, logits, k,
+                                       tree.chain)
+        verdicts = []
+        cols = spec.topk if spec.simulate_sibling > 0 and spec.topk > 1 else 1
+        u = None if self.sim_rates is None else torch.rand(
+            S, k, cols, generator=self.sim_gen, device=self.device)
+        for r, seq in enumerate(seqs):
+            p, g = seq.params, seq.generator
+            probs = None if p.greedy else processed_logits(logits[r], p).softmax(-1)
+            if u is not None:
+                v = simulated_verdict(tree.row(r), logits[r], probs, self.sim_rates, u[r], k,
+                                      spec.topk, g, spec.simulate_sibling)
+            elif p.greedy:
+                path, a, b = verify_greedy_batch(tree.tokens[r:r + 1], tree.parents[r:r + 1],
+                                                 tree.depth[r:r + 1], logits[r:r + 1], k,
+                                                 tree.chain)
+                verdicts.append((path[0], a[0], b[0]))
+                continue
+            else:
+                v = verify_sampling(tree.row(r), probs, k, spec.topk, g)
+            verdicts.append((v.path, v.num_accepted, v.bonus))
+        return tuple(torch.stack(x) for x in zip(*verdicts, strict=True))
+
     @staticmethod
-    def _read(tokens: torch.Tensor) -> list[int]:
-        """The step's one device->host read: the sampled token ids."""
-        return tokens.tolist()
+    def _read(sampled: torch.Tensor, verdicts: _Verdicts | None
+              ) -> tuple[list[int], list[list[int]]]:
+        """The step's one device->host read: the sampled tokens, then each speculating
+        sequence's accepted length and emitted tokens."""
+        if verdicts is None:
+            return sampled.tolist(), []
+        S = verdicts.accepted.shape[0]
+        flat = torch.cat([sampled, verdicts.accepted, verdicts.emitted.reshape(-1)]).tolist()
+        P = sampled.shape[0]
+        counts, rest = flat[P:P + S], flat[P + S:]
+        width = verdicts.emitted.shape[1]
+        emitted = [rest[r * width:r * width + a + 1] for r, a in enumerate(counts)]
+        return flat[:P], emitted
+
+    # -- 5. host bookkeeping ------------------------------------------------------------------
+
+    def _update(self, plan: StepPlan, batch: _TargetBatch, spec_idx: list[int],
+                sampled: list[int], emitted: list[list[int]], taps: torch.Tensor | None,
+                verdicts: _Verdicts | None) -> list[StepOutput]:
+        items = plan.scheduled
+        out: dict[int, StepOutput] = {}
+        tokens_at = dict(zip(batch.sampling, sampled, strict=True))
+        for i, start, m in batch.pieces:
+            seq = items[i].seq
+            if taps is not None:
+                self._pend(seq, taps[0, start:start + m])
+            new = [tokens_at[i]] if i in tokens_at else []
+            out[i] = self._advance(seq, new, m, None)
+        for r, i in enumerate(spec_idx):
+            seq, new = items[i].seq, emitted[r]
+            a = len(new) - 1
+            seq.spec.accepted.append(a)
+            self._pend(seq, verdicts.path_taps[r, :a + 1])
+            out[i] = self._advance(seq, new, a + 1, a)
+        return [out[i] for i in range(len(items))]
+
+    @staticmethod
+    def _pend(seq: Sequence, taps: torch.Tensor) -> None:
+        """Taps [P, n_taps] at the positions the target just computed: the next extend's."""
+        if seq.spec is None:
+            seq.spec = SpecState()
+        seq.spec.taps = taps
+
+    def _advance(self, seq: Sequence, new: list[int], computed: int,
+                 accepted: int | None) -> StepOutput:
+        """Append the step's tokens up to the first stop; register the computed positions,
+        or end the sequence (its blocks are free for the next step)."""
+        kept = []
+        for t in new:
+            seq.output_ids.append(t)
+            kept.append(t)
+            if self._stops(seq):
+                if seq.spec is not None:
+                    seq.spec.taps = None
+                self.scheduler.finish(seq, seq.finish_reason)
+                return StepOutput(seq, kept, True, accepted)
+        self.scheduler.computed(seq, computed, 0 if self.draft is not None else None)
+        return StepOutput(seq, kept, False, accepted)
 
     def _stops(self, seq: Sequence) -> bool:
         t = seq.output_ids[-1]
-        if (t in self.eos and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
+        p: SamplingParams = seq.params
+        if (t in self.eos and not p.ignore_eos) or t in p.stop_token_ids:
             seq.finish_reason = "stop"
             return True
-        if len(seq.output_ids) >= seq.params.max_tokens or \
-                seq.num_tokens >= self.config.max_model_len:
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             seq.finish_reason = "length"
             return True
         return False
+
+    def _tables(self, seqs: list[Sequence], pool: int) -> torch.Tensor:
+        """Block tables [len(seqs), widest] int64 of one pool (0: target, 1: draft)."""
+        width = max(len(s.block_tables[pool]) for s in seqs)
+        rows = [s.block_tables[pool] + [0] * (width - len(s.block_tables[pool])) for s in seqs]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)

@@ -238,7 +238,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.num_computed = seq.draft_computed = seq.num_cached = 0
-        seq.spec = None
+        if seq.spec is not None:
+            seq.spec.taps = None  # recomputed with the target's K/V; accept stats are kept
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -24,16 +24,15 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class SpecState:
-    """A speculating sequence between cycles (all of it per request, none in the decoder).
+    """A speculating sequence's draft-side state (all of it per request, none in the engine).
 
-    ext_tokens [k + 1] int64 and ext_taps [k + 1, n_taps]: the pending draft-extend inputs
-    (the last cycle's accepted tokens and the target's taps at them); ext_len of them are
-    real (accepted + 1, known on the host from the step's one read). accepted: draft tokens
-    accepted per cycle (accept length and acceptance by position come from it)."""
+    taps [P, n_taps]: the pending draft-extend inputs, the target's taps at the P positions
+    draft_computed .. num_computed - 1 (a prefill chunk's, a plain step's, or the accepted
+    path of the last verify); the next step's extend pairs each with the token after it.
+    accepted: draft tokens accepted per speculative step (accept length and acceptance by
+    position come from it)."""
 
-    ext_tokens: torch.Tensor | None = None
-    ext_taps: torch.Tensor | None = None
-    ext_len: int = 0
+    taps: torch.Tensor | None = None
     accepted: list[int] = field(default_factory=list)
 
     @property

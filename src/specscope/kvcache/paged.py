@@ -88,55 +88,105 @@ class PagedKV:
 @dataclass
 class BatchMeta:
     """What attention needs about a flattened ragged batch of N tokens from B sequences
-    (built by the runner from a step's plan; prefill chunks, decode tokens and verify trees
-    side by side).
+    (built by the engine from a step's plan; prefill chunks, decode tokens, draft steps and
+    verify trees side by side), in a compact form a paged kernel reads as is.
 
-    slots [N]: where each token's K/V are written; seq_index [N]: its sequence;
-    block_tables [B, max_blocks] int64; allowed [N, L] bool: the positions of its own
-    sequence each token attends to (causal, or the ancestor mask inside a verify tree)."""
+    slots [N]: where each token's K/V are written; seq_index [N]: its row of
+    block_tables [B, max_blocks] (int64). Token i sees the keys of its own sequence at
+    cache positions
+        window_start[i] <= p < visible[i]                 (its prefix, causal)
+        p = tree_start[i] + t with tree_mask[i, t]         (its tree ancestors and itself)
+    tree_mask [N, T] bool, T = 0 when the batch has no tree. max_len: a host-known bound on
+    every position any token sees (so no step reads it back from the device)."""
 
     slots: torch.Tensor
     seq_index: torch.Tensor
     block_tables: torch.Tensor
-    allowed: torch.Tensor
+    visible: torch.Tensor
+    window_start: torch.Tensor
+    tree_start: torch.Tensor
+    tree_mask: torch.Tensor
+    max_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots.shape[0]
 
     @classmethod
     def causal(cls, block_tables: torch.Tensor, seq_index: torch.Tensor,
-               positions: torch.Tensor, block_size: int, sliding_window: int | None = None
-               ) -> BatchMeta:
+               positions: torch.Tensor, block_size: int, sliding_window: int | None = None,
+               max_len: int | None = None) -> BatchMeta:
         """Every token sees its sequence's positions up to its own (prefill and decode),
-        the last `sliding_window` of them with a window (Mistral semantics)."""
-        L = int(positions.max()) + 1 if positions.numel() else 1
-        key = torch.arange(L, device=positions.device)[None, :]
-        allowed = key <= positions[:, None]
-        if sliding_window is not None:
-            allowed = allowed & (key > positions[:, None] - sliding_window)
+        the last `sliding_window` of them with a window (Mistral semantics). max_len
+        defaults to max(positions) + 1, a host read (the engine passes it)."""
+        if max_len is None:
+            max_len = int(positions.max()) + 1 if positions.numel() else 1
+        visible = positions + 1
         return cls(slot_mapping(block_tables, seq_index, positions, block_size), seq_index,
-                   block_tables, allowed)
+                   block_tables, visible, _window_start(positions, sliding_window), visible,
+                   torch.zeros(positions.shape[0], 0, dtype=torch.bool,
+                               device=positions.device), max_len)
+
+    @classmethod
+    def cat(cls, metas: list[BatchMeta]) -> BatchMeta:
+        """Pieces of one forward side by side (they share one block_tables tensor)."""
+        if len(metas) == 1:
+            return metas[0]
+        T = max(m.tree_mask.shape[1] for m in metas)
+        masks = [torch.nn.functional.pad(m.tree_mask, (0, T - m.tree_mask.shape[1]))
+                 for m in metas]
+        return cls(*(torch.cat([getattr(m, f) for m in metas])
+                     for f in ("slots", "seq_index")), metas[0].block_tables,
+                   *(torch.cat([getattr(m, f) for m in metas])
+                     for f in ("visible", "window_start", "tree_start")),
+                   torch.cat(masks), max(m.max_len for m in metas))
+
+    def dense_mask(self) -> torch.Tensor:
+        """[N, max_len] bool: which positions of its sequence each token sees (reference)."""
+        key = torch.arange(self.max_len, device=self.slots.device)[None, :]  # [1, L]
+        seen = (key < self.visible[:, None]) & (key >= self.window_start[:, None])
+        T = self.tree_mask.shape[1]
+        if T == 0:
+            return seen
+        rel = key - self.tree_start[:, None]  # [N, L]
+        in_tree = (rel >= 0) & (rel < T)
+        return seen | (in_tree & self.tree_mask.gather(1, rel.clamp(0, T - 1)))
+
+
+def _window_start(positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    if sliding_window is None:
+        return torch.zeros_like(positions)
+    return (positions - sliding_window + 1).clamp_min(0)
 
 
 def tree_meta(block_tables: torch.Tensor, prefix_len: torch.Tensor, ancestors: torch.Tensor,
-              block_size: int) -> BatchMeta:
-    """The BatchMeta of S verify trees of N nodes each, flattened tree by tree (S * N tokens).
+              block_size: int, *, rows: torch.Tensor | None = None,
+              query_slots: torch.Tensor | None = None, rope: torch.Tensor | None = None,
+              sliding_window: int | None = None, max_len: int | None = None) -> BatchMeta:
+    """The BatchMeta of S trees, Q query tokens each, flattened tree by tree (S * Q tokens):
+    verify trees (Q = T = N nodes) or one draft step of tree expansion (Q beams over the
+    T tree slots written so far).
 
-    Tree s is verified right after its sequence's committed prefix of prefix_len[s] tokens:
-    node i's K/V go to cache position prefix_len[s] + i (the commit later moves the accepted
-    path into place), and node i attends to the whole prefix plus its own ancestors
-    (ancestors [S, N, N] bool, DraftTree.ancestor_mask: [s, i, j] = j is i or an ancestor).
-    Rope positions (prefix_len + depth) are the forward's positions, not this one's."""
-    S, N, _ = ancestors.shape
+    Tree s hangs after a committed prefix of prefix_len[s] tokens of block_tables row
+    rows[s] (default s). Its query q writes its K/V at cache position prefix_len[s] +
+    query_slots[q] (default q; a verify's accepted path is moved into place later by the
+    commit) and sees the whole prefix plus the tree slots t with ancestors[s, q, t]
+    (DraftTree.ancestor_mask for a verify: [s, i, j] = j is i or an ancestor). rope [S, Q]:
+    the queries' rope positions, needed only to apply a sliding window to the prefix.
+    max_len defaults to max(prefix_len) + T, a host read (the engine passes it)."""
+    S, Q, T = ancestors.shape
     dev = prefix_len.device
-    seq = torch.arange(S, device=dev).repeat_interleave(N)  # [S * N]
-    node = torch.arange(N, device=dev).repeat(S)  # [S * N]
-    cache_pos = prefix_len[seq] + node
-    L = int(prefix_len.max()) + N if S else 1
-    key = torch.arange(L, device=dev)[None, :]  # [1, L]
-    rel = key - prefix_len[seq][:, None]  # [S * N, L]: tree slot of each key, < 0 in prefix
-    in_tree = (rel >= 0) & (rel < N)
-    anc = ancestors.reshape(S * N, N).gather(1, rel.clamp(0, N - 1))  # [S * N, L]
-    allowed = (rel < 0) | (in_tree & anc)
+    rows = torch.arange(S, device=dev) if rows is None else rows
+    query_slots = torch.arange(Q, device=dev) if query_slots is None else query_slots
+    seq = rows.repeat_interleave(Q)  # [S * Q]
+    start = prefix_len.repeat_interleave(Q)  # [S * Q]
+    cache_pos = start + query_slots.repeat(S)
+    if max_len is None:
+        max_len = int(prefix_len.max()) + T if S else 1
+    win = (torch.zeros_like(start) if rope is None or sliding_window is None
+           else _window_start(rope.reshape(-1), sliding_window))
     return BatchMeta(slot_mapping(block_tables, seq, cache_pos, block_size), seq,
-                     block_tables, allowed)
+                     block_tables, start, win, start, ancestors.reshape(S * Q, T), max_len)
 
 
 def accepted_path_slots(block_tables: torch.Tensor, prefix_len: torch.Tensor,
@@ -178,7 +228,7 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     into a contiguous copy (what a fast backend must not do). Returns [N, H * D]."""
     N, H, D = q.shape
     bs = k_cache.shape[1]
-    L = meta.allowed.shape[1]
+    L = meta.max_len
     nb = -(-L // bs)
     k = k_cache[meta.block_tables[:, :nb]].flatten(1, 2)[:, :L]  # [B, L, Hkv, D]
     v = v_cache[meta.block_tables[:, :nb]].flatten(1, 2)[:, :L]
@@ -186,7 +236,7 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     G = H // k.shape[2]
     qg = q.reshape(N, k.shape[2], G, D)
     s = torch.einsum("nhgd,nlhd->nhgl", qg, k).float() * scale
-    s = s.masked_fill(~meta.allowed[:, None, None, :], float("-inf"))
+    s = s.masked_fill(~meta.dense_mask()[:, None, None, :], float("-inf"))
     p = s.softmax(-1).to(q.dtype)
     out = torch.einsum("nhgl,nlhd->nhgd", p, v)
     return out.reshape(N, H * D)

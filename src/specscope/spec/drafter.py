@@ -17,6 +17,8 @@ device from the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specscope.config import SamplingParams
@@ -152,3 +154,141 @@ def draft_tree(draft: Eagle3Draft, cache: KVCache, h0: torch.Tensor, logits0: to
         parents=torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), parents]),
         depth=torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth[chosen]]),
         draft_probs=None)
+
+
+# -- batch-first drafting over any KV layout -----------------------------------------------------
+
+# One draft forward for S sequences, Q query tokens each: (tokens [S, Q], hidden [S, Q, Hd],
+# rope [S, Q], query_slots [Q] or None, ancestors [S, Q, T] or None) -> (next hidden
+# [S, Q, Hd], logits [S, Q, Vd]). query_slots None: a chain step (causal; each token writes
+# at its rope position). Otherwise a tree step: query q writes at the sequence's committed
+# length + query_slots[q] and sees the committed prefix plus the tree slots its ancestors row
+# marks. The engine implements it over its paged draft KV.
+DraftStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                      torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _choose(logits: torch.Tensor, params: list[SamplingParams],
+            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list]:
+    """One draft token per row [S] (draft vocabulary): greedy rows by argmax, sampled rows
+    by the exponential race on their processed distribution q, which is returned per row
+    (None for greedy rows) for lossless verification."""
+    out = logits.argmax(-1)
+    qs: list[torch.Tensor | None] = [None] * len(params)
+    for r, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            continue
+        q = processed_logits(logits[r:r + 1], p).softmax(-1)[0]  # [Vd]
+        race = torch.empty_like(q).exponential_(generator=g)
+        out[r] = (q / race.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(-1)
+        qs[r] = q
+    return out, qs
+
+
+def draft_chain_batch(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
+                      logits0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
+                      num_steps: int, params: list[SamplingParams],
+                      generators: list[torch.Generator | None],
+                      prof: Profiler | None = None) -> DraftTree:
+    """S chains of num_steps draft tokens, chain s after root[s] (the token at position
+    n[s]). h0 [S, Hd], logits0 [S, Vd]: the extend's output at position n - 1. Draft step
+    j (1-based, j < num_steps) runs at draft position n + j - 1. Sampled rows draw their
+    tokens from their processed draft distribution, returned (in target vocabulary) as
+    draft_probs [S, k + 1, V] (zero rows for greedy sequences, which never read them)."""
+    S, dev, k = root.shape[0], root.device, num_steps
+    tokens, qs = [root], []
+    logits, h = logits0, h0
+    for j in range(1, k + 1):
+        if prof:
+            prof.mark(Phase.DRAFT_STEP, step=j)
+        d, q = _choose(logits, params, generators)
+        qs.append(q)
+        t = draft.to_target(d)  # [S]
+        tokens.append(t)
+        if j < k:
+            h, lg = step(t[:, None], h[:, None], (n + (j - 1))[:, None], None, None)
+            h, logits = h[:, 0], lg[:, 0]
+    if prof:
+        prof.mark(Phase.TREE_BUILD)
+    draft_probs = None
+    if any(not p.greedy for p in params):
+        V = draft.config.vocab_size
+        draft_probs = torch.zeros(S, k + 1, V, device=dev)
+        for j, per_row in enumerate(qs):
+            for r, q in enumerate(per_row):
+                if q is not None:
+                    draft_probs[r, j] = _to_target_probs(draft, q)
+    return DraftTree(tokens=torch.stack(tokens, 1),
+                     parents=torch.arange(-1, k, device=dev).expand(S, k + 1),
+                     depth=torch.arange(k + 1, device=dev).expand(S, k + 1),
+                     draft_probs=draft_probs, chain=True)
+
+
+def _scores_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """_draft_scores per row of logits [S, ..., Vd], each with its sequence's params."""
+    if all(p.greedy for p in params):
+        return torch.log_softmax(logits.float(), dim=-1)
+    return torch.stack([_draft_scores(logits[r], p) for r, p in enumerate(params)])
+
+
+def draft_tree_batch(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
+                     logits0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
+                     num_steps: int, topk: int, num_draft_tokens: int,
+                     params: list[SamplingParams], prof: Profiler | None = None) -> DraftTree:
+    """S EAGLE-2 dynamic trees of num_draft_tokens nodes each (root included), children
+    chosen deterministically (top-k of each sequence's processed draft distribution).
+    h0 [S, Hd], logits0 [S, Vd], root [S], n [S] as draft_chain_batch."""
+    S, dev, k = root.shape[0], root.device, topk
+    Hd = h0.shape[-1]
+    s1, ids1 = _scores_batch(logits0, params).topk(k, dim=-1)  # [S, k]
+    cand_tok = [draft.to_target(ids1)]  # per level: [S, k] then [S, k*k]
+    cand_par = [torch.full((S, k), -1, dtype=torch.long, device=dev)]
+    cand_score = [s1]
+    cand_depth = [torch.ones(S, k, dtype=torch.long, device=dev)]
+    beam_tok, beam_score = cand_tok[0], s1  # [S, k]
+    beam_cand = torch.arange(k, device=dev).expand(S, k)  # candidate index of each beam
+    beam_h = h0[:, None].expand(S, k, Hd)
+    T = max(num_steps - 1, 1) * k  # tree slots of the draft steps
+    beam_anc = torch.zeros(S, k, T, dtype=torch.bool, device=dev)  # ancestors' slots
+    n_cand = k
+    for j in range(1, num_steps):
+        if prof:
+            prof.mark(Phase.DRAFT_STEP, step=j)
+        own = (j - 1) * k + torch.arange(k, device=dev)  # this step's tree slots [k]
+        anc = beam_anc | (own[:, None] == torch.arange(T, device=dev))  # [S, k, T]
+        h_out, lg = step(beam_tok, beam_h, (n + (j - 1))[:, None].expand(S, k), own, anc)
+        child_s, child_id = (beam_score[..., None] + _scores_batch(lg, params)).topk(k, -1)
+        flat_s = child_s.reshape(S, k * k)  # candidate (b, c) at b*k + c
+        cand_tok.append(draft.to_target(child_id.reshape(S, k * k)))
+        cand_par.append(beam_cand.repeat_interleave(k, dim=1))
+        cand_score.append(flat_s)
+        cand_depth.append(torch.full((S, k * k), j + 1, dtype=torch.long, device=dev))
+        beam_score, best = flat_s.topk(k, dim=-1)  # next beams [S, k]
+        parent_beam = best // k
+        beam_tok = cand_tok[-1].gather(1, best)
+        beam_cand = n_cand + best
+        beam_h = h_out.gather(1, parent_beam[..., None].expand(S, k, Hd))
+        beam_anc = anc.gather(1, parent_beam[..., None].expand(S, k, T))
+        n_cand += k * k
+    if prof:
+        prof.mark(Phase.TREE_BUILD)
+    return _keep_best(root, torch.cat(cand_tok, 1), torch.cat(cand_par, 1),
+                      torch.cat(cand_score, 1), torch.cat(cand_depth, 1), num_draft_tokens - 1)
+
+
+def _keep_best(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, score: torch.Tensor,
+               depth: torch.Tensor, keep: int) -> DraftTree:
+    """The tree of each row's `keep` best-scored candidates [S, C] under its root. A
+    stable sort keeps parents before children on ties; creation order is topological."""
+    S, C = tok.shape
+    dev = tok.device
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :keep]
+    chosen = torch.sort(order, dim=1).values  # [S, keep]
+    node_of = torch.full((S, C), -1, dtype=torch.long, device=dev).scatter_(
+        1, chosen, torch.arange(1, keep + 1, device=dev).expand(S, keep))
+    pc = par.gather(1, chosen)
+    parents = torch.where(pc >= 0, node_of.gather(1, pc.clamp_min(0)), 0)
+    first = torch.full((S, 1), -1, dtype=torch.long, device=dev)
+    return DraftTree(tokens=torch.cat([root[:, None], tok.gather(1, chosen)], 1),
+                     parents=torch.cat([first, parents], 1),
+                     depth=torch.cat([torch.zeros_like(first), depth.gather(1, chosen)], 1))

@@ -14,13 +14,14 @@ import torch
 
 @dataclass
 class DraftTree:
-    """N nodes in topological order (parents[i] < i).
+    """S trees of N nodes each, batch-first (a single tree: the same fields without the
+    leading S), nodes in topological order (parents[i] < i).
 
-    tokens [N] int64: target-vocabulary ids; tokens[0] is the root.
-    parents [N] int64: parent node index; parents[0] = -1.
-    depth [N] int64: distance from the root; depth[0] = 0.
-    draft_probs [N, V] fp32 or None: the draft's processed distribution at node i, from which
-        node i's children were *sampled* (chain drafting at temperature > 0). None when
+    tokens [S, N] int64: target-vocabulary ids; tokens[:, 0] is the root.
+    parents [S, N] int64: parent node index; parents[:, 0] = -1.
+    depth [S, N] int64: distance from the root; depth[:, 0] = 0.
+    draft_probs [S, N, V] fp32 or None: the draft's processed distribution at node i, from
+        which node i's children were *sampled* (chain drafting at temperature > 0). None when
         children were chosen deterministically (greedy, or top-k tree expansion); the
         verifier then treats each child as a one-hot proposal.
     chain: set by the chain drafter when parents[i] = i - 1 for every i > 0 (a host-known
@@ -37,30 +38,38 @@ class DraftTree:
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        """N, the nodes of one tree."""
+        return self.tokens.shape[-1]
+
+    def row(self, s: int) -> DraftTree:
+        """Tree s of a batch, as a single tree (views, no copy)."""
+        probs = None if self.draft_probs is None else self.draft_probs[s]
+        return DraftTree(self.tokens[s], self.parents[s], self.depth[s], probs, self.chain)
 
     def children_table(self, max_children: int) -> torch.Tensor:
-        """[N, max_children] int64: the children of each node in index order, -1 padded."""
+        """[N, max_children] int64 of a single tree: its nodes' children in index order,
+        -1 padded."""
         from specscope.spec.verify import children_table
 
         return children_table(self.parents, max_children)
 
     def ancestor_mask(self, max_depth: int) -> torch.Tensor:
-        """[N, N] bool: mask[i, j] = node j is node i or one of its ancestors.
+        """[..., N, N] bool: mask[..., i, j] = node j is node i or one of its ancestors.
 
         max_depth (host-known: num_steps) bounds the walk, so no host sync is needed.
         """
         N = self.size
         dev = self.tokens.device
+        lead = self.parents.shape[:-1]
         if self.chain:  # every earlier node is an ancestor
-            return torch.ones(N, N, dtype=torch.bool, device=dev).tril()
-        mask = torch.eye(N, dtype=torch.bool, device=dev)
+            return torch.ones(N, N, dtype=torch.bool, device=dev).tril().expand(*lead, N, N)
+        mask = torch.eye(N, dtype=torch.bool, device=dev).expand(*lead, N, N)
         cur = self.parents
         cols = torch.arange(N, device=dev)
         for _ in range(max_depth):
-            has = cur >= 0  # [N]
+            has = cur >= 0  # [..., N]
             # A comparison, not F.one_hot: one_hot validates its input with a host sync.
-            hit = (cur[:, None] == cols[None, :]) & has[:, None]  # [N, N]
+            hit = (cur[..., :, None] == cols) & has[..., :, None]  # [..., N, N]
             mask = mask | hit
-            cur = torch.where(has, self.parents[cur.clamp_min(0)], cur)
+            cur = torch.where(has, self.parents.gather(-1, cur.clamp_min(0)), cur)
         return mask

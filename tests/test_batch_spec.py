@@ -1,0 +1,245 @@
+"""The batched speculative cycle: many sequences per step, each drafting its own chain or
+tree over the paged draft KV, all verified in one target forward beside plain and prefill
+pieces. Greedy output equals each sequence alone, token for token in fp32, through staggered
+arrivals, chunked prefill, preemption and prefix-cache hits; every block of both pools is
+free at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specscope.config import ModelConfig, SamplingParams, SpecConfig
+from specscope.draft.eagle3 import random_draft
+from specscope.engine.engine import Engine, EngineConfig
+from specscope.engine.sequence import Sequence
+from specscope.models.loader import random_model
+from specscope.spec.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# A small vocabulary: this random draft's guesses are accepted now and then (0.1 to 0.3
+# tokens a cycle), so its own drafting runs through accepts as well as rejections.
+V = 16
+TINY = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=V,
+                   hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   max_position_embeddings=256, tie_word_embeddings=False, name="tiny")
+GRID = [(1, 1, None), (3, 1, None), (5, 1, None), (2, 2, 4), (3, 3, 8), (4, 2, 7)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(TINY, torch.float32, "cpu", seed=1)
+
+
+@pytest.fixture(scope="module")
+def draft(model):
+    d = random_draft(TINY, torch.float32, "cpu", seed=1)
+    d.attach_target(model)
+    return d
+
+
+@torch.inference_mode()
+def _solo_greedy(model, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        h, _ = model(torch.tensor(ids)[None], torch.arange(len(ids))[None])
+        ids.append(int(model.compute_logits(h[0, -1]).argmax()))
+    return ids[len(prompt):]
+
+
+def _engine(model, draft, steps, topk, ndt, num_blocks=64, budget=64, sim=None, **kw):
+    spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt,
+                      simulate_acceptance=sim)
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+                       max_num_seqs=4, max_model_len=96, **kw)
+    return Engine(model, cfg, draft=draft, spec=spec)
+
+
+def _run(engine, arrivals, record=None):
+    pending = sorted(arrivals, key=lambda a: a[0])
+    step = 0
+    while pending or engine.has_work:
+        while pending and pending[0][0] <= step:
+            engine.add(pending.pop(0)[1])
+        outs = engine.step()
+        if record is not None:
+            record.extend(outs)
+        step += 1
+        assert step < 3000
+    return step
+
+
+def _workload(rng, n=6, lo=3, hi=24):
+    prompts = [[rng.randrange(V) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+    lens = [rng.randrange(1, 30) for _ in prompts]
+    return prompts, lens
+
+
+def _assert_all_free(engine):
+    assert engine.pool.all_free() and engine.draft_pool.all_free()
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), GRID)
+@pytest.mark.parametrize("num_blocks,budget", [(64, 64), (64, 9), (14, 16)])
+def test_batched_speculative_greedy_equals_each_sequence_alone(model, draft, steps, topk, ndt,
+                                                               num_blocks, budget):
+    """(64, 64): plenty of room; (64, 9): prompts prefilled in chunks beside the trees;
+    (14, 16): a pool too small for everyone, so sequences are preempted and recomputed."""
+    rng = random.Random(steps * 7 + topk)
+    prompts, lens = _workload(rng)
+    engine = _engine(model, draft, steps, topk, ndt, num_blocks, budget)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
+    record = []
+    _run(engine, [(3 * i, s) for i, s in enumerate(seqs)], record)
+    for s, p, n in zip(seqs, prompts, lens, strict=True):
+        assert s.output_ids == _solo_greedy(model, p, n), s.seq_id
+    _assert_all_free(engine)
+    spec_steps = [o for o in record if o.accepted is not None]
+    assert spec_steps, "nothing speculated"
+    if steps > 1 and budget == 64 and num_blocks == 64:
+        assert any(o.accepted > 0 for o in spec_steps)  # a random draft, still accepted
+    if num_blocks == 14:
+        assert any(s.num_preemptions for s in seqs)
+
+
+def _oracle(monkeypatch, engine, truth, noise, seed):
+    """Drafts propose each sequence's true greedy continuation, each token corrupted with
+    probability `noise`, the correct child at a random rank among wrong siblings."""
+    rng = random.Random(seed)
+    spec = engine.spec
+
+    def wrong(t):
+        return (t + 1 + rng.randrange(V - 1)) % V
+
+    def one(seq):
+        full = truth[seq.seq_id]
+        n = seq.num_computed
+
+        def at(i):
+            return full[i] if i < len(full) else 0
+
+        tokens, parents, depth = [at(n)], [-1], [0]
+        cur, budget = 0, spec.num_draft_tokens - 1
+        for d in range(1, spec.num_steps + 1):
+            siblings = max(1, min(spec.topk, budget - (spec.num_steps - d)))
+            right, nxt = rng.randrange(siblings), cur
+            for r in range(siblings):
+                t = at(n + d)
+                if r != right or rng.random() < noise:
+                    t = wrong(t)
+                tokens.append(t)
+                parents.append(cur)
+                depth.append(d)
+                if r == right:
+                    nxt = len(tokens) - 1
+                budget -= 1
+            cur = nxt
+        while len(tokens) < spec.num_draft_tokens:
+            tokens.append(wrong(at(n + 1)))
+            parents.append(0)
+            depth.append(1)
+        return tokens, parents, depth
+
+    def fake(seqs, h0, logits0):
+        rows = [one(s) for s in seqs]
+        t = torch.tensor
+        return DraftTree(tokens=t([r[0] for r in rows]), parents=t([r[1] for r in rows]),
+                         depth=t([r[2] for r in rows]), chain=spec.topk == 1)
+
+    monkeypatch.setattr(engine, "_draft_trees", fake)
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, None), (6, 1, None), (3, 2, 6),
+                                                    (4, 3, 10)])
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_batched_speculative_with_accepting_drafts(monkeypatch, model, draft, steps, topk, ndt,
+                                                   noise):
+    """Drafts that are mostly (noise 0.3) or always (0.0) right: long accepted paths per
+    sequence, different lengths side by side, all committed and extended correctly."""
+    rng = random.Random(steps + 10 * topk)
+    prompts, lens = _workload(rng, n=5)
+    truth = {f"s{i}": p + _solo_greedy(model, p, 40) for i, p in enumerate(prompts)}
+    engine = _engine(model, draft, steps, topk, ndt)
+    _oracle(monkeypatch, engine, truth, noise, seed=steps)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
+    _run(engine, [(i, s) for i, s in enumerate(seqs)])
+    for s, p, n in zip(seqs, prompts, lens, strict=True):
+        assert s.output_ids == truth[s.seq_id][len(p):len(p) + n], s.seq_id
+    acc = [a for s in seqs for a in s.spec.accepted]
+    if noise == 0.0:
+        # every cycle accepts everything, except where max_tokens cuts it short
+        assert sum(a == steps for a in acc) >= len(acc) - len(seqs)
+    else:
+        assert sum(acc) / len(acc) > 0.5
+    _assert_all_free(engine)
+
+
+def test_prefix_cache_hits_skip_the_shared_prompt(model, draft):
+    """A second request with the same system prompt takes its blocks from the cache in both
+    pools and still gives its solo output."""
+    rng = random.Random(5)
+    system = [rng.randrange(V) for _ in range(17)]
+    prompts = [system + [rng.randrange(V) for _ in range(k)] for k in (3, 6, 2)]
+    engine = _engine(model, draft, 3, 2, 5)
+    seqs = []
+    for i, p in enumerate(prompts):  # one after another: the first fills the cache
+        s = Sequence(f"s{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
+        seqs.append(s)
+        _run(engine, [(0, s)])
+        assert s.output_ids == _solo_greedy(model, p, 12)
+    assert seqs[0].num_cached == 0
+    assert all(s.num_cached == 16 for s in seqs[1:])  # 4 full blocks of the shared 17
+    _assert_all_free(engine)
+
+
+def test_mixed_greedy_and_sampled_sequences(model, draft):
+    """Greedy sequences beside sampled ones still give their greedy output; a seeded
+    sampled sequence gives the same tokens in a batch as alone (its own generator)."""
+    rng = random.Random(9)
+    prompts, lens = _workload(rng, n=6)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                             seed=100 + i, top_p=0.95) for i, n in enumerate(lens)]
+
+    def run(idx):
+        engine = _engine(model, draft, 3, 1, None)
+        seqs = [Sequence(f"s{i}", prompts[i], params[i]) for i in idx]
+        _run(engine, [(0, s) for s in seqs])
+        _assert_all_free(engine)
+        return {s.seq_id: s.output_ids for s in seqs}
+
+    together = run(range(6))
+    for i in range(6):
+        alone = run([i])[f"s{i}"]
+        assert together[f"s{i}"] == alone, i
+        if params[i].greedy:
+            assert alone == _solo_greedy(model, prompts[i], lens[i])
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(4, 1, None), (3, 2, 6)])
+def test_simulated_acceptance_keeps_kv_consistent(model, draft, steps, topk, ndt):
+    """Simulated acceptance accepts draft tokens the target would not emit; the K/V stays
+    consistent: every step's last token is the target's argmax after what came before."""
+    rng = random.Random(2)
+    prompts, lens = _workload(rng, n=4)
+    engine = _engine(model, draft, steps, topk, ndt, sim=3.0)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n + 10, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
+    record = []
+    _run(engine, [(0, s) for s in seqs], record)
+    seen = {s.seq_id: list(s.prompt_ids) for s in seqs}
+    for o in record:
+        if not o.new_tokens:
+            continue
+        before = seen[o.seq.seq_id] + o.new_tokens[:-1]
+        if o.accepted is not None and not o.finished:  # (max_tokens may cut the bonus off)
+            assert o.new_tokens[-1] == _solo_greedy(model, before, 1)[0]
+        seen[o.seq.seq_id] = before + o.new_tokens[-1:]
+    acc = [a for s in seqs for a in s.spec.accepted]
+    assert sum(acc) / len(acc) > 1.0  # simulated tau ~ 3: well above the random draft's
+    _assert_all_free(engine)
