@@ -239,8 +239,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="mt_bench",
                    help="mt_bench | humaneval | gsm8k | a JSONL file of prompts/messages")
     b.add_argument("--num-prompts", type=positive_int, default=80)
-    b.add_argument("--concurrency", type=positive_int, default=1,
-                   help="requests in flight at once")
+    # (imported here, like cmd_bench's import: no other command needs the bench module)
+    from specscope.bench.client import burstiness_arg, max_concurrency_arg, request_rate_arg
+
+    b.add_argument("--request-rate", type=request_rate_arg, default=float("inf"),
+                   metavar="R", help="requests per second, arrivals a Poisson process "
+                                     "(default inf: all requests at once)")
+    b.add_argument("--burstiness", type=burstiness_arg, default=1.0,
+                   help="shape of the gamma-distributed gaps between arrivals at a finite "
+                        "--request-rate: 1.0 = Poisson (default), < 1 burstier, > 1 more even")
+    b.add_argument("--seed", type=int, default=0,
+                   help="seed of the arrival gaps, for reproducible runs (default 0)")
+    b.add_argument("--max-concurrency", "--concurrency", dest="max_concurrency",
+                   type=max_concurrency_arg, default=None, metavar="N",
+                   help="cap on requests in flight (--concurrency is the old name); default: "
+                        "1 when --request-rate is inf (one at a time), else no cap")
     b.add_argument("--max-tokens", type=positive_int, default=256)
     b.add_argument("--temperature", type=non_negative_float, default=0.0)
     b.add_argument("--timeout", type=positive_float, default=600.0,

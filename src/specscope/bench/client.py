@@ -3,7 +3,13 @@
 Each prompt is one streaming request: chat prompts (message lists) go to
 `/v1/chat/completions`, raw string prompts to `/v1/completions`. Only portable request
 fields are sent (`stream_options.include_usage`, no `ignore_eos`), so outputs stop at EOS
-exactly as a real client's would. A semaphore bounds the requests in flight.
+exactly as a real client's would.
+
+Load: request arrival times follow a Poisson process at `request_rate` requests per second
+(exponential gaps from `random.Random(seed)`; with `burstiness` != 1, gamma gaps of the same
+mean, shape = burstiness: < 1 burstier, > 1 more even); an infinite rate sends every request
+at once. Independently, a semaphore caps the requests in flight at `max_concurrency` (None: no
+cap); an arrival that finds the cap full waits for a free slot.
 
 Per request: TTFT (time to the first content chunk), inter-token latencies (gaps between
 content chunks), completion tokens (the final `usage`, else the number of content chunks),
@@ -14,17 +20,23 @@ length comes from specscope's `usage.spec` or SGLang-style `spec_accept_length` 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
+import random
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+# httpx is an optional (test/bench) dependency and the CLI's parser imports this module's flag
+# types, so run_bench imports it when it runs.
+if TYPE_CHECKING:
+    import httpx
 
 MAX_ERROR_MESSAGES = 5
 
@@ -116,6 +128,91 @@ async def list_models(client: httpx.AsyncClient, url: str) -> list[str]:
     r = await client.get(f"{url}/v1/models")
     r.raise_for_status()
     return [m["id"] for m in r.json().get("data", [])]
+
+
+# -- load: arrival schedule, cap and flag types ----------------------------------------
+
+
+def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0,
+                    seed: int = 0) -> list[float]:
+    """Seconds after the start at which each of `n` requests is sent: request 0 at 0, then
+    n - 1 gaps drawn in order from `random.Random(seed)`, exponential with mean 1/rate when
+    burstiness is 1 (a Poisson process), else gamma(shape=burstiness, scale=1/(rate *
+    burstiness)), which keeps the mean at 1/rate. An infinite rate: all at 0."""
+    check_load(request_rate, burstiness, None)
+    if n <= 0:
+        return []
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    offsets, t = [0.0], 0.0
+    for _ in range(n - 1):
+        if burstiness == 1.0:  # expovariate draws exactly the Poisson gaps, not a gamma(1)
+            t += rng.expovariate(request_rate)
+        else:
+            t += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+        offsets.append(t)
+    return offsets
+
+
+def check_load(request_rate: float, burstiness: float, max_concurrency: int | None) -> None:
+    """ValueError for a rate that is not > 0 (inf allowed), a burstiness that is not a finite
+    number > 0, or a cap below 1."""
+    if math.isnan(request_rate) or request_rate <= 0:
+        raise ValueError(f"request_rate must be > 0 requests/s or inf, got {request_rate}")
+    if not math.isfinite(burstiness) or burstiness <= 0:
+        raise ValueError(f"burstiness must be a finite number > 0, got {burstiness}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 or None (no cap), got {max_concurrency}")
+
+
+def default_max_concurrency(max_concurrency: int | None, request_rate: float) -> int | None:
+    """The CLI's cap when none is given: 1 at an infinite rate (one request at a time, the
+    bench's behaviour before --request-rate existed, so old command lines measure the same
+    thing instead of flooding the server), else no cap (the rate sets the load, as in
+    `vllm bench serve`)."""
+    if max_concurrency is not None:
+        return max_concurrency
+    return 1 if math.isinf(request_rate) else None
+
+
+def request_rate_arg(text: str) -> float:
+    """argparse type of --request-rate: a number > 0 or inf."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of requests per second > 0, or inf to send all at once; "
+            f"got {text!r}")
+    return value
+
+
+def burstiness_arg(text: str) -> float:
+    """argparse type of --burstiness: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number > 0 (1.0 = Poisson arrivals, < 1 burstier, > 1 more "
+            f"even); got {text!r}")
+    return value
+
+
+def max_concurrency_arg(text: str) -> int:
+    """argparse type of --max-concurrency: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1 (requests in flight at once; leave the flag out for "
+            f"the default); got {text!r}")
+    return value
 
 
 # -- one request --------------------------------------------------------------------------
@@ -220,18 +317,67 @@ def summarize(results: list[RequestResult], wall: float, config: dict) -> dict:
     }
 
 
-async def run_bench(url: str, *, model: str | None, prompts: list, concurrency: int,
-                    max_tokens: int, temperature: float = 0.0, timeout: float = 600.0,
-                    progress: bool = True) -> dict:
-    """Stream every prompt to the server at `url` (at most `concurrency` at once); a dict
-    of throughput, latency percentiles (ms), accept length and errors (see `summarize`)."""
-    if concurrency < 1:
-        raise ValueError("concurrency must be >= 1")
+def _base_url(url: str) -> str:
     url = url.rstrip("/")
-    if url.endswith("/v1"):
-        url = url[:-3]
-    limits = httpx.Limits(max_connections=concurrency + 2,
-                          max_keepalive_connections=concurrency + 2)
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def _resolve_cap(max_concurrency: int | None, concurrency: int | None) -> int | None:
+    """`concurrency` is the old name of `max_concurrency` (callers such as
+    benchmarks/server.py still pass it); both may be given only when they agree."""
+    if concurrency is not None and concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    if max_concurrency is not None and concurrency is not None \
+            and max_concurrency != concurrency:
+        raise ValueError(f"max_concurrency={max_concurrency} and concurrency={concurrency} "
+                         f"disagree (concurrency is the old name; pass one)")
+    return max_concurrency if max_concurrency is not None else concurrency
+
+
+async def _send_all(client: httpx.AsyncClient, url: str, model: str | None, prompts: list,
+                    offsets: list[float], cap: int | None, bar: Any, max_tokens: int,
+                    temperature: float) -> tuple[list[RequestResult], float]:
+    """Send prompt i at `offsets[i]` s after the start (waiting for a slot under `cap`);
+    (results in prompt order, wall seconds)."""
+    loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(cap) if cap is not None else contextlib.nullcontext()
+
+    async def task(p: Any, start_at: float) -> RequestResult:
+        # Sleep to an absolute time, not by the gap since the previous request, so a late
+        # wake-up delays one request instead of shifting every later one.
+        delay = start_at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with slots:
+            r = await _one(client, url, model, p, max_tokens, temperature)
+        if bar is not None:
+            bar.update(1)
+        return r
+
+    t0, start = time.perf_counter(), loop.time()
+    tasks = [task(p, start + off) for p, off in zip(prompts, offsets, strict=True)]
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - t0
+
+
+async def run_bench(url: str, *, model: str | None, prompts: list, max_tokens: int,
+                    max_concurrency: int | None = None, concurrency: int | None = None,
+                    request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0,
+                    temperature: float = 0.0, timeout: float = 600.0,
+                    progress: bool = True) -> dict:
+    """Stream every prompt to the server at `url`: arrivals at `request_rate` req/s (see
+    `arrival_offsets`; inf: all at once), at most `max_concurrency` in flight (None: no cap;
+    `concurrency` is its old name). A dict of throughput, latency percentiles (ms), accept
+    length and errors (see `summarize`); `config` records the load settings, with None for
+    an infinite rate or no cap (JSON has no infinity)."""
+    import httpx
+
+    cap = _resolve_cap(max_concurrency, concurrency)
+    check_load(request_rate, burstiness, cap)
+    offsets = arrival_offsets(len(prompts), request_rate, burstiness, seed)
+    url = _base_url(url)
+    pool = (cap if cap is not None else max(len(prompts), 1)) + 2
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
                                  limits=limits) as client:
         model_error = None
@@ -241,31 +387,23 @@ async def run_bench(url: str, *, model: str | None, prompts: list, concurrency: 
                 model = ids[0] if ids else None
             except Exception as e:  # noqa: BLE001 - requests then go out without a model
                 model_error = f"{type(e).__name__}: {e}"
-        sem = asyncio.Semaphore(concurrency)
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(prompts), desc=f"bench {url}", unit="req")
-
-        async def task(p: Any) -> RequestResult:
-            async with sem:
-                r = await _one(client, url, model, p, max_tokens, temperature)
-            if bar is not None:
-                bar.update(1)
-            return r
-
-        t0 = time.perf_counter()
         try:
-            results = await asyncio.gather(*(task(p) for p in prompts))
+            results, wall = await _send_all(client, url, model, prompts, offsets, cap, bar,
+                                            max_tokens, temperature)
         finally:
             if bar is not None:
                 bar.close()
-        wall = time.perf_counter() - t0
     config = {"url": url, "model": model, "num_prompts": len(prompts),
-              "concurrency": concurrency, "max_tokens": max_tokens,
-              "temperature": temperature, "timeout": timeout}
-    out = summarize(list(results), wall, config)
+              "request_rate": None if math.isinf(request_rate) else request_rate,
+              "burstiness": burstiness, "seed": seed, "max_concurrency": cap,
+              "concurrency": cap,  # the old key, kept for readers of earlier JSON
+              "max_tokens": max_tokens, "temperature": temperature, "timeout": timeout}
+    out = summarize(results, wall, config)
     if model_error is not None:
         out["model_lookup_error"] = model_error
     return out
@@ -278,18 +416,29 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _load_text(cfg: dict) -> str:
+    """The load settings of a result's config: rate (None = inf), burstiness, cap."""
+    rate = cfg.get("request_rate")
+    cap = cfg.get("max_concurrency", cfg.get("concurrency"))  # earlier JSON: concurrency
+    text = "request rate inf (no gaps between arrivals)" if rate is None else \
+        f"request rate {rate:g}/s, burstiness {cfg.get('burstiness', 1.0):g}"
+    return f"{text}, max concurrency {'unlimited' if cap is None else cap}"
+
+
 def format_table(result: dict) -> str:
     cfg = result.get("config", {})
+    rate = cfg.get("request_rate")
     lines = [
         f"server         {cfg.get('url')}  model={cfg.get('model')}",
-        f"workload       {cfg.get('num_prompts')} prompts, concurrency "
-        f"{cfg.get('concurrency')}, max_tokens {cfg.get('max_tokens')}, "
-        f"temperature {cfg.get('temperature')}",
+        f"workload       {cfg.get('num_prompts')} prompts, max_tokens "
+        f"{cfg.get('max_tokens')}, temperature {cfg.get('temperature')}",
+        f"load           {_load_text(cfg)}",
         f"completed      {result['completed']}   errors {result['errors']}",
         f"wall           {result['wall_s']:.2f} s",
         f"output tok/s   {_fmt(result['output_tok_s'])}   "
         f"({result['total_completion_tokens']} tokens)",
-        f"requests/s     {_fmt(result['request_throughput'], 3)}",
+        f"requests/s     {_fmt(result['request_throughput'], 3)} achieved   (target "
+        f"{'inf' if rate is None else f'{rate:g}'})",
         f"accept length  {_fmt(result.get('accept_length'), 3)}",
         "",
         f"{'(ms)':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
@@ -347,7 +496,13 @@ def main_bench(args) -> int:
     from specscope.bench.datasets import load_prompts
 
     prompts = load_prompts(args.dataset, args.num_prompts)
-    kw = dict(prompts=prompts, concurrency=args.concurrency, max_tokens=args.max_tokens,
+    rate = getattr(args, "request_rate", math.inf)
+    cap = getattr(args, "max_concurrency", None)
+    if cap is None:  # a Namespace built by hand may still use the old name
+        cap = getattr(args, "concurrency", None)
+    kw = dict(prompts=prompts, max_concurrency=default_max_concurrency(cap, rate),
+              request_rate=rate, burstiness=getattr(args, "burstiness", 1.0),
+              seed=getattr(args, "seed", 0), max_tokens=args.max_tokens,
               temperature=getattr(args, "temperature", 0.0) or 0.0,
               timeout=getattr(args, "timeout", 600.0) or 600.0,
               progress=not getattr(args, "no_progress", False))
