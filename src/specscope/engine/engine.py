@@ -23,6 +23,7 @@ the emitted tokens, in one tensor. Everything per request lives in its `Sequence
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -83,6 +84,16 @@ class _Verdicts:
     accepted: torch.Tensor
     emitted: torch.Tensor
     path_taps: torch.Tensor
+
+
+@cache
+def _fast_attention():
+    """kvcache/triton_attention.py when Triton is installed, else None."""
+    try:
+        from specscope.kvcache import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
 
 
 class Engine:
@@ -199,6 +210,7 @@ class Engine:
         pos_t = torch.tensor(pos, device=dev)
         meta = BatchMeta.causal(self._tables(work, 1), torch.tensor(rows, device=dev), pos_t,
                                 self.config.block_size, max_len=max(pos) + 1)
+        meta = self._planned(meta, [s.spec.taps.shape[0] for s in work], self.draft.config)
         h, normed = self.draft(torch.tensor(ids, device=dev)[None],
                                self.draft.project(torch.cat(taps)[None]), pos_t[None],
                                self.draft_kv, batch=meta)
@@ -234,6 +246,7 @@ class Engine:
             else:
                 meta = tree_meta(tables, n, ancestors, bs, query_slots=query_slots,
                                  max_len=reach)
+            meta = self._planned(meta, [Q] * S, self.draft.config)
             h, normed = self.draft(tokens.reshape(1, -1), hidden.reshape(1, S * Q, -1),
                                    rope.reshape(1, -1), self.draft_kv, batch=meta)
             return h.view(S, Q, -1), self.draft.compute_logits(normed[0]).view(S, Q, -1)
@@ -280,7 +293,18 @@ class Engine:
                                    sliding_window=window, max_len=max(n_host) + tree.size))
             ids_t = torch.cat([ids_t, tree.tokens.reshape(-1)])
             rope = torch.cat([rope, tree_rope.reshape(-1)])
-        return _TargetBatch(ids_t, rope, BatchMeta.cat(metas), pieces, last, sampling, base)
+        meta = self._planned(BatchMeta.cat(metas), [m for _, _, m in pieces] +
+                             [tree.size] * len(spec_idx) if spec_idx else
+                             [m for _, _, m in pieces], self.model.config)
+        return _TargetBatch(ids_t, rope, meta, pieces, last, sampling, base)
+
+    def _planned(self, meta: BatchMeta, piece_lengths: list[int], cfg) -> BatchMeta:
+        """meta with the fast backend's query tiles, built from the host-known piece
+        lengths (on CUDA; the CPU reference needs none)."""
+        if self.device.type == "cuda" and _fast_attention() is not None:
+            meta.tiles = _fast_attention().build_tiles(piece_lengths, cfg.num_heads,
+                                                       cfg.num_kv_heads, self.device)
+        return meta
 
     # -- 4. sample and verify -----------------------------------------------------------------
 

@@ -13,6 +13,8 @@ contiguous copy, which a fast path must never do every step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import torch
 
@@ -107,6 +109,9 @@ class BatchMeta:
     tree_start: torch.Tensor
     tree_mask: torch.Tensor
     max_len: int
+    # The fast backend's query tiles (triton_attention.TilePlan), built once per forward on
+    # the host from the pieces' lengths; None: the backend plans them on the device.
+    tiles: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -216,8 +221,22 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
     kf.index_copy_(0, meta.slots, k[0].transpose(0, 1).to(kf.dtype))
     vf.index_copy_(0, meta.slots, v[0].transpose(0, 1).to(vf.dtype))
-    out = attention_reference(q[0].transpose(0, 1), k_cache, v_cache, meta, scale)
-    return out[None]
+    fast = _fast_backend() if q.is_cuda else None
+    if fast is not None:
+        return fast(q[0].transpose(0, 1), k_cache, v_cache, meta, scale,
+                    tiles=meta.tiles)[None]
+    return attention_reference(q[0].transpose(0, 1), k_cache, v_cache, meta, scale)[None]
+
+
+@cache
+def _fast_backend():
+    """The Triton paged-attention kernels (kvcache/triton_attention.py) when Triton is
+    installed (CUDA); None otherwise, and the torch reference runs."""
+    try:
+        from specscope.kvcache.triton_attention import paged_attention
+    except ImportError:
+        return None
+    return paged_attention
 
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,197 @@
+"""Serving benchmark of the batched engine: aggregate output tok/s and median TPOT at several
+concurrencies, plain and speculative, plus long-context decode and time to first token.
+
+GPU (the issue's setting): a random-weight Llama-3.1-8B-shape target in bf16, 128-token
+prompts, 256 output tokens, concurrency 1, 4, 16, 64; speculation uses an EAGLE-3-shaped
+random draft with SIMULATED acceptance (default tau 3.9, a chain of 7), labelled so.
+
+    python benchmarks/serving.py --device cuda
+    python benchmarks/serving.py --device cuda --long-context 16384
+
+CPU: the default model (SmolLM2-135M GGUF); `--sequential` also runs the same requests one
+after another and reports how much faster they finish batched.
+
+    python benchmarks/serving.py --device cpu --concurrency 8 --output-len 64 --sequential
+
+Requests all arrive at once (the engine's own scheduler packs them); every step's single
+device->host read makes the host timestamps real. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import SHAPES  # noqa: E402  (benchmarks/ is not a package)
+
+from specscope.config import ModelConfig, SamplingParams, SpecConfig  # noqa: E402
+from specscope.draft.eagle3 import random_draft  # noqa: E402
+from specscope.engine.engine import Engine, EngineConfig  # noqa: E402
+from specscope.engine.sequence import Sequence  # noqa: E402
+from specscope.kvcache.budget import KVLayout, kv_budget, parse_bytes  # noqa: E402
+
+
+def build_model(args):
+    if args.device == "cpu" and args.shape == "default":
+        from specscope.models.loader import load_model
+
+        loaded = load_model(None, torch.float32 if args.dtype == "fp32" else torch.bfloat16,
+                            torch.device("cpu"), None, "none")
+        return loaded.model
+    from specscope.models.loader import random_model
+
+    cfg = ModelConfig.from_hf(SHAPES[args.shape], name=args.shape)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    return random_model(cfg, dtype, args.device)
+
+
+def build_engine(args, model, spec: bool, max_len: int) -> Engine:
+    dev = torch.device(args.device)
+    dtype = model.model.embed_tokens.weight.dtype
+    mc = model.config
+    layouts = [KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)]
+    draft = spec_cfg = None
+    if spec:
+        spec_cfg = SpecConfig(draft="random", num_steps=args.spec_steps, topk=1,
+                              simulate_acceptance=args.simulate)
+        draft = random_draft(mc, dtype, dev)
+        draft.attach_target(model)
+        dc = draft.config
+        layouts.append(KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype))
+    budget = kv_budget(layouts, 16, dev, gpu_memory_utilization=args.gpu_memory_utilization,
+                       kv_cache_memory=args.kv_cache_memory,
+                       activation_bytes=args.activation_reserve)
+    print(budget.describe(max_len), file=sys.stderr)
+    cfg = EngineConfig(num_blocks=budget.num_blocks, block_size=16,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, max_model_len=max_len)
+    return Engine(model, cfg, draft=draft, spec=spec_cfg)
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+    """All prompts at once; returns wall time, output tok/s, TPOT and TTFT medians."""
+    t0 = time.perf_counter()
+    seqs = [Sequence(f"r{i}", p, SamplingParams(max_tokens=output_len, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    for s in seqs:
+        engine.add(s)
+    first, last = {}, {}
+    while engine.has_work:
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_tokens:
+                first.setdefault(o.seq.seq_id, now)
+                last[o.seq.seq_id] = now
+    wall = time.perf_counter() - t0
+    tokens = sum(len(s.output_ids) for s in seqs)
+    tpot = [(last[s.seq_id] - first[s.seq_id]) / (len(s.output_ids) - 1)
+            for s in seqs if len(s.output_ids) > 1]
+    acc = [a for s in seqs if s.spec for a in s.spec.accepted]
+    assert engine.pool.all_free()
+    return {"wall_s": wall, "output_tok_s": tokens / wall,
+            "tpot_ms_p50": 1000 * statistics.median(tpot) if tpot else None,
+            "ttft_ms_p50": 1000 * statistics.median(first[s.seq_id] - t0 for s in seqs),
+            "tau": 1 + sum(acc) / len(acc) if acc else None}
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def concurrency_table(args, model) -> list[dict]:
+    rows = []
+    max_len = args.prompt_len + args.output_len + 64
+    for mode in args.modes:
+        engine = build_engine(args, model, mode == "spec", max_len)
+        for c in args.concurrency:
+            ps = prompts_for(c, args.prompt_len, model.config.vocab_size, c)
+            run_batch(engine, ps, 8)  # warm-up: kernels compiled, allocator primed
+            if mode == "spec":
+                engine.reset_simulation()
+            r = run_batch(engine, ps, args.output_len)
+            r.update(mode=mode + (" SIMULATED" if mode == "spec" else ""), concurrency=c)
+            if args.sequential:
+                t0 = time.perf_counter()
+                for p in ps:
+                    run_batch(engine, [p], args.output_len)
+                r["sequential_wall_s"] = time.perf_counter() - t0
+                r["batched_speedup"] = r["sequential_wall_s"] / r["wall_s"]
+            rows.append(r)
+            print(json.dumps(r), file=sys.stderr)
+        del engine
+    return rows
+
+
+def long_context(args, model) -> dict:
+    """Batch 1: TTFT of a long prompt, then decode tok/s at that context."""
+    engine = build_engine(args, model, False, args.long_context + 256)
+    p = prompts_for(1, args.long_context, model.config.vocab_size, 7)
+    run_batch(engine, [p[0][:2048]], 4)  # warm-up
+    r = run_batch(engine, p, 129)
+    decode = 128 / (r["wall_s"] - r["ttft_ms_p50"] / 1000)
+    return {"context": args.long_context, "ttft_ms": r["ttft_ms_p50"],
+            "decode_tok_s": decode, "tpot_ms": r["tpot_ms_p50"]}
+
+
+def fmt(rows: list[dict]) -> str:
+    lines = [f"{'mode':<16} {'conc':>5} {'out tok/s':>10} {'TPOT p50 ms':>12} "
+             f"{'TTFT p50 ms':>12} {'tau':>5} {'vs 1-by-1':>9}"]
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
+        sp = f"{r['batched_speedup']:.2f}x" if "batched_speedup" in r else "-"
+        tpot = f"{r['tpot_ms_p50']:.2f}" if r["tpot_ms_p50"] else "-"
+        lines.append(f"{r['mode']:<16} {r['concurrency']:>5} {r['output_tok_s']:>10.1f} "
+                     f"{tpot:>12} {r['ttft_ms_p50']:>12.1f} {tau:>5} {sp:>9}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", default=None, help="default: llama-3.1-8b on CUDA, the "
+                    "embedded default model on the CPU")
+    ap.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1, 4, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=["plain", "spec"])
+    ap.add_argument("--spec-steps", type=int, default=7)
+    ap.add_argument("--simulate", type=float, default=3.9, help="SIMULATED tau")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--kv-cache-memory", type=parse_bytes, default=None)
+    ap.add_argument("--activation-reserve", type=parse_bytes, default=4 << 30)
+    ap.add_argument("--sequential", action="store_true")
+    ap.add_argument("--long-context", type=int, default=0)
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    args.shape = args.shape or ("default" if cpu else "llama-3.1-8b")
+    args.dtype = args.dtype or ("fp32" if cpu else "bf16")
+    torch.manual_seed(0)
+    model = build_model(args)
+    out = {"device": torch.cuda.get_device_name() if not cpu else "cpu",
+           "shape": args.shape, "dtype": args.dtype, "prompt_len": args.prompt_len,
+           "output_len": args.output_len}
+    if args.long_context:
+        out["long_context"] = long_context(args, model)
+        print(json.dumps(out["long_context"]))
+    else:
+        out["rows"] = concurrency_table(args, model)
+        print(fmt(out["rows"]))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
