@@ -36,9 +36,9 @@ def main() -> None:
     # The engine's own greedy outputs, as the tuner measures them.
     params = SamplingParams(max_tokens=args.max_tokens)
     answers = [llm.generate(p, params)[0].token_ids for p in prompts]
-    data = target_probe_data(llm.runner.model, ids, args.max_tokens, answers=answers)
+    data = target_probe_data(llm.model, ids, args.max_tokens, answers=answers)
     draft = load_draft(args.draft, llm.model_config, dtype=llm.dtype, device=llm.device).model
-    draft.attach_target(llm.runner.model)
+    draft.attach_target(llm.model)
     t0 = time.perf_counter()
     model = measure_acceptance(draft, data, 10)
     print(f"acceptance model measured in {time.perf_counter() - t0:.1f} s "

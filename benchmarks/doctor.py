@@ -108,7 +108,7 @@ def main() -> None:
             if probe is None:  # the healthy run: a user's full doctor run, probe included
                 report = run_doctor(llm, str(d))
                 ids = [llm.encode_prompt(p) for p in default_probe_prompts(8)]
-                probe = target_probe_data(llm.runner.model, ids, 64)
+                probe = target_probe_data(llm.model, ids, 64)
             else:
                 report = run_doctor(llm, str(d), probe_data=probe)
             dt = time.perf_counter() - t

@@ -70,8 +70,7 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             prof = llm.enable_profiling(mode == "on", interval=None)
-            if hasattr(llm.decoder, "reset_simulation"):
-                llm.decoder.reset_simulation()  # the same accept decisions in every run
+            llm.reset_simulation()  # the same accept decisions in every run
             outs = llm.generate(prompts, params)
             rates[mode].append(decode_rate(outs))
             if prof is not None:

@@ -141,8 +141,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens)  # greedy; stops as the server's do
 
     def same_acceptance() -> None:  # simulated accepts: the same draws in both paths
-        if hasattr(llm.decoder, "reset_simulation"):
-            llm.decoder.reset_simulation()
+        llm.reset_simulation()
 
     def local(prompt) -> dict:
         same_acceptance()

@@ -34,7 +34,7 @@ from decode import SHAPES  # noqa: E402  (benchmarks/ is not a package)
 
 from specscope.config import ModelConfig, SamplingParams, SpecConfig  # noqa: E402
 from specscope.draft.eagle3 import random_draft  # noqa: E402
-from specscope.engine.engine import Engine, EngineConfig  # noqa: E402
+from specscope.engine.engine import BatchConfig, Engine  # noqa: E402
 from specscope.engine.sequence import Sequence  # noqa: E402
 from specscope.kvcache.budget import KVLayout, kv_budget, parse_bytes  # noqa: E402
 
@@ -70,7 +70,7 @@ def build_engine(args, model, spec: bool, max_len: int) -> Engine:
                        kv_cache_memory=args.kv_cache_memory,
                        activation_bytes=args.activation_reserve)
     print(budget.describe(max_len), file=sys.stderr)
-    cfg = EngineConfig(num_blocks=budget.num_blocks, block_size=16,
+    cfg = BatchConfig(num_blocks=budget.num_blocks, block_size=16,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=max_len)
     return Engine(model, cfg, draft=draft, spec=spec_cfg)
@@ -115,7 +115,11 @@ def concurrency_table(args, model) -> list[dict]:
         engine = build_engine(args, model, mode == "spec", max_len)
         for c in args.concurrency:
             ps = prompts_for(c, args.prompt_len, model.config.vocab_size, c)
-            run_batch(engine, ps, 8)  # warm-up: kernels compiled, allocator primed
+            # A whole warm-up run on other prompts (no prefix-cache hit later): every kernel
+            # variant the timed run meets is compiled (Triton specialises on split-K, which
+            # starts past 256 keys), every graph captured, the allocator primed.
+            run_batch(engine, prompts_for(c, args.prompt_len, model.config.vocab_size, c + 99),
+                      args.output_len)
             if mode == "spec":
                 engine.reset_simulation()
             r = run_batch(engine, ps, args.output_len)
@@ -129,6 +133,8 @@ def concurrency_table(args, model) -> list[dict]:
             rows.append(r)
             print(json.dumps(r), file=sys.stderr)
         del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next engine sizes its pools from what is free
     return rows
 
 

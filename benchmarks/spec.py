@@ -40,8 +40,7 @@ def run_engine(llm, args, label: str) -> dict:
     rows = []
     for _ in range(args.repeat):
         prof = llm.enable_profiling(True, interval=None)  # fresh profiler per run
-        if hasattr(llm.decoder, "reset_simulation"):
-            llm.decoder.reset_simulation()  # every run sees the same accept decisions
+        llm.reset_simulation()  # every run sees the same accept decisions
         out = llm.generate(prompt, params)[0]
         summary = prof.summary(prof.config)
         rows.append({"decode_tok_s": out.metrics.decode_tokens_per_s, "spec": out.spec,

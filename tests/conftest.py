@@ -13,6 +13,12 @@ import shutil
 
 import pytest
 
+# The Triton attention tests run on Triton's CPU interpreter where there is no GPU. Triton
+# reads the switch when it is first imported, and torch.compile imports it too, so it is
+# set here, before any test module loads. (No effect where triton is not installed.)
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not pathlib.Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tokenizer files copied from the default model into the tiny random model's directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")

@@ -112,6 +112,9 @@ def serve_command(port: int, *, model: str | None, cache_dir: str | None,
     cmd = [sys.executable, "-m", "specscope.cli", "serve"] + ([model] if model else [])
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", NAME,
             "--log-level", "warning"]
+    # Streams are compared with their solo runs token for token: batching changes the GEMMs'
+    # shapes, and in bf16 their rounding, so that equality is an fp32 property.
+    cmd += ["--dtype", "fp32"]
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
     if key:

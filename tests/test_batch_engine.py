@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specscope.config import ModelConfig, SamplingParams
-from specscope.engine.engine import Engine, EngineConfig
+from specscope.engine.engine import BatchConfig, Engine
 from specscope.engine.sequence import Sequence
 from specscope.models.loader import random_model
 
@@ -64,7 +64,7 @@ def test_batched_greedy_equals_each_sequence_alone(model, num_blocks, budget):
     rng = random.Random(0)
     prompts = _prompts(7, rng)
     lens = [rng.randrange(1, 15) for _ in prompts]
-    engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=4,
+    engine = Engine(model, BatchConfig(num_blocks=num_blocks, block_size=4,
                                         max_num_batched_tokens=budget, max_num_seqs=4,
                                         max_model_len=64))
     seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -81,7 +81,7 @@ def test_batched_greedy_equals_each_sequence_alone(model, num_blocks, budget):
 def test_a_shared_prefix_is_not_prefilled_again(model):
     rng = random.Random(1)
     system = [rng.randrange(TINY.vocab_size) for _ in range(17)]
-    engine = Engine(model, EngineConfig(num_blocks=32, block_size=4, max_model_len=64))
+    engine = Engine(model, BatchConfig(num_blocks=32, block_size=4, max_model_len=64))
     a = Sequence("a", system + [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
     _run(engine, [(0, a)])
     b = Sequence("b", system + [5], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -101,7 +101,7 @@ def test_greedy_and_seeded_sampling_share_a_batch(model):
     gp = SamplingParams(max_tokens=6, ignore_eos=True)
 
     def run(which):
-        engine = Engine(model, EngineConfig(num_blocks=32, block_size=4, max_model_len=64))
+        engine = Engine(model, BatchConfig(num_blocks=32, block_size=4, max_model_len=64))
         seqs = [Sequence(f"s{i}", prompts[i], sp if i % 2 else gp) for i in which]
         _run(engine, [(0, s) for s in seqs])
         assert engine.pool.all_free()
@@ -118,7 +118,7 @@ def test_stops_at_eos_and_stop_ids(model):
     rng = random.Random(3)
     p = _prompts(1, rng)[0]
     ref = _solo_greedy(model, p, 8)
-    engine = Engine(model, EngineConfig(num_blocks=16, block_size=4, max_model_len=64),
+    engine = Engine(model, BatchConfig(num_blocks=16, block_size=4, max_model_len=64),
                     eos_token_ids=frozenset({ref[2]}))
     s = Sequence("e", p, SamplingParams(max_tokens=8))
     _run(engine, [(0, s)])

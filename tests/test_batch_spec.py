@@ -13,7 +13,7 @@ import torch
 
 from specscope.config import ModelConfig, SamplingParams, SpecConfig
 from specscope.draft.eagle3 import random_draft
-from specscope.engine.engine import Engine, EngineConfig
+from specscope.engine.engine import BatchConfig, Engine
 from specscope.engine.sequence import Sequence
 from specscope.models.loader import random_model
 from specscope.spec.tree import DraftTree
@@ -54,7 +54,7 @@ def _solo_greedy(model, prompt, n):
 def _engine(model, draft, steps, topk, ndt, num_blocks=64, budget=64, sim=None, **kw):
     spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt,
                       simulate_acceptance=sim)
-    cfg = EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+    cfg = BatchConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
                        max_num_seqs=4, max_model_len=96, **kw)
     return Engine(model, cfg, draft=draft, spec=spec)
 

@@ -33,7 +33,7 @@ def probe(llm):
     from specscope.doctor import default_probe_prompts
 
     ids = [llm.encode_prompt(p) for p in default_probe_prompts(8)]
-    return target_probe_data(llm.runner.model, ids, 48)
+    return target_probe_data(llm.model, ids, 48)
 
 
 def _copy(tmp_path: Path, name: str = "d") -> Path:

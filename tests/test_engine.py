@@ -25,19 +25,14 @@ PROMPT_30 = ("The quick brown fox jumps over the lazy dog. The quick brown fox j
 SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50)
 
 
-def make_llm(model_dir: pathlib.Path, *, kv_block: int | None = None, **kwargs) -> LLM:
-    if kv_block is not None:
-        kwargs["kv_block"] = kv_block
-    llm = LLM(str(model_dir), dtype="fp32", device="cpu", **kwargs)
-    if kv_block is not None:
-        assert llm.runner.engine.kv_block == kv_block
-    return llm
+def make_llm(model_dir: pathlib.Path, **kwargs) -> LLM:
+    return LLM(str(model_dir), dtype="fp32", device="cpu", **kwargs)
 
 
 @torch.inference_mode()
 def reference_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Last-position logits [V] of a full, uncached forward over `ids`."""
-    model = llm.runner.model
+    model = llm.model
     x = torch.tensor([ids], dtype=torch.long)
     pos = torch.arange(len(ids))[None]
     hidden, _ = model(x, pos)
@@ -97,20 +92,29 @@ def test_greedy_matches_uncached_reference(llm: LLM, greedy_ref) -> None:
     assert out.metrics.completion_tokens == 40
 
 
-def test_prefill_logits_match_uncached_forward(llm: LLM) -> None:
+def test_prefill_logits_match_uncached_forward(llm: LLM, monkeypatch) -> None:
+    """The engine's prefill step samples from the logits an uncached forward gives."""
     ids = llm.encode_prompt(PROMPT_30)
-    llm.runner.ensure_cache(len(ids) + 1)
-    got = llm.runner.prefill(ids)[0]
-    torch.testing.assert_close(got, reference_logits(llm, ids), rtol=1e-4, atol=1e-4)
+    seen = []
+    real = llm.engine._sample
+
+    def spy(logits, seqs):
+        seen.append(logits.clone())
+        return real(logits, seqs)
+
+    monkeypatch.setattr(llm.engine, "_sample", spy)
+    llm.generate(PROMPT_30, greedy(1))
+    torch.testing.assert_close(seen[0][0], reference_logits(llm, ids), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
-    ("prefill_chunk_size", "kv_block"),
-    [(4, None), (5, None), (4, 4), (512, 1), (7, 3), (30, 16)],
+    ("max_num_batched_tokens", "block_size"),
+    [(4, 16), (5, 16), (4, 4), (512, 1), (7, 2), (30, 16)],
 )
 def test_chunked_prefill_and_kv_blocks_match_reference(
-        tiny_model_dir: pathlib.Path, prefill_chunk_size: int, kv_block: int | None) -> None:
-    llm = make_llm(tiny_model_dir, prefill_chunk_size=prefill_chunk_size, kv_block=kv_block)
+        tiny_model_dir: pathlib.Path, max_num_batched_tokens: int, block_size: int) -> None:
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=max_num_batched_tokens,
+                   max_num_seqs=1, block_size=block_size)
     prompt_ids = llm.encode_prompt(PROMPT_30)
     assert len(prompt_ids) == 30
     ref = reference_greedy(llm, prompt_ids, 40)
@@ -404,8 +408,11 @@ def test_cuda_without_gpu(tiny_model_dir: pathlib.Path) -> None:
         LLM(str(tiny_model_dir), dtype="fp32", device="cuda")
 
 
-@pytest.mark.parametrize("kwargs", [{"device": "tpu"}, {"prefill_chunk_size": 0},
-                                    {"max_model_len": 0}, {"kv_block": 0}])
+@pytest.mark.parametrize("kwargs", [{"device": "tpu"}, {"max_num_batched_tokens": 0},
+                                    {"max_model_len": 0}, {"block_size": 0},
+                                    {"block_size": 12}, {"max_num_seqs": 0},
+                                    {"gpu_memory_utilization": 1.5},
+                                    {"kv_cache_memory": -5}])
 def test_bad_engine_config(tiny_model_dir: pathlib.Path, kwargs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         LLM(str(tiny_model_dir), **{"dtype": "fp32", "device": "cpu", **kwargs})
@@ -472,8 +479,8 @@ def test_open_stream_in_same_thread_is_an_error_not_a_deadlock(llm: LLM) -> None
 def test_compiled_decode_matches_eager(tiny_model_dir: pathlib.Path) -> None:
     """torch.compile'd decode steps give the eager tokens, across several KV windows."""
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    eager = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=8)
-    compiled = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=8, compile=True)
+    eager = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", block_size=8)
+    compiled = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", block_size=8, compile=True)
     prompt = "Speculative decoding is"
     assert compiled.generate(prompt, params)[0].token_ids == \
         eager.generate(prompt, params)[0].token_ids

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specscope.config import EngineConfig, ModelConfig, SamplingParams
-from specscope.engine.runner import ModelRunner
+from specscope.config import ModelConfig, SamplingParams
 from specscope.models.loader import random_model
 from specscope.sampling import make_generator, sample
 
@@ -22,24 +21,16 @@ TINY = {
 }
 
 
-def _greedy(model, cfg, device, prompt, n, kv_block=16, graphs=True, runner=None,
-            compile=False):
-    if runner is None:
-        engine = EngineConfig(kv_block=kv_block, cuda_graphs=graphs, compile=compile)
-        runner = ModelRunner(model, cfg, engine, torch.device(device),
-                             next(model.parameters()).dtype)
-    runner.ensure_cache(len(prompt) + n)
-    params = SamplingParams(max_tokens=n)
-    tok = sample(runner.prefill(prompt), params, None)
-    out = tok.tolist()
-    pos = len(prompt)
-    position = torch.tensor([[pos]], device=device)
-    for _ in range(n - 1):
-        tok = sample(runner.decode(tok.view(1, 1), position, pos), params, None)
-        out += tok.tolist()
-        position += 1
-        pos += 1
-    return out
+def _llm(model, spec=None, graphs=True, compile=False, **kw):
+    from specscope import LLM
+
+    return LLM.from_model(model, spec=spec, cuda_graphs=graphs, compile=compile,
+                          kv_cache_memory=64 << 20, **kw)
+
+
+def _greedy(model, prompt, n, **kw):
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    return _llm(model, **kw).generate(" ".join(map(str, prompt)), params)[0].token_ids
 
 
 def test_cuda_greedy_equals_cpu_fp32():
@@ -49,17 +40,23 @@ def test_cuda_greedy_equals_cpu_fp32():
     gpu.load_state_dict(cpu.state_dict())
     torch.backends.cuda.matmul.allow_tf32 = False
     prompt = list(range(3, 40))
-    assert _greedy(cpu, cfg, "cpu", prompt, 48) == _greedy(gpu, cfg, "cuda", prompt, 48)
+    assert _greedy(cpu, prompt, 48) == _greedy(gpu, prompt, 48)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_equal_eager(dtype):
-    """Graph replay crosses several KV windows (kv_block 16) and matches eager exactly."""
+    """Batched decode steps replayed per batch-size bucket match eager steps exactly."""
     cfg = ModelConfig.from_hf(TINY)
     model = random_model(cfg, dtype, "cuda", seed=2)
-    prompt = list(range(5, 30))
-    eager = _greedy(model, cfg, "cuda", prompt, 60, graphs=False)
-    assert _greedy(model, cfg, "cuda", prompt, 60, graphs=True) == eager
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = [" ".join(str(i) for i in range(5, 5 + n)) for n in (25, 3, 60, 11, 7)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    graphs = _llm(model)
+    eager = _llm(model, graphs=False)
+    for batch in (prompts, prompts[:1], prompts[1:4]):
+        got = [o.token_ids for o in graphs.generate(batch, params)]
+        assert got == [o.token_ids for o in eager.generate(batch, params)]
+    assert len(graphs.engine.graphs.graphs) >= 3  # buckets 1, 4 and 8 were captured
 
 
 def test_compiled_cuda_graphs_equal_eager_fp32():
@@ -67,41 +64,38 @@ def test_compiled_cuda_graphs_equal_eager_fp32():
     model = random_model(cfg, torch.float32, "cuda", seed=4)
     torch.backends.cuda.matmul.allow_tf32 = False
     prompt = list(range(9, 30))
-    eager = _greedy(model, cfg, "cuda", prompt, 40, graphs=False)
-    assert _greedy(model, cfg, "cuda", prompt, 40, compile=True) == eager
+    eager = _greedy(model, prompt, 40, graphs=False)
+    assert _greedy(model, prompt, 40, compile=True) == eager
 
 
-def test_cuda_graphs_survive_cache_reallocation():
-    """Requests of growing size reallocate the KV cache; graphs are re-captured, not reused."""
-    cfg = ModelConfig.from_hf(TINY)
-    model = random_model(cfg, torch.bfloat16, "cuda", seed=3)
-    runner = ModelRunner(model, cfg, EngineConfig(kv_block=16), torch.device("cuda"),
-                         torch.bfloat16)
-    for n in (10, 40, 10, 90):
-        prompt = list(range(7, 7 + n))
-        eager = _greedy(model, cfg, "cuda", prompt, n, graphs=False)
-        assert _greedy(model, cfg, "cuda", prompt, n, runner=runner) == eager
+def test_cuda_decode_step_has_no_host_sync_but_its_read():
+    """A plain decode step (forward + sampling) synchronises with the host only in its one
+    read of the sampled tokens."""
+    from specscope.engine.engine import Engine
 
-
-def test_cuda_decode_step_has_no_host_sync():
-    """A decode step (forward + sampling) must not synchronise with the host."""
     cfg = ModelConfig.from_hf(TINY)
     model = random_model(cfg, torch.bfloat16, "cuda")
-    runner = ModelRunner(model, cfg, EngineConfig(cuda_graphs=False), torch.device("cuda"),
-                         torch.bfloat16)
-    runner.ensure_cache(128)
-    params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20)
-    gen = make_generator(0, "cuda")
-    tok = sample(runner.prefill(list(range(10))), params, gen)
-    position = torch.tensor([[10]], device="cuda")
+    llm = _llm(model, graphs=False)
+    params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=0)
+    llm.add_request(list(range(10)), params)
+    llm.step()  # the prefill
+    reads = []
+    real = Engine._read
+
+    def read(sampled, verdicts):
+        torch.cuda.set_sync_debug_mode("default")
+        reads.append(1)
+        return real(sampled, verdicts)
+
+    Engine._read = staticmethod(read)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        logits = runner.decode(tok.view(1, 1), position, 10)
-        tok = sample(logits, params, gen)
+        llm.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert 0 <= tok.item() < cfg.vocab_size
+        Engine._read = staticmethod(real)
+    assert reads == [1]
 
 
 def test_cuda_seeded_sampling_repeats():
@@ -116,9 +110,7 @@ def test_cuda_seeded_sampling_repeats():
 
 
 def _spec_llm(model, spec=None, graphs=True):
-    from specscope import LLM
-
-    return LLM.from_model(model, spec=spec, cuda_graphs=graphs, kv_block=16)
+    return _llm(model, spec, graphs)
 
 
 @pytest.mark.parametrize(("steps", "topk", "ndt"), [(4, 1, None), (3, 2, 6)])
@@ -146,8 +138,8 @@ def test_spec_cycle_graphs_match_eager_and_plain(steps, topk, ndt):
 
 
 def test_plain_greedy_cycle_graph_equals_eager():
-    """Plain greedy cycles replay one graph that samples and feeds itself; across KV
-    windows, repeated requests and a cache reallocation it matches eager decoding."""
+    """Plain greedy steps replayed as graphs match eager decoding across repeated requests
+    and lengths."""
     from specscope import SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -161,8 +153,8 @@ def test_plain_greedy_cycle_graph_equals_eager():
 
 
 def test_batched_regeneration_graphs_equal_eager():
-    """train/regenerate.py's BatchGenerator: CUDA-graph decode steps (one graph per KV
-    window, reused across batches) give the eager path's tokens."""
+    """train/regenerate.py's BatchGenerator on the engine: CUDA-graph decode steps (one
+    graph per batch-size bucket, reused across batches) give the eager path's tokens."""
     from specscope.train.regenerate import BatchGenerator
 
     cfg = ModelConfig.from_hf(TINY)
@@ -170,12 +162,12 @@ def test_batched_regeneration_graphs_equal_eager():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    eager = BatchGenerator(model, 8, 96, window=16, graphs=False)
-    graphs = BatchGenerator(model, 8, 96, window=16, graphs=True)
+    eager = BatchGenerator(model, 8, 96, graphs=False)
+    graphs = BatchGenerator(model, 8, 96, graphs=True)
     for batch in (prompts, prompts[1:3]):
         assert graphs.generate(batch, 24, params, set(), None) == \
             eager.generate(batch, 24, params, set(), None)
-    assert graphs.graphs is not None and len(graphs.graphs.graphs) > 1
+    assert graphs.engine.graphs is not None and len(graphs.engine.graphs.graphs) > 1
 
 
 def test_ttt_sdpa_equals_dense_on_cuda_at_changing_lengths():

@@ -24,7 +24,7 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: pathlib.Path) -> LLM:
-    return LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=16, profile=False)
+    return LLM(str(tiny_model_dir), dtype="fp32", device="cpu", profile=False)
 
 
 @pytest.mark.parametrize("spec", [None, SpecConfig(draft="random", num_steps=3,
@@ -95,7 +95,7 @@ def test_disabled_profiling_records_nothing(llm: LLM, monkeypatch) -> None:
     llm.enable_profiling(False)
     for name in ("mark", "stop", "begin_cycle", "end_cycle"):
         monkeypatch.setattr(Profiler, name, lambda *a, **k: pytest.fail("profiler called"))
-    assert llm.timer is None and llm.decoder.timer is None
+    assert llm.timer is None and llm.engine.timer is None
     llm.generate(PROMPT, SamplingParams(max_tokens=5))
     with pytest.raises(RuntimeError, match="profiling is off"):
         llm.profile_summary()

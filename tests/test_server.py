@@ -53,20 +53,16 @@ def ref(llm: LLM, prompt, max_tokens: int, chat: bool, **kw):
 
 
 def slow_stream(monkeypatch, llm: LLM, delay: float, produced: list):
-    """Make each engine delta take `delay` seconds longer (and record it)."""
-    orig = llm.stream
+    """Make each engine step take `delay` seconds longer (and record its deltas)."""
+    orig = llm.step
 
-    def stream(*args, **kwargs):
-        gen = orig(*args, **kwargs)
-        try:
-            for delta in gen:
-                produced.append(delta)
-                time.sleep(delay)
-                yield delta
-        finally:
-            gen.close()
+    def step():
+        deltas = orig()
+        produced.extend(deltas)
+        time.sleep(delay)
+        return deltas
 
-    monkeypatch.setattr(llm, "stream", stream)
+    monkeypatch.setattr(llm, "step", step)
 
 
 # -- basic endpoints ----------------------------------------------------------------------
@@ -299,10 +295,11 @@ def test_bad_input(srv, endpoint, body, status, param):
 # -- concurrency, disconnects, back-pressure -----------------------------------------------
 
 
-def test_concurrent_streams_match_references(srv, llm):
-    """16 streaming clients released together (they queue behind each other): each gets
-    exactly the engine's output for its own prompt alone, nothing lost or mixed."""
-    n = 16
+@pytest.mark.parametrize("n", [16, 64])
+def test_concurrent_streams_match_references(srv, llm, n):
+    """n streaming clients released together, batched by the engine step by step (their
+    streams interleave): each gets exactly the engine's output for its own prompt alone,
+    nothing lost or mixed."""
     prompts = [f"Question {i}: what is {i} plus {i * 3}?" for i in range(n)]
     wants = [ref(llm, p, 8 + i, chat=True).text for i, p in enumerate(prompts)]
     assert len(set(wants)) == n  # distinct outputs, so a mix-up cannot go unnoticed
@@ -324,6 +321,7 @@ def test_concurrent_streams_match_references(srv, llm):
     with ThreadPoolExecutor(n) as pool:
         got = list(pool.map(one, range(n)))
     assert [t for t, _ in got] == wants
+    assert srv.app.state.worker.peak_running > 1  # really served side by side
     assert all(f is not None for _, f in got)
     _wait_idle(srv)
 
@@ -416,7 +414,9 @@ def test_speculative_usage_has_spec(tiny_model_dir, llm):
         spec_srv.stop()
 
 
-def test_queue_full_gives_503(llm, monkeypatch):
+def test_queue_full_gives_503(tiny_model_dir, monkeypatch):
+    """max_num_seqs run at once, max_queue more wait; past that, 503."""
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", max_num_seqs=1)
     produced: list = []
     slow_stream(monkeypatch, llm, 0.02, produced)
     small = Running(create_app(llm, ServerConfig(served_model_name=NAME, max_queue=0)))
@@ -497,7 +497,7 @@ def test_profile_endpoints(srv, llm):
         assert httpx.get(f"{srv.url}/profile/trace").status_code == 404
     finally:
         llm.timer = timer
-        llm.decoder.timer = timer
+        llm.engine.timer = timer
 
 
 # -- graceful shutdown of `specscope serve` -----------------------------------------------

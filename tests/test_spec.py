@@ -16,7 +16,6 @@ import random
 import pytest
 import torch
 
-import specscope.engine.speculative as speculative
 from specscope import LLM, SamplingParams
 from specscope.config import SpecConfig
 from specscope.spec.tree import DraftTree
@@ -33,7 +32,7 @@ N_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir: pathlib.Path) -> LLM:
-    return LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=16)
+    return LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def reference(plain: LLM) -> tuple[list[int], list[int]]:
 def _spec_llm(model_dir: pathlib.Path, steps: int, topk: int, ndt: int | None,
               **kw) -> LLM:
     spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt, **kw)
-    return LLM(str(model_dir), dtype="fp32", device="cpu", kv_block=16, spec=spec)
+    return LLM(str(model_dir), dtype="fp32", device="cpu", spec=spec)
 
 
 def _oracle(monkeypatch, llm: LLM, reference, noise: float, seed: int = 0) -> None:
@@ -57,7 +56,6 @@ def _oracle(monkeypatch, llm: LLM, reference, noise: float, seed: int = 0) -> No
     seq = prompt_ids + out_ids
     rng = random.Random(seed)
     V = llm.model_config.vocab_size
-    dec = llm.decoder
     spec = llm.spec
 
     def truth(i: int) -> int:
@@ -66,8 +64,7 @@ def _oracle(monkeypatch, llm: LLM, reference, noise: float, seed: int = 0) -> No
     def wrong(t: int) -> int:
         return (t + 1 + rng.randrange(V - 1)) % V
 
-    def fake_tree(*args, **kwargs) -> DraftTree:
-        n = dec.n
+    def fake_tree(n: int) -> tuple[list[int], list[int], list[int]]:
         k, topk = spec.num_steps, spec.topk
         budget = spec.num_draft_tokens - 1
         tokens, parents, depth = [truth(n)], [-1], [0]
@@ -94,11 +91,15 @@ def _oracle(monkeypatch, llm: LLM, reference, noise: float, seed: int = 0) -> No
             tokens.append(wrong(truth(n + 1)))
             parents.append(0)
             depth.append(1)
-        t = torch.tensor
-        return DraftTree(tokens=t(tokens), parents=t(parents), depth=t(depth))
+        return tokens, parents, depth
 
-    monkeypatch.setattr(speculative, "draft_chain", fake_tree)
-    monkeypatch.setattr(speculative, "draft_tree", fake_tree)
+    def fake(seqs, h0, logits0) -> DraftTree:
+        rows = [fake_tree(s.num_computed) for s in seqs]
+        t = torch.tensor
+        return DraftTree(tokens=t([r[0] for r in rows]), parents=t([r[1] for r in rows]),
+                         depth=t([r[2] for r in rows]))
+
+    monkeypatch.setattr(llm.engine, "_draft_trees", fake)
 
 
 @pytest.mark.parametrize(("steps", "topk", "ndt"), GRID)
@@ -134,7 +135,7 @@ def test_oracle_draft_accepts_everything(monkeypatch, tiny_model_dir, reference,
 
 
 def _full_recompute_argmax(llm: LLM, ids: list[int]) -> list[int]:
-    m = llm.runner.model
+    m = llm.model
     x = torch.tensor([ids])
     with torch.inference_mode():
         h, _ = m(x, torch.arange(len(ids))[None])
@@ -173,12 +174,12 @@ def test_spec_sampling_is_seeded(tiny_model_dir):
 
 def test_spec_near_context_end_falls_back_to_plain(tiny_model_dir, plain):
     """A request ending at the context limit completes (the last tokens decode plainly)."""
-    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=16, max_model_len=64,
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", max_model_len=64,
               spec=SpecConfig(draft="random", num_steps=5))
     n_prompt = len(llm.encode_prompt(PROMPT))
     params = SamplingParams(max_tokens=64 - n_prompt, ignore_eos=True)
     out = llm.generate(PROMPT, params)[0]
-    ref = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", kv_block=16, max_model_len=64)
+    ref = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", max_model_len=64)
     assert out.token_ids == ref.generate(PROMPT, params)[0].token_ids
 
 

@@ -64,7 +64,7 @@ def _exact_joint(model) -> torch.Tensor:
 def test_sampled_speculative_output_has_the_target_law(single_thread, target, steps, topk,
                                                        ndt):
     spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt)
-    llm = LLM.from_model(target, spec=spec, kv_block=16)
+    llm = LLM.from_model(target, spec=spec)
     joint = _exact_joint(target).reshape(-1)
     n = 4000
     counts = torch.zeros(V ** 3, dtype=torch.float64)

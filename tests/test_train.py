@@ -269,10 +269,10 @@ def test_batched_generation_equals_the_engine(tiny_model_dir):
     ids = [llm.encode_prompt(p) for p in prompts]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     refs = [llm.generate(p, params)[0].token_ids for p in prompts]
-    assert generate_batch(llm.runner.model, ids, 10, params, set(), None) == refs
+    assert generate_batch(llm.model, ids, 10, params, set(), None) == refs
     # One generator reused across batches (stale slots from the previous batch), decode
     # windows of 8 slots, prefill in groups of 2 rows, idle padding rows.
-    gen = BatchGenerator(llm.runner.model, 4, 64, window=8, prefill_rows=2)
+    gen = BatchGenerator(llm.model, 4, 64)
     assert gen.generate(ids, 10, params, set(), None) == refs
     assert gen.generate(ids[::-1][:2], 10, params, set(), None) == refs[::-1][:2]
     with pytest.raises(ValueError, match="capacity"):

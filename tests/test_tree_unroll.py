@@ -28,10 +28,22 @@ def _engine_tree(draft, ids, taps, t, topk, steps):
     h, normed = draft(ids[:, 1:t + 2], draft.project(taps[:, :t + 1]),
                       torch.arange(t + 1)[None], cache, kv_len=t + 1)
     n_all = topk + (steps - 1) * topk * topk
-    tree = draft_tree(draft, cache, h[:, t:t + 1], draft.compute_logits(normed[0, t]),
-                      ids[0, t + 1], torch.tensor([t + 1]), steps, topk, n_all + 1, 96,
-                      SamplingParams(max_tokens=1))
-    return tree.tokens[1:], tree.parents[1:]
+    n = t + 1
+    k_pos = torch.arange(96)
+
+    def step(tokens, hidden, rope, query_slots, anc):  # drafter.DraftStep on a contiguous cache
+        T = anc.shape[-1]
+        rel = k_pos - n
+        in_tree = (rel >= 0) & (rel < T)
+        mask = (k_pos < n)[None, :] | (anc[0][:, rel.clamp(0, T - 1)] & in_tree[None, :])
+        hh, nn = draft(tokens, hidden, rope, cache, kv_len=96, slots=(n + query_slots)[None],
+                       attn_mask=mask[None])
+        return hh, draft.compute_logits(nn)
+
+    tree = draft_tree(step, draft, h[:, t], draft.compute_logits(normed[:, t]),
+                      ids[0, t + 1:t + 2], torch.tensor([n]), steps, topk, n_all + 1,
+                      [SamplingParams(max_tokens=1)])
+    return tree.tokens[0, 1:], tree.parents[0, 1:]
 
 
 def _setup(num_layers: int, seed: int = 0):

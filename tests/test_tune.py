@@ -90,10 +90,10 @@ def model_and_prompts(engine):
     prompts = load_prompts("gsm8k", 3) + load_prompts("mt_bench", 1)
     engine.set_spec(None)
     answers = [engine.generate(p, SamplingParams(max_tokens=64))[0].token_ids for p in prompts]
-    data = target_probe_data(engine.runner.model, [engine.encode_prompt(p) for p in prompts],
+    data = target_probe_data(engine.model, [engine.encode_prompt(p) for p in prompts],
                              64, answers=answers)
     draft = load_draft("default", engine.model_config).model
-    draft.attach_target(engine.runner.model)
+    draft.attach_target(engine.model)
     return measure_acceptance(draft, data, depth=6), prompts
 
 
@@ -129,14 +129,14 @@ def test_hot_reconfiguration_keeps_greedy_outputs(engine):
     msgs = [{"role": "user", "content": "Name three prime numbers."}]
     params = SamplingParams(max_tokens=32)
     ref = engine.generate(msgs, params)[0].token_ids
-    model = engine.runner.model
+    model = engine.model
     for spec in [SpecConfig(draft="default", num_steps=5),
                  SpecConfig(draft="default", num_steps=3, topk=4, num_draft_tokens=10),
                  SpecConfig(draft="default", num_steps=1), None,
                  SpecConfig(draft="default", num_steps=7)]:
         engine.set_spec(spec)
         assert engine.generate(msgs, params)[0].token_ids == ref, spec
-        assert engine.runner.model is model
+        assert engine.model is model
     engine.set_spec(None)
 
 
@@ -160,7 +160,7 @@ def test_admin_endpoint_switches_speculation_without_reloading(tmp_path, tiny_mo
     plain = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
     body = {"model": "x", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
     ref = plain.generate(body["prompt"], SamplingParams(max_tokens=12))[0].text
-    weights = llm.runner.model
+    weights = llm.model
     admin = ServerConfig(served_model_name="x", api_keys=("k",), enable_admin=True)
     key = {"Authorization": "Bearer k"}
     srv = BackgroundServer(create_app(llm, admin))
@@ -185,7 +185,7 @@ def test_admin_endpoint_switches_speculation_without_reloading(tmp_path, tiny_mo
                         {"enabled": 0}, {"num_steps": "3"}, {"enabled": False, "topk": 2}]:
                 r = c.post("/admin/spec", json=bad)
                 assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
-        assert llm.runner.model is weights
+        assert llm.model is weights
     finally:
         srv.stop()
     bare = BackgroundServer(create_app(plain, admin))
@@ -229,7 +229,7 @@ def test_the_draft_stays_loaded_while_speculation_is_off(monkeypatch):
     runs, or POST /admin/spec enabled=true) reuses the loaded draft; new taps reload it."""
     import torch
 
-    import specscope.engine.speculative as speculative
+    import specscope.engine.llm as llm_module
     from specscope.config import ModelConfig
     from specscope.models.loader import random_model
 
@@ -239,8 +239,8 @@ def test_the_draft_stays_loaded_while_speculation_is_off(monkeypatch):
         "num_key_value_heads": 2, "max_position_embeddings": 512})
     llm = LLM.from_model(random_model(cfg, torch.float32, "cpu"), max_model_len=512)
     loads = []
-    real = speculative.load_spec_draft
-    monkeypatch.setattr(speculative, "load_spec_draft",
+    real = llm_module.load_spec_draft
+    monkeypatch.setattr(llm_module, "load_spec_draft",
                         lambda *a, **k: loads.append(1) or real(*a, **k))
     for spec in (SpecConfig(draft="random", num_steps=2), None,
                  SpecConfig(draft="random", num_steps=3, topk=2, num_draft_tokens=5), None,

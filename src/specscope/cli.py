@@ -18,6 +18,7 @@ from specscope.cli_args import (
     add_model_args,
     add_spec_args,
     check_engine_args,
+    engine_kwargs,
     fail,
     non_negative_float,
     non_negative_int,
@@ -68,6 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+                  **engine_kwargs(args),
               compile=args.compile, spec=spec, profile=args.profile,
               profile_interval=args.profile_interval)
     load_s = time.perf_counter() - t0
@@ -141,6 +143,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+                  **engine_kwargs(args),
               compile=args.compile, profile=False)
     configs = ([None] if not args.no_baseline else []) + specs
     if not configs:

@@ -100,7 +100,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
     but before the model loads."""
     from specscope.config import EngineConfig
 
-    EngineConfig(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    EngineConfig(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                 **engine_kwargs(args))
 
 
 def fail(prog: str, message: str) -> int:
@@ -131,6 +132,57 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "then faster decoding (needs a C++ compiler on CPU, triton on CUDA)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted GGUFs are cached (default ~/.cache/specscope)")
+    add_batching_args(p)
+
+
+def add_batching_args(p: argparse.ArgumentParser) -> None:
+    """The batched engine's sizes, with vLLM's names and SGLang's as aliases."""
+    g = p.add_argument_group("batching and KV cache")
+    g.add_argument("--max-num-batched-tokens", "--chunked-prefill-size",
+                   dest="max_num_batched_tokens", type=positive_int, default=2048,
+                   help="tokens one step feeds the target; longer prompts are prefilled in "
+                        "chunks of this size (default 2048)")
+    g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs",
+                   type=positive_int, default=256,
+                   help="requests batched at once (default 256)")
+    g.add_argument("--block-size", "--page-size", dest="block_size", type=positive_int,
+                   default=16, help="tokens per KV block (a power of two; default 16)")
+    g.add_argument("--gpu-memory-utilization", "--mem-fraction-static",
+                   dest="gpu_memory_utilization", type=fraction, default=None,
+                   help="fraction of the GPU's memory for weights, activations and the KV "
+                        "pools (default 0.9)")
+    g.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                   help="the KV pools' size in bytes, e.g. 4GiB (the way to size it on a "
+                        "CPU; default there: 2 GiB or what max-num-seqs full contexts need)")
+    g.add_argument("--no-prefix-caching", "--disable-radix-cache",
+                   dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks of shared prompt prefixes")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The batching flags as LLM keyword arguments."""
+    return {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs",
+                                          "block_size", "gpu_memory_utilization",
+                                          "kv_cache_memory", "enable_prefix_caching")}
+
+
+def fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    return v
+
+
+def byte_size(text: str) -> int:
+    from specscope.kvcache.budget import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from specscope.cli_args import (
     check_draft_arg,
     check_engine_args,
+    engine_kwargs,
     float_in,
     non_negative_float,
     non_negative_int,
@@ -96,7 +97,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     prompts = doctor_prompts(args.prompts, args.num_prompts)
     llm = LLM(args.target or args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=args.quantization, cuda_graphs=args.cuda_graphs)
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs, **engine_kwargs(args))
     report = doctor_report(llm, args.draft, prompts, layer_ids, args.max_new_tokens)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0 if report.healthy else 1
@@ -145,6 +146,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+                  **engine_kwargs(args),
               compile=args.compile)
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, confirm=args.confirm,
                budget_seconds=args.budget_seconds, served=served)

@@ -15,6 +15,7 @@ from specscope.cli_args import (
     add_model_args,
     add_spec_args,
     check_engine_args,
+    engine_kwargs,
     int_in,
     non_negative_float,
     non_negative_int,
@@ -86,6 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
                   max_model_len=args.max_model_len, cache_dir=args.cache_dir,
                   quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+                  **engine_kwargs(args),
                   compile=args.compile, spec=None, profile=args.profile,
                   profile_interval=args.profile_interval)
         if args.doctor:  # before the engine loads the draft, which stops at its first error

@@ -216,33 +216,49 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Where and how the engine runs a model."""
+    """Where and how the engine runs a model, and how it batches (vLLM's names)."""
 
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
-    # Prompts longer than this are prefilled in chunks, bounding activation memory.
-    prefill_chunk_size: int = 512
     # Overrides the model's max_position_embeddings (smaller only).
     max_model_len: int | None = None
-    # KV cache lengths are rounded up to this, so attention shapes change rarely.
-    kv_block: int = 256
     cache_dir: str | None = None
-    # Replay the decode step as a CUDA graph per KV window (CUDA only; eager is the reference).
+    # Replay plain decode steps as a CUDA graph per batch-size bucket (CUDA only).
     cuda_graphs: bool = True
-    # torch.compile the decode step (minutes of compile on first use; much faster steps).
+    # torch.compile the model's forward (minutes of compile on first use; faster steps).
     compile: bool = False
+    # Tokens one step feeds the target (decode tokens, verify trees and prefill chunks):
+    # a longer prompt is prefilled in chunks. SGLang: --chunked-prefill-size.
+    max_num_batched_tokens: int = 2048
+    # Sequences running at once. SGLang: --max-running-requests.
+    max_num_seqs: int = 256
+    block_size: int = 16  # tokens per KV block
+    # The KV pools' budget: a fraction of the GPU (SGLang: --mem-fraction-static), or bytes.
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
-        if self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.kv_block < 1:
-            raise ValueError(f"kv_block must be >= 1, got {self.kv_block}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            _check_int(name, getattr(self, name), 1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_num_seqs ({self.max_num_seqs}): every running sequence "
+                             f"feeds at least one token a step")
+        u = self.gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got "
+                             f"{self.kv_cache_memory}")
 
 
 # Upper bounds on the speculative knobs, for the CLI, the Python API and POST /admin/spec alike:

@@ -196,7 +196,7 @@ def run_doctor(llm: Any, draft: str, *, prompts: list[Any] | None = None,
                                        "pass a draft checkpoint directory"))
         report.seconds = time.perf_counter() - t0
         return report
-    target = llm.runner.model
+    target = llm.model
     report.findings += static_checks(d, llm.model_config, Path(llm.model_path)
                                      if llm.model_path else None, layer_ids)
     if not report.healthy:

@@ -78,7 +78,7 @@ def target_probe_data(target: CausalLM, prompts: list[list[int]], max_new_tokens
     another text predicted the engine's accept length 15-20 % low on the CPU."""
     if answers is None:
         cap = max(len(p) for p in prompts) + max_new_tokens
-        gen = BatchGenerator(target, len(prompts), cap, window=cap)
+        gen = BatchGenerator(target, len(prompts), cap)
         answers = gen.generate(prompts, max_new_tokens,
                                SamplingParams(max_tokens=max_new_tokens), set(), None)
     elif len(answers) != len(prompts):

@@ -1,10 +1,12 @@
-"""CUDA-graph capture of the decode step: one graph per KV window, replayed every token.
+"""CUDA-graph capture of the batched engine's plain decode step: one graph per batch-size
+bucket, replayed every step.
 
-At batch 1 a decode step is hundreds of small kernels; launching them one by one from
-Python costs more than running them. The step is already free of host syncs and has static
-shapes within a KV window (runner.py), so it can be captured once per window and replayed.
-Inputs are static buffers the caller fills by device copies; the output logits buffer is
-overwritten by the next replay, so consume it (sample) before the next step.
+At small batches a decode step is hundreds of small kernels; launching them one by one from
+Python costs more than running them. The step is free of host syncs, and its shapes are
+static once the batch is padded to a bucket (1, 2, 4, 8, ...), so it is captured once per
+bucket and replayed. Inputs are static buffers the engine fills by host->device copies; the
+output logits buffer is overwritten by the next replay, so sample from it before the next
+step.
 """
 
 from __future__ import annotations
@@ -13,96 +15,78 @@ from collections.abc import Callable
 
 import torch
 
-from specscope.kvcache import KVCache
-
-# (token [B, 1], position [B, 1], kv_len) -> logits [B, V]; eager or torch.compile'd.
-StepFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-class DecodeGraphs:
-    def __init__(self, step_fn: StepFn, device: torch.device, batch: int = 1) -> None:
-        self.step_fn = step_fn
-        self.device = device
-        # [B, 1]: B = 1 for the engine; batched generation (train/regenerate.py) uses more.
-        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.graphs: dict = {}  # kv_len or ("greedy", kv_len) -> (graph, output)
+def bucket_for(n: int) -> int | None:
+    """The smallest batch-size bucket holding n sequences (None past the largest)."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+class BatchGraphs:
+    """The batched engine's plain decode step (one token per sequence over the paged KV)
+    captured as one CUDA graph per batch-size bucket and replayed.
+
+    Inputs live in static buffers sized for the largest bucket; a step of n < bucket
+    sequences pads the rest with rows that write and read only `scratch_block` (a block no
+    sequence owns), so the padding never touches real K/V. The logits buffer is overwritten
+    by the next replay: sample from it first."""
+
+    def __init__(self, model, kv, block_size: int, max_blocks: int, max_len: int,
+                 scratch_block: int, device: torch.device, max_batch: int,
+                 plan_tiles: Callable | None = None) -> None:
+        self.model, self.kv, self.block_size = model, kv, block_size
+        self.max_len, self.scratch, self.device = max_len, scratch_block, device
+        self.max_batch = bucket_for(max_batch) or BUCKETS[-1]
+        B = self.max_batch
+        self.ids = torch.zeros(B, dtype=torch.long, device=device)
+        self.pos = torch.zeros(B, dtype=torch.long, device=device)
+        self.tables = torch.full((B, max_blocks), scratch_block, dtype=torch.long,
+                                 device=device)
+        self.plan_tiles = plan_tiles
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.pool = None
-        self.cache: KVCache | None = None
 
-    def reset(self) -> None:
-        """Forget all graphs (they hold the addresses of a cache that is being replaced).
-        Their memory pool goes with them: a new capture must not name a pool no graph holds."""
-        self.graphs.clear()
-        self.pool = None
-        self.cache = None
+    def run(self, ids: list[int], pos: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Logits [n, V] of one decode token per sequence (ids, positions and block tables
+        of n sequences, host lists: one host->device copy each)."""
+        n = len(ids)
+        b = bucket_for(n)
+        pad = b - n
+        from specscope.kvcache.paged import upload
 
-    def _capture(self, cache: KVCache, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        def step() -> torch.Tensor:
-            return self.step_fn(self.token, self.position, kv_len)  # [1, V]
+        self.ids[:b].copy_(upload(ids + [0] * pad, torch.long, self.device))
+        self.pos[:b].copy_(upload(pos + [0] * pad, torch.long, self.device))
+        W = self.tables.shape[1]
+        rows = [t + [self.scratch] * (W - len(t)) for t in tables] + [[self.scratch] * W] * pad
+        self.tables[:b].copy_(upload(rows, torch.long, self.device))
+        entry = self.graphs.get(b)
+        if entry is None:
+            entry = self.graphs[b] = self._capture(b)
+        entry[0].replay()
+        return entry[1][:n]
 
-        # Warm up on a side stream (lazy inits, autotuning) as capture requires. The warm-up
-        # writes this step's own K/V at this step's own slot, which the replay rewrites
-        # identically, so it leaves the cache as the eager step would.
+    def _forward(self, b: int, tiles: object) -> torch.Tensor:
+        from specscope.kvcache.paged import BatchMeta
+
+        meta = BatchMeta.causal(self.tables[:b], torch.arange(b, device=self.device),
+                                self.pos[:b], self.block_size,
+                                self.model.config.sliding_window, max_len=self.max_len)
+        meta.tiles = tiles
+        hidden, _ = self.model(self.ids[None, :b], self.pos[None, :b], self.kv, batch=meta)
+        return self.model.compute_logits(hidden[0])  # [b, V]
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+        # The tile plan is built before capture (a host->device copy cannot be captured)
+        # and kept alive with the graph that reads it.
+        tiles = self.plan_tiles([1] * b) if self.plan_tiles is not None else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            step()
+        with torch.cuda.stream(side):  # warm-up: compiles kernels; rewrites this step's K/V
+            self._forward(b, tiles)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+            out = self._forward(b, tiles)
         self.pool = graph.pool()
-        return graph, out
-
-    def run_greedy(self, cache: KVCache, token: torch.Tensor | None,
-                   position: torch.Tensor | None, kv_len: int) -> torch.Tensor:
-        """A whole greedy plain cycle in one replay: step, argmax, and feeding the token and
-        position to the next replay, all inside the graph; the host launches one replay and
-        reads [1, token]. token/position: the request's first inputs (None afterwards: the
-        graph fed itself). -> [2] int64 static buffer."""
-        if cache is not self.cache:
-            self.reset()
-            self.cache = cache
-        if token is not None:
-            self.token.copy_(token)
-            self.position.copy_(position)
-        key = ("greedy", kv_len)
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self.graphs[key] = self._capture_greedy(kv_len)
-        graph, out = entry
-        graph.replay()
-        return out
-
-    def _capture_greedy(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up the step alone (writes this step's K/V at its own slot, as the replay will);
-        # the token/position updates are only captured, never run twice.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.step_fn(self.token, self.position, kv_len).argmax(-1)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            tok = self.step_fn(self.token, self.position, kv_len).argmax(-1)  # [1]
-            out = torch.cat([torch.ones_like(tok), tok])  # [2]: count, token
-            self.token.copy_(tok.view(1, 1))
-            self.position.add_(1)
-        self.pool = graph.pool()
-        return graph, out
-
-    def run(self, cache: KVCache, token: torch.Tensor, position: torch.Tensor,
-            kv_len: int) -> torch.Tensor:
-        """Replay the step for this KV window (capturing it first if new). -> logits [1, V]."""
-        if cache is not self.cache:
-            self.reset()
-            self.cache = cache
-        self.token.copy_(token)
-        self.position.copy_(position)
-        entry = self.graphs.get(kv_len)
-        if entry is None:
-            entry = self.graphs[kv_len] = self._capture(cache, kv_len)
-        graph, out = entry
-        graph.replay()
-        return out
+        return graph, out, tiles

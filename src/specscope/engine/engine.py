@@ -30,24 +30,36 @@ import torch
 from specscope.config import SamplingParams, SpecConfig
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
-from specscope.engine.sequence import Sequence, SpecState
+from specscope.engine.sequence import Sequence, SequenceStatus, SpecState
 from specscope.kvcache.block_pool import BlockPool
-from specscope.kvcache.paged import BatchMeta, PagedKV, accepted_path_slots, tree_meta
+from specscope.kvcache.paged import (
+    BatchMeta,
+    PagedKV,
+    accepted_path_slots,
+    tree_meta,
+    upload,
+)
+from specscope.profiler import Phase, Profiler
 from specscope.sampling import make_generator, processed_logits, sample
-from specscope.spec.drafter import draft_chain_batch, draft_tree_batch
+from specscope.spec.drafter import draft_chain, draft_tree
 from specscope.spec.simulate import simulated_verdict
 from specscope.spec.tree import DraftTree
 from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch, verify_sampling
 
 
 @dataclass
-class EngineConfig:
+class BatchConfig:
+    """The batched engine's sizes: its KV pools (num_blocks of block_size tokens, in each
+    model's pool) and the scheduler's budgets."""
+
     num_blocks: int
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # replay plain decode steps as graphs per batch-size bucket
+    compile: bool = False  # torch.compile the target's forward
 
 
 @dataclass
@@ -59,6 +71,17 @@ class StepOutput:
     new_tokens: list[int]
     finished: bool
     accepted: int | None = None
+
+
+@dataclass
+class StepStats:
+    """What one step carried (the profiler records it per step)."""
+
+    num_seqs: int = 0
+    num_speculating: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    verify_tokens: int = 0
 
 
 @dataclass
@@ -99,7 +122,7 @@ def _fast_attention():
 class Engine:
     """A target model (and optionally an EAGLE-3 draft) served in batches over paged KV."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig,
+    def __init__(self, model: torch.nn.Module, config: BatchConfig,
                  eos_token_ids: frozenset[int] = frozenset(), draft: Eagle3Draft | None = None,
                  spec: SpecConfig | None = None) -> None:
         if (draft is None) != (spec is None):
@@ -111,7 +134,8 @@ class Engine:
         self.eos = eos_token_ids
         bs, nb = config.block_size, config.num_blocks
         self.pool = BlockPool(nb, bs, config.enable_prefix_caching)
-        self.kv = PagedKV(mc.num_layers, nb, bs, mc.num_kv_heads, mc.head_dim, dtype, dev)
+        # One block past the pool's: the scratch block CUDA-graph padding rows write into.
+        self.kv = PagedKV(mc.num_layers, nb + 1, bs, mc.num_kv_heads, mc.head_dim, dtype, dev)
         pools = [Pool(self.pool)]
         self.draft, self.spec = draft, spec
         self.draft_pool: BlockPool | None = None
@@ -132,6 +156,20 @@ class Engine:
                                    max_model_len=config.max_model_len,
                                    spec_tokens=spec.num_draft_tokens if spec else 0)
         model.ensure_rope(config.max_model_len)
+        self.timer: Profiler | None = None
+        self.last_stats = StepStats()
+        # The target's forward, compiled with dynamic shapes (the batch is ragged) or eager.
+        self._target = torch.compile(model, dynamic=True) if config.compile else model
+        self.graphs = None
+        if dev.type == "cuda" and config.cuda_graphs and draft is None:
+            from specscope.engine.cuda_graph import BatchGraphs
+
+            fast = _fast_attention()
+            plan = None if fast is None else (lambda lens: fast.build_tiles(
+                lens, mc.num_heads, mc.num_kv_heads, dev))
+            self.graphs = BatchGraphs(self._target, self.kv, bs, -(-config.max_model_len // bs),
+                                      config.max_model_len, nb, dev, config.max_num_seqs,
+                                      plan)
 
     @property
     def _draft_slots(self) -> int:
@@ -161,21 +199,61 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def drain(self) -> list[Sequence]:
+        """Take every unfinished sequence out, its blocks released and its KV to be
+        recomputed (as after a preemption), in arrival order: to carry them into a new
+        engine (a new speculative configuration)."""
+        sch = self.scheduler
+        seqs = sorted(sch.running + list(sch.waiting), key=lambda s: s.arrival)
+        for seq in seqs:
+            sch.finish(seq, "drained")
+            seq.status, seq.finish_reason = SequenceStatus.WAITING, None
+            seq.num_computed = seq.draft_computed = seq.num_cached = 0
+            if seq.spec is not None:
+                seq.spec.taps = None
+        return seqs
+
+    @staticmethod
+    def _stats(items: list[Scheduled]) -> StepStats:
+        st = StepStats(num_seqs=len(items))
+        for it in items:
+            if it.speculative:
+                st.num_speculating += 1
+                st.verify_tokens += it.num_tokens
+            elif it.seq.num_uncomputed == 1:
+                st.decode_tokens += 1
+            else:
+                st.prefill_tokens += it.num_tokens
+        return st
+
+    def _mark(self, phase: Phase, step: int | None = None) -> None:
+        if self.timer is not None:
+            self.timer.mark(phase, step)
+
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
+        self.last_stats = StepStats()
         if plan.empty:
             return []
         items = plan.scheduled
         spec_idx = [i for i, it in enumerate(items) if it.speculative]
+        self.last_stats = self._stats(items)
         tree = None
         if self.draft is not None:
+            self._mark(Phase.DRAFT_EXTEND)
             heads = self._extend(items, spec_idx)
             if spec_idx:
                 tree = self._draft_trees([items[i].seq for i in spec_idx], *heads)
+        if self._graphable(items):
+            return self._graph_decode(plan)
         batch = self._target_batch(items, spec_idx, tree)
-        hidden, taps = self.model(batch.ids[None], batch.rope[None], self.kv, batch=batch.meta,
-                                  return_taps=self.draft is not None)
+        prefill = any(it.num_tokens > 1 and not it.speculative for it in items)
+        self._mark(Phase.VERIFY if spec_idx else Phase.PREFILL if prefill else Phase.DECODE)
+        hidden, taps = self._target(batch.ids[None], batch.rope[None], self.kv,
+                                    batch=batch.meta, return_taps=self.draft is not None)
+        if spec_idx:
+            self._mark(Phase.ACCEPT)
         logits = self.model.compute_logits(hidden[0, batch.last_rows])
         sampled = self._sample(logits, [items[i].seq for i in batch.sampling])
         verdicts = None
@@ -183,7 +261,25 @@ class Engine:
             verdicts = self._verify(items, spec_idx, tree, hidden[0, batch.tree_base:],
                                     taps[0, batch.tree_base:])
         counts, emitted = self._read(sampled, verdicts)
+        if self.timer is not None:
+            self.timer.stop()
         return self._update(plan, batch, spec_idx, counts, emitted, taps, verdicts)
+
+    def _graphable(self, items: list[Scheduled]) -> bool:
+        """A step of plain decode tokens only, within the captured buckets."""
+        return (self.graphs is not None and len(items) <= self.graphs.max_batch and
+                all(it.num_tokens == 1 == it.seq.num_uncomputed for it in items))
+
+    def _graph_decode(self, plan: StepPlan) -> list[StepOutput]:
+        items = plan.scheduled
+        seqs = [it.seq for it in items]
+        self._mark(Phase.DECODE)
+        logits = self.graphs.run([s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
+                                 [s.block_tables[0] for s in seqs])
+        tokens, _ = self._read(self._sample(logits, seqs), None)
+        if self.timer is not None:
+            self.timer.stop()
+        return [self._advance(s, [t], 1, None) for s, t in zip(seqs, tokens, strict=True)]
 
     # -- 1. draft extend ----------------------------------------------------------------------
 
@@ -207,11 +303,11 @@ class Engine:
             taps.append(seq.spec.taps)
             last[seq.seq_id] = len(pos) - 1
         dev = self.device
-        pos_t = torch.tensor(pos, device=dev)
-        meta = BatchMeta.causal(self._tables(work, 1), torch.tensor(rows, device=dev), pos_t,
+        pos_t = upload(pos, torch.long, dev)
+        meta = BatchMeta.causal(self._tables(work, 1), upload(rows, torch.long, dev), pos_t,
                                 self.config.block_size, max_len=max(pos) + 1)
         meta = self._planned(meta, [s.spec.taps.shape[0] for s in work], self.draft.config)
-        h, normed = self.draft(torch.tensor(ids, device=dev)[None],
+        h, normed = self.draft(upload(ids, torch.long, dev)[None],
                                self.draft.project(torch.cat(taps)[None]), pos_t[None],
                                self.draft_kv, batch=meta)
         for seq in work:
@@ -220,7 +316,7 @@ class Engine:
             self.scheduler.computed(seq, 0, P)
         if not spec_idx:
             return ()
-        sel = torch.tensor([last[items[i].seq.seq_id] for i in spec_idx], device=dev)
+        sel = upload([last[items[i].seq.seq_id] for i in spec_idx], torch.long, dev)
         return h[0, sel], self.draft.compute_logits(normed[0, sel])
 
     # -- 2. draft steps -----------------------------------------------------------------------
@@ -232,8 +328,8 @@ class Engine:
         spec, dev, bs = self.spec, self.device, self.config.block_size
         S = len(seqs)
         n_host = [s.num_computed for s in seqs]  # each root's position
-        n = torch.tensor(n_host, device=dev)
-        root = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
+        n = upload(n_host, torch.long, dev)
+        root = upload([s.token_ids[-1] for s in seqs], torch.long, dev)
         tables = self._tables(seqs, 1)
         rows = torch.arange(S, device=dev)
         reach = max(n_host) + self._draft_slots
@@ -253,10 +349,10 @@ class Engine:
 
         params = [s.params for s in seqs]
         if spec.topk == 1:
-            return draft_chain_batch(step, self.draft, h0, logits0, root, n, spec.num_steps,
-                                     params, [s.generator for s in seqs])
-        return draft_tree_batch(step, self.draft, h0, logits0, root, n, spec.num_steps,
-                                spec.topk, spec.num_draft_tokens, params)
+            return draft_chain(step, self.draft, h0, logits0, root, n, spec.num_steps,
+                                     params, [s.generator for s in seqs], self.timer)
+        return draft_tree(step, self.draft, h0, logits0, root, n, spec.num_steps,
+                                spec.topk, spec.num_draft_tokens, params, self.timer)
 
     # -- 3. the target forward ----------------------------------------------------------------
 
@@ -279,17 +375,17 @@ class Engine:
                 sampling.append(i)
         tables = self._tables([it.seq for it in items], 0)
         metas, base = [], len(ids)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        rope = torch.tensor(pos, dtype=torch.long, device=dev)
+        ids_t = upload(ids, torch.long, dev)
+        rope = upload(pos, torch.long, dev)
         if pieces:
-            metas.append(BatchMeta.causal(tables, torch.tensor(rows, device=dev), rope, bs,
+            metas.append(BatchMeta.causal(tables, upload(rows, torch.long, dev), rope, bs,
                                           window, max_len=max(pos) + 1))
         if spec_idx:
             n_host = [items[i].seq.num_computed for i in spec_idx]
-            n = torch.tensor(n_host, device=dev)
+            n = upload(n_host, torch.long, dev)
             tree_rope = n[:, None] + tree.depth  # [S, N]
             metas.append(tree_meta(tables, n, tree.ancestor_mask(self.spec.num_steps), bs,
-                                   rows=torch.tensor(spec_idx, device=dev), rope=tree_rope,
+                                   rows=upload(spec_idx, torch.long, dev), rope=tree_rope,
                                    sliding_window=window, max_len=max(n_host) + tree.size))
             ids_t = torch.cat([ids_t, tree.tokens.reshape(-1)])
             rope = torch.cat([rope, tree_rope.reshape(-1)])
@@ -325,9 +421,10 @@ class Engine:
         S, N, k = len(seqs), tree.size, self.spec.num_steps
         logits = self.model.compute_logits(hidden).view(S, N, -1)
         path, a, bonus = self._accept(seqs, tree, logits)
+        self._mark(Phase.KV_COMMIT)
         if not tree.chain:  # a chain's accepted nodes already sit where they belong
             tables = self._tables(seqs, 0)
-            n = torch.tensor([s.num_computed for s in seqs], device=self.device)
+            n = upload([s.num_computed for s in seqs], torch.long, self.device)
             self.kv.commit(*accepted_path_slots(tables, n, path, self.config.block_size))
         node = path.clamp_min(0)[..., None].expand(S, k + 1, taps.shape[-1])
         path_taps = taps.view(S, N, -1).gather(1, node)
@@ -439,4 +536,4 @@ class Engine:
         """Block tables [len(seqs), widest] int64 of one pool (0: target, 1: draft)."""
         width = max(len(s.block_tables[pool]) for s in seqs)
         rows = [s.block_tables[pool] + [0] * (width - len(s.block_tables[pool])) for s in seqs]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return upload(rows, torch.long, self.device)

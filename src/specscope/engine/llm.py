@@ -1,17 +1,21 @@
 """`specscope.LLM`: load a model once, generate from prompts or chat messages.
 
-The decode loop is written once (`_run`): prefill, then cycles that each emit tokens, with
-the cycle's single device->host read in `_read_tokens`. Plain decoding is the cycle with no
-draft; speculative decoding plugs a different cycle into the same loop.
+Every generation runs on the one batched engine loop (engine/engine.py): `generate` runs its
+prompts as one batch, `stream` one request, and the server feeds many through
+`add_request` / `step` / `abort_request` (vLLM's LLMEngine names). A request's text, stop
+strings and timings live in its `Request`; its tokens, KV blocks and speculative state in
+its `Sequence`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,15 +24,18 @@ from typing import Any
 import torch
 
 from specscope.config import (
+    MAX_NUM_DRAFT_TOKENS,
     EngineConfig,
     ModelConfig,
     SamplingParams,
     SpecConfig,
     normalize_dtype,
 )
+from specscope.draft.eagle3 import Eagle3Draft
+from specscope.engine.engine import BatchConfig, Engine, StepOutput
 from specscope.engine.request import Request, RequestOutput
-from specscope.engine.runner import ModelRunner, PlainDecoder
-from specscope.engine.speculative import SpecDecoder, SpecStats
+from specscope.engine.sequence import Sequence
+from specscope.engine.speculative import SpecStats, load_spec_draft
 from specscope.engine.tokenizer import (
     IdTokenizer,
     Messages,
@@ -36,14 +43,24 @@ from specscope.engine.tokenizer import (
     check_unicode,
     validate_messages,
 )
+from specscope.kvcache.budget import KVLayout, activation_bytes, kv_budget
 from specscope.models.llama import CausalLM
 from specscope.models.loader import load_model
+from specscope.models.packed import pack_linears
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import make_generator
 
 log = logging.getLogger("specscope.llm")
 
 Prompt = str | Messages
+
+
+@dataclass
+class _Active:
+    """A request in flight: its engine sequence and its text state."""
+
+    seq: Sequence
+    req: Request
 
 
 @dataclass
@@ -97,25 +114,26 @@ class LLM:
     model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
     (SmolLM2-135M-Instruct). dtype: auto | fp32 | bf16 | fp16. device: auto | cpu | cuda.
     quantization: none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on CPU).
-    cuda_graphs: replay the decode step as CUDA graphs (CUDA only; False = eager).
-    kv_block: KV windows are multiples of this many slots (fewer distinct shapes/graphs).
+    cuda_graphs: replay plain decode steps as CUDA graphs per batch-size bucket (CUDA only).
+    max_num_batched_tokens / max_num_seqs: a step's token and sequence budgets (longer
+    prompts are prefilled in chunks). block_size: tokens per KV block.
+    gpu_memory_utilization / kv_cache_memory: the KV pools' budget (kvcache/budget.py).
+    enable_prefix_caching: reuse the KV blocks of a shared prompt prefix.
     spec: speculative decoding with an EAGLE-3 draft (SpecConfig); None = plain decoding.
-    profile: time every phase of every cycle (None: on when SPECSCOPE_PROFILE=1);
-    profile_interval: log a summary every N cycles (default 100 when profiling).
-    compile: torch.compile the decode step (slow first request, faster decoding after).
+    profile: time every phase of every step (None: on when SPECSCOPE_PROFILE=1);
+    profile_interval: log a summary every N steps (default 100 when profiling).
+    compile: torch.compile the target's forward (slow first steps, faster after).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, prefill_chunk_size: int = 512,
-                 cache_dir: str | None = None, quantization: str = "none",
-                 cuda_graphs: bool = True, kv_block: int = 256,
-                 compile: bool = False, spec: SpecConfig | None = None,
-                 profile: bool | None = None, profile_interval: int | None = None) -> None:
+                 max_model_len: int | None = None, cache_dir: str | None = None,
+                 quantization: str = "none", cuda_graphs: bool = True, compile: bool = False,
+                 spec: SpecConfig | None = None, profile: bool | None = None,
+                 profile_interval: int | None = None, **batching: Any) -> None:
         self.engine_config = EngineConfig(dtype=dtype, device=device,
-                                          max_model_len=max_model_len,
-                                          prefill_chunk_size=prefill_chunk_size,
-                                          cache_dir=cache_dir, cuda_graphs=cuda_graphs,
-                                          kv_block=kv_block, compile=compile)
+                                          max_model_len=max_model_len, cache_dir=cache_dir,
+                                          cuda_graphs=cuda_graphs, compile=compile,
+                                          **batching)
         self.device = resolve_device(self.engine_config.device)
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
         if quantization == "int4-gguf" and self.engine_config.dtype == "auto":
@@ -153,46 +171,95 @@ class LLM:
         self.model_path = path
         self.model_name = name
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, config, self.engine_config, self.device, self.dtype)
+        self.model = model
+        ctx = config.max_position_embeddings
+        if self.engine_config.max_model_len is not None:
+            ctx = min(ctx, self.engine_config.max_model_len)
+        self.max_model_len = ctx
+        if not self.engine_config.compile:
+            # CPU bf16: every linear on oneDNN-packed weights (models/packed.py), bit-identical
+            # to F.linear and faster; costs a second copy of the linear weights, so at most a
+            # quarter of the free memory. Not under torch.compile, which traces F.linear. A
+            # no-op off the CPU or bf16.
+            n = pack_linears(model, memory_fraction=0.25)
+            if n:
+                log.info("%d linears run on oneDNN-packed bf16 weights", n)
         self._ids = itertools.count()
-        # One request runs at a time on this engine; callers on other threads queue here.
+        # generate/stream run one caller at a time (the server drives add_request/step from
+        # its own engine thread instead); callers on other threads queue here.
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id holding _lock
+        self._active: dict[str, _Active] = {}
+        # Deltas a generate/stream call stepped out for other callers' requests (a server
+        # calibration running between steps): the next step() hands them over.
+        self._undelivered: list[StreamDelta] = []
         self.spec: SpecConfig | None = None
         self.draft_info: str | None = None
         self._draft: tuple[tuple, Any] | None = None  # ((draft, layer ids), loaded draft)
+        self.draft: Eagle3Draft | None = None
         self.timer: Profiler | None = None
-        self.decoder: PlainDecoder | SpecDecoder = PlainDecoder(self.runner)
+        self.engine: Engine | None = None
         self.set_spec(spec)
 
     def set_spec(self, spec: SpecConfig | None) -> None:
         """Switch speculative decoding on (with this configuration) or off, keeping the
-        target weights loaded. A draft is loaded again only if its path or taps changed."""
+        target weights loaded. A draft is loaded again only if its path or taps changed.
+        Requests in flight carry over: their KV is recomputed in the new engine."""
         with self._lock:
-            if spec is None:
-                self.decoder = PlainDecoder(self.runner)
-            else:
-                from specscope.engine.speculative import load_spec_draft
-
+            draft = None
+            if spec is not None:
                 # The last draft stays loaded while speculation is off, so switching back
                 # (or a tuner alternating plain and speculative runs) never reloads it.
                 key = (spec.draft, spec.draft_layer_ids)
                 if self._draft is not None and self._draft[0] == key:
                     draft = self._draft[1]
                 else:
-                    draft, self.draft_info = load_spec_draft(spec, self.runner.model,
-                                                             self.dtype, self.device)
+                    draft, self.draft_info = load_spec_draft(spec, self.model, self.dtype,
+                                                             self.device)
+                    pack_linears(draft)
                     self._draft = (key, draft)
-                self.decoder = SpecDecoder(self.runner, draft, spec)
-            self.spec = spec
-            self.decoder.timer = self.timer
+            carried = self.engine.drain() if self.engine is not None else []
+            self.engine = None  # the old pools go before the new ones are allocated
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.engine = self._build_engine(draft, spec)
+            for seq in carried:
+                self.engine.add(seq)
+            self.spec, self.draft = spec, draft
+            self.engine.timer = self.timer
             self._label_config()
+
+    def _build_engine(self, draft: Eagle3Draft | None, spec: SpecConfig | None) -> Engine:
+        ec, mc = self.engine_config, self.model_config
+        layouts = [KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)]
+        if draft is not None:
+            dc = draft.config
+            layouts.append(KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype))
+        lookahead = MAX_NUM_DRAFT_TOKENS if spec is not None else 1
+        budget = kv_budget(layouts, ec.block_size, self.device,
+                           gpu_memory_utilization=ec.gpu_memory_utilization,
+                           kv_cache_memory=ec.kv_cache_memory,
+                           activation_bytes=activation_bytes(mc, ec, self.dtype),
+                           max_tokens=ec.max_num_seqs * (self.max_model_len + lookahead))
+        log.info("%s", budget.describe(self.max_model_len))
+        self.kv_budget = budget
+        cfg = BatchConfig(num_blocks=budget.num_blocks, block_size=ec.block_size,
+                          max_num_batched_tokens=ec.max_num_batched_tokens,
+                          max_num_seqs=ec.max_num_seqs, max_model_len=self.max_model_len,
+                          enable_prefix_caching=ec.enable_prefix_caching,
+                          cuda_graphs=ec.cuda_graphs, compile=ec.compile)
+        return Engine(self.model, cfg, frozenset(self.tokenizer.eos_token_ids), draft, spec)
+
+    def reset_simulation(self) -> None:
+        """Restart the simulated-acceptance random stream (the same accept decisions on
+        the same workload, e.g. profiling on vs off)."""
+        self.engine.reset_simulation()
 
     def enable_profiling(self, on: bool = True, interval: int | None = 100) -> Profiler | None:
         """Time every phase of every cycle (profiler/); log a summary every `interval`
         cycles (None: never). Off (the default) adds no work at all. Returns the profiler."""
         self.timer = Profiler(self.device, interval=interval) if on else None
-        self.decoder.timer = self.timer
+        self.engine.timer = self.timer
         self._label_config()
         return self.timer
 
@@ -213,10 +280,6 @@ class LLM:
             raise RuntimeError("profiling is off: LLM(..., profile=True), "
                                "llm.enable_profiling() or SPECSCOPE_PROFILE=1")
         return self.timer.summary()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -267,7 +330,8 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | None = None, *,
                  chat: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or a list of {'role', 'content'} messages).
+        """Generate for each prompt (a string, or a list of {'role', 'content'} messages), all
+        prompts in one batch.
 
         With chat=True, string prompts are sent as a single user message through the chat
         template. Returns one RequestOutput per prompt, in order.
@@ -277,14 +341,22 @@ class LLM:
         encoded = [self.encode_prompt(p, chat) for p in batch]  # all errors before any work
         for ids in encoded:
             self._check_length(len(ids), params)
-        outputs = []
-        for ids in encoded:
-            final = None
-            for delta in self._run(ids, params):
-                final = delta.output
-            assert final is not None
-            outputs.append(final)
-        return outputs
+        with self._exclusive():
+            rids = [self.add_request(ids, params) for ids in encoded]
+            done: dict[str, RequestOutput] = {}
+            try:
+                mine = set(rids)
+                while len(done) < len(rids):
+                    for d in self.step():
+                        if d.request_id not in mine:
+                            self._undelivered.append(d)  # another caller's (the server's)
+                        elif d.finished:
+                            done[d.request_id] = d.output
+            finally:
+                for rid in rids:
+                    if rid not in done:
+                        self.abort_request(rid)
+        return [done[r] for r in rids]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                chat: bool = False, prompt_ids: list[int] | None = None) -> Iterator[StreamDelta]:
@@ -296,7 +368,37 @@ class LLM:
         else:
             ids = self.encode_prompt(prompt, chat)
         self._check_length(len(ids), params)
-        yield from self._run(ids, params)
+        yield from self._stream(ids, params)
+
+    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
+        with self._exclusive():
+            rid = self.add_request(ids, params)
+            try:
+                while True:
+                    for d in self.step():
+                        if d.request_id != rid:
+                            self._undelivered.append(d)
+                            continue
+                        yield d
+                        if d.finished:
+                            return
+            finally:
+                if rid in self._active:
+                    self.abort_request(rid)  # closed early: free its blocks now
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        if self._owner == threading.get_ident():
+            # The lock is held by a suspended stream of this very thread: waiting would
+            # deadlock, so say what to do instead.
+            raise RuntimeError("a stream on this engine is still open in this thread; "
+                               "finish or close() it before starting another request")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     def _check_ids(self, ids: list[int]) -> None:
         V = self.model_config.vocab_size
@@ -306,62 +408,79 @@ class LLM:
         if bad:
             raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {V}): {bad[:8]}")
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamDelta]:
-        if self._owner == threading.get_ident():
-            # The lock is held by a suspended stream of this very thread: waiting would
-            # deadlock, so say what to do instead.
-            raise RuntimeError("a stream on this engine is still open in this thread; "
-                               "finish or close() it before starting another request")
-        with self._lock:
-            self._owner = threading.get_ident()
-            try:
-                yield from self._cycle_loop(prompt_ids, params)
-            finally:
-                self._owner = None
+    # -- the request-level API (the server's) ------------------------------------------------
 
-    def _cycle_loop(self, prompt_ids: list[int],
-                    params: SamplingParams) -> Iterator[StreamDelta]:
-        """The one decode loop: prefill, then cycles until the request finishes.
-
-        A cycle returns [count, tokens...] on the device; plain decoding emits one token per
-        cycle, speculative decoding 1 .. num_steps + 1.
-        """
-        req = Request(f"req-{next(self._ids)}", prompt_ids, params, self.tokenizer)
-        dec = self.decoder
-        dec.ensure_caches(len(prompt_ids) + params.max_tokens)
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request for the next steps; returns its id. Checked like `stream`."""
+        self._check_length(len(prompt_ids), params)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._active:
+            raise ValueError(f"request id {rid!r} is already running")
         gen = None if params.greedy else make_generator(params.seed, self.device)
-        stats = SpecStats(self.spec.num_steps, self.spec.simulated) if self.spec else None
-        prof = self.timer
-        cycling, accepted = False, None  # the prefill's token is not a cycle's
-        emitted = self._read_tokens(dec.prefill(prompt_ids, params, gen))
-        while True:
-            if prof and cycling:
-                prof.mark(Phase.DETOKENIZE)
-            text = req.append(emitted)
-            if prof and cycling:
-                prof.end_cycle(len(emitted), accepted)
-            if req.finished:
-                out = req.output()
-                out.spec = stats.as_dict() if stats else None
-                yield StreamDelta(req.request_id, text, emitted, True, out)
-                return
-            yield StreamDelta(req.request_id, text, emitted, False)
-            if prof:
-                prof.begin_cycle()
-            result = self._read_tokens(dec.cycle(params, gen))
-            count = result[0]
-            dec.advance(count)
-            emitted = result[1:1 + count]
-            cycling = True
-            accepted = count - 1 if dec.last_was_speculative else None
-            if stats is not None and dec.last_was_speculative:
-                stats.cycles += 1
-                stats.accepted.append(count - 1)
+        seq = Sequence(rid, list(prompt_ids), params, gen, arrival=time.perf_counter())
+        self.engine.add(seq)
+        self._active[rid] = _Active(seq, Request(rid, list(prompt_ids), params, self.tokenizer))
+        return rid
 
-    @staticmethod
-    def _read_tokens(tokens: torch.Tensor) -> list[int]:
-        """The cycle's one device->host read: the emitted token ids."""
-        return tokens.tolist()
+    def abort_request(self, request_id: str) -> None:
+        """End a request now (client gone, cancelled): its KV blocks are freed."""
+        act = self._active.pop(request_id, None)
+        if act is not None:
+            self.engine.cancel(act.seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._active)
+
+    @property
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) sequences."""
+        sch = self.engine.scheduler
+        return len(sch.running), len(sch.waiting)
+
+    def step(self) -> list[StreamDelta]:
+        """One engine step for every scheduled request: the deltas of those that produced
+        text or finished (and any that an inner generate/stream stepped out for them).
+        Callers that drive requests themselves (the server) run on one thread."""
+        ready, self._undelivered = self._undelivered, []
+        prof = self.timer
+        if prof:
+            prof.begin_cycle()
+        outs = self.engine.step()
+        if prof:
+            prof.mark(Phase.DETOKENIZE)
+        deltas = ready + [d for o in outs if (d := self._delta(o)) is not None]
+        if prof:
+            st = self.engine.last_stats
+            if st.decode_tokens == 0 and st.verify_tokens == 0:
+                prof.end_as_request_phase()  # a prefill-only step is not a decode cycle
+            else:
+                tokens = sum(len(o.new_tokens) for o in outs)
+                spec = [o.accepted for o in outs if o.accepted is not None]
+                prof.end_cycle(tokens, spec[0] if len(spec) == 1 else None)
+        return deltas
+
+    def _delta(self, o: StepOutput) -> StreamDelta | None:
+        act = self._active.get(o.seq.seq_id)
+        if act is None or (not o.new_tokens and not o.finished):
+            return None
+        req = act.req
+        text = req.append(o.new_tokens) if o.new_tokens else ""
+        if o.finished and not req.finished:  # ended by the engine (context full)
+            text += req.end(o.seq.finish_reason or "length")
+        if not req.finished:
+            return StreamDelta(req.request_id, text, o.new_tokens, False)
+        if not o.finished:
+            self.engine.cancel(o.seq, req.finish_reason)  # a stop string ended it
+        del self._active[req.request_id]
+        out = req.output()
+        st = o.seq.spec
+        if self.spec is not None:
+            stats = SpecStats(self.spec.num_steps, self.spec.simulated)
+            stats.accepted = list(st.accepted) if st else []
+            stats.cycles = len(stats.accepted)
+            out.spec = stats.as_dict()
+        return StreamDelta(req.request_id, text, o.new_tokens, True, out)
 
     def __repr__(self) -> str:
         c = self.model_config

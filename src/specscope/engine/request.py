@@ -126,6 +126,15 @@ class Request:
         self._emitted = max(self._emitted, limit)
         return delta
 
+    def end(self, reason: str) -> str:
+        """The engine ended the sequence for a reason the request does not check itself
+        (the context is full, the server cancelled it): flush the text, set the reason."""
+        if self.finished:
+            return ""
+        self.finish_reason = reason
+        self._text += self._detok.flush()
+        return self._release()
+
     @property
     def text(self) -> str:
         return self._text

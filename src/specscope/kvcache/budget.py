@@ -12,6 +12,7 @@ as vLLM sizes its cache. The target's and the draft's pools hold the same number
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,10 +64,12 @@ def bytes_per_block(layouts: list[KVLayout], block_size: int) -> int:
 
 def kv_budget(layouts: list[KVLayout], block_size: int, device: torch.device, *,
               gpu_memory_utilization: float | None = None,
-              kv_cache_memory: int | None = None, activation_bytes: int = 0) -> KVBudget:
+              kv_cache_memory: int | None = None, activation_bytes: int = 0,
+              max_tokens: int | None = None) -> KVBudget:
     """The blocks a budget holds. kv_cache_memory (bytes) wins when given; otherwise on CUDA
     the utilization fraction (default 0.9) of the device's memory minus what torch holds
-    now (the weights) and the activations; on the CPU DEFAULT_CPU_KV_BYTES."""
+    now (the weights) and the activations; on the CPU DEFAULT_CPU_KV_BYTES, or less when
+    max_tokens (every sequence at full context) needs less."""
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got "
                          f"{gpu_memory_utilization}")
@@ -87,6 +90,10 @@ def kv_budget(layouts: list[KVLayout], block_size: int, device: torch.device, *,
             budget, source = free - activation_bytes, source + f", capped by {free / GiB:.1f} free"
     else:
         budget, source = DEFAULT_CPU_KV_BYTES, "the CPU default; set --kv-cache-memory"
+        if max_tokens is not None:
+            need = -(-max_tokens // block_size) * per_block
+            if need < budget:
+                budget, source = need, "every sequence at full context (CPU default)"
     n = budget // per_block
     if n < 1:
         raise ValueError(f"the KV budget ({max(budget, 0) / GiB:.3f} GiB: {source}) holds no "
@@ -111,3 +118,16 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ValueError(f"a KV budget must be positive, got {text!r}")
     return int(value)
+
+
+def activation_bytes(model: Any, engine: Any, dtype: torch.dtype) -> int:
+    """A bound on one step's activation memory on top of the weights and the KV pools (what
+    the pools must leave free): a step of max_num_batched_tokens tokens holds a few
+    hidden-sized and two intermediate-sized buffers per token, the sampled rows' fp32 logits
+    and probabilities, and the allocator's slack. model: a ModelConfig; engine: an
+    EngineConfig."""
+    el = torch.empty((), dtype=dtype).element_size()
+    tokens, seqs = engine.max_num_batched_tokens, engine.max_num_seqs
+    per_token = el * (8 * model.hidden_size + 3 * model.intermediate_size)
+    logits = 4 * 3 * model.vocab_size * max(seqs, 64)  # logits, probs, a race buffer
+    return tokens * per_token + logits + 512 * (1 << 20)

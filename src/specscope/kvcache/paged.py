@@ -36,6 +36,16 @@ def blocks_for_budget(budget_bytes: int, block_size: int, num_layers: int, num_k
     return int(n)
 
 
+def upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or list of equal-length lists) on the device. On CUDA through pinned
+    memory and an asynchronous copy: a plain torch.tensor(..., device=cuda) from pageable
+    memory synchronises the stream, and a step builds several of these per forward."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
                  block_size: int) -> torch.Tensor:
     """Slots [N] of N tokens: token i is at `positions[i]` of sequence `seq_index[i]`, whose
@@ -223,9 +233,16 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     vf.index_copy_(0, meta.slots, v[0].transpose(0, 1).to(vf.dtype))
     fast = _fast_backend() if q.is_cuda else None
     if fast is not None:
-        return fast(q[0].transpose(0, 1), k_cache, v_cache, meta, scale,
-                    tiles=meta.tiles)[None]
+        return _fast_attend(fast, q, k_cache, v_cache, meta, scale)
     return attention_reference(q[0].transpose(0, 1), k_cache, v_cache, meta, scale)[None]
+
+
+@torch.compiler.disable
+def _fast_attend(fast, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: BatchMeta, scale: float) -> torch.Tensor:
+    """The Triton kernels, outside torch.compile's graph (their launch wrapper plans tiles
+    and splits on the host, which dynamo does not trace); CUDA graphs still capture them."""
+    return fast(q[0].transpose(0, 1), k_cache, v_cache, meta, scale, tiles=meta.tiles)[None]
 
 
 @cache

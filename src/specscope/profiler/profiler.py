@@ -193,6 +193,19 @@ class Profiler:
             self._since_log = 0
             log.info("%s", format_summary(self.summary(self.config)))
 
+    def end_as_request_phase(self) -> None:
+        """Close the open cycle as request-level time, not a cycle: a step that only
+        prefilled (no sequence decoded) is kept per request, like a prefill outside a
+        cycle, and breaks the tiling of the cycles around it."""
+        c = self._cycle
+        if c is None:
+            return
+        self._close(self._now())
+        self._loose.extend((c.config, name, a, b) for name, a, b in c.marks)
+        self._count[c.config] -= 1
+        self._cycle = None
+        self._last_end = None
+
     # -- resolution and summaries (syncs once) --------------------------------------------
 
     def _ms(self, a: object, b: object) -> float:

@@ -1,17 +1,18 @@
-"""The engine worker: one thread owns the engine and runs requests in FIFO order.
+"""The engine worker: one thread owns the engine and feeds its scheduler.
 
-Handlers put jobs on a queue; the worker runs them one at a time and hands each
-StreamDelta back to the handler's event loop through the job (see `_Job`), so each request
-gets exactly what the engine produced for it alone. A job's cancel flag (set when its
-client went away) is checked after every delta — one cycle — and the engine's generator
-closed.
+Handlers put tasks on a queue; between engine steps the worker runs every task queued (a
+new request joins the engine's waiting queue; an admin call runs), then steps the engine,
+which batches every running request, and hands each request's StreamDelta back to its
+handler's event loop through its job (see `_Job`). Streams interleave step by step. A
+job's cancel flag (set when its client went away) is checked after every step: the request
+is aborted and its KV blocks are free for the next step.
 
 Shutdown (`begin_shutdown(grace)`): new requests get 503; running and queued ones go on
-for `grace` seconds; then the running one is stopped at its next cycle (it gets a
-`server_shutting_down` error after what it already streamed) and queued ones get 503.
+for `grace` seconds; then each is stopped at the next step (it gets a
+`server_shutting_down` error after what it already streamed).
 
-After each finished request, still on the engine thread and before the next one starts, the
-guardrail (guardrail.py) gets its timings and may switch speculation off.
+After each finished request, still on the engine thread, the guardrail (guardrail.py) gets
+its timings and may switch speculation off.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from specscope.server.schemas import APIError
 log = logging.getLogger("specscope.server")
 
 _END = object()  # pushed after a job's last item
+_NOTHING = object()  # the task queue is empty
 
 
 def shutting_down(detail: str) -> APIError:
@@ -98,6 +100,8 @@ class EngineWorker:
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._inflight = 0  # generation jobs queued or running
+        self._running: dict[str, _Job] = {}  # request id -> its job (engine thread only)
+        self.peak_running = 0  # the most requests in the engine at once
         self._deadline: float | None = None  # monotonic; set by begin_shutdown
         self._thread = threading.Thread(target=self._loop, name="specscope-engine",
                                         daemon=True)
@@ -131,10 +135,23 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while True:
-            task = self._jobs.get()
-            if task is None:
-                return
-            task()
+            # Block for work only while the engine is idle; otherwise take what is queued
+            # and step.
+            busy = bool(self._running)
+            try:
+                task = self._jobs.get(block=not busy)
+            except queue.Empty:
+                task = _NOTHING
+            while task is not _NOTHING:
+                if task is None:
+                    return
+                task()
+                try:
+                    task = self._jobs.get_nowait()
+                except queue.Empty:
+                    task = _NOTHING
+            if self._running:
+                self._step()
 
     def submit_generation(self, prompt_ids: list[int], params: SamplingParams) -> _Job:
         """Queue a generation; raises 503 when `max_queue` requests already wait."""
@@ -142,53 +159,77 @@ class EngineWorker:
         with self._lock:
             if self._deadline is not None:
                 raise shutting_down("no new requests are taken")
-            if self._inflight > self.max_queue:  # one running + max_queue waiting
-                raise APIError(503, f"the server is busy ({self._inflight - 1} requests "
-                               f"waiting); retry later", type="server_overloaded",
+            # max_num_seqs run in the engine's batch, max_queue more may wait
+            room = self.max_queue + self.llm.engine_config.max_num_seqs
+            if self._inflight >= room:
+                raise APIError(503, f"the server is busy ({self._inflight} requests running "
+                               f"or waiting); retry later", type="server_overloaded",
                                code="queue_full", headers={"Retry-After": "1"})
             self._inflight += 1
             self.metrics.queue_depth = self._inflight
 
-        def run() -> None:
-            out = None
-            try:
-                if self._expired():
-                    job.push(shutting_down("the request was not started"))
-                elif not job.cancel.is_set():
-                    out = self._generate(job, prompt_ids, params)
-            finally:
-                with self._lock:
-                    self._inflight -= 1
-                    self.metrics.queue_depth = self._inflight
-                job.push(_END)
-            if out is not None and self.guardrail is not None:
+        def start() -> None:
+            if self._expired():
+                self._close(job, shutting_down("the request was not started"))
+            elif job.cancel.is_set():
+                self._close(job)
+            else:
                 try:
-                    self.guardrail.after_request(self.llm, out)
-                except Exception:  # the guardrail must never stop the engine thread
-                    log.exception("guardrail failed")
+                    rid = self.llm.add_request(prompt_ids, params)
+                except Exception as e:  # handed to the handler, which maps it to a response
+                    self._close(job, e)
+                    return
+                self._running[rid] = job
+                self.peak_running = max(self.peak_running, len(self._running))
 
-        self._jobs.put(run)
+        self._jobs.put(start)
         return job
 
-    def _generate(self, job: _Job, prompt_ids: list[int],
-                  params: SamplingParams) -> RequestOutput | None:
-        """Run one generation into `job`; its output when it finished, else None."""
-        gen = self.llm.stream(None, params, prompt_ids=prompt_ids)
+    def _close(self, job: _Job, last: Any = None) -> None:
+        if last is not None:
+            job.push(last)
+        job.push(_END)
+        with self._lock:
+            self._inflight -= 1
+            self.metrics.queue_depth = self._inflight
+
+    def _step(self) -> None:
+        """One engine step for every running request; deltas to their jobs; finished,
+        cancelled and (past the shutdown grace) stopped requests closed."""
         try:
-            for delta in gen:
-                job.push(delta)
-                if delta.finished:
-                    return delta.output
-                if job.cancel.is_set():
-                    break  # the client is gone: free the engine at this cycle boundary
-                if self._expired():
-                    job.push(shutting_down("the request was stopped before it finished"))
-                    break
-        except Exception as e:  # handed to the handler, which maps it to a response
-            job.push(e)
-        finally:
-            gen.close()
-        return None
+            deltas = self.llm.step()
+        except Exception as e:  # the step failed for the whole batch: end every request
+            log.exception("engine step failed")
+            for rid, job in list(self._running.items()):
+                self.llm.abort_request(rid)
+                del self._running[rid]
+                self._close(job, e)
+            return
+        for d in deltas:
+            job = self._running.get(d.request_id)
+            if job is None:
+                continue
+            if not d.finished:
+                job.push(d)
+                continue
+            del self._running[d.request_id]
+            self._close(job, d)
+            self._after(d.output)
+        expired = self._expired()
+        for rid, job in list(self._running.items()):
+            if job.cancel.is_set() or expired:
+                self.llm.abort_request(rid)  # its blocks are free for the next step
+                del self._running[rid]
+                self._close(job, shutting_down("the request was stopped before it "
+                                               "finished") if expired else None)
+
+    def _after(self, out: RequestOutput) -> None:
+        if self.guardrail is None:
+            return
+        try:
+            self.guardrail.after_request(self.llm, out)
+        except Exception:  # the guardrail must never stop the engine thread
+            log.exception("guardrail failed")
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread (between requests) and return its result."""

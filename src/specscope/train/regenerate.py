@@ -2,9 +2,8 @@
 
 A draft must learn the target's own distribution, not whoever wrote the dataset's answers,
 so every assistant turn is replaced by the target's answer to the same history (the user
-turns are kept). Generation is batched over conversations with one KV cache per batch:
-prompts are right-padded and each row writes its keys at its own positions, so pad slots
-are overwritten before any query can see them (causal by position).
+turns are kept). Generation is batched over conversations on the engine loop, over one
+paged KV pool reused for every batch.
 
 Output is JSONL in the OpenAI `messages` format, one line per finished conversation with its
 input index. It is appended in chunks, each fsynced; a run killed mid-write leaves at most a
@@ -14,6 +13,7 @@ whole chunk with the same per-chunk seeds (so a resumed file equals an uninterru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,105 +25,57 @@ from typing import Any
 import torch
 
 from specscope.config import SamplingParams
-from specscope.engine.cuda_graph import DecodeGraphs
-from specscope.kvcache import KVCache
+from specscope.engine.engine import BatchConfig, Engine
+from specscope.engine.sequence import Sequence
 from specscope.models.llama import CausalLM
-from specscope.sampling import make_generator, sample
+from specscope.sampling import make_generator
 from specscope.train.data import Messages
 
 log = logging.getLogger("specscope.train")
 
 
-class _Rows:
-    """Rows [r0, r1) of a KVCache as a cache of their own (views: writes land in place)."""
-
-    def __init__(self, cache: KVCache, r0: int, r1: int) -> None:
-        self.k = [t[r0:r1] for t in cache.k]
-        self.v = [t[r0:r1] for t in cache.v]
-        self.capacity = cache.capacity
-        self.batch = r1 - r0
-
-
 class BatchGenerator:
-    """Batched generation over one reused KV cache [batch, capacity].
+    """Batched generation on the engine loop (engine/engine.py), over one reused paged KV pool
+    sized for `batch` sequences of `capacity` tokens: up to `batch` prompts per call, each
+    continued until an EOS id or max_new_tokens. Prompts sharing a prefix (a system prompt)
+    prefill it once, through the prefix cache."""
 
-    Prompts are right-padded; row b writes its keys at its own positions, so a query at
-    position p only ever sees slots <= p, all written by this batch (pads and stale slots
-    beyond p are masked by position). That makes any KV window >= the longest row valid, so
-    decode steps run over windows rounded up to `window` slots: static shapes, which on CUDA
-    are captured once per window as CUDA graphs and replayed for every batch (a batched
-    decode step is hundreds of small kernels; launching them from Python dominated).
-    Prefill runs in groups of `prefill_rows` rows to bound its attention memory.
-    """
-
-    def __init__(self, model: CausalLM, batch: int, capacity: int, *, window: int = 128,
-                 graphs: bool | None = None, prefill_rows: int = 64) -> None:
-        cfg = model.config
-        w = model.model.embed_tokens.weight
-        self.model, self.batch, self.capacity = model, batch, capacity
-        self.window, self.prefill_rows = window, prefill_rows
-        self.device = w.device
-        model.ensure_rope(capacity)
-        self.cache = KVCache(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim,
-                             w.dtype, w.device)
-        use_graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.graphs = DecodeGraphs(self._step, self.device, batch=batch) if use_graphs \
-            else None
-
-    def _step(self, token: torch.Tensor, position: torch.Tensor, kv_len: int) -> torch.Tensor:
-        hidden, _ = self.model(token, position, self.cache, kv_len=kv_len)
-        return self.model.compute_logits(hidden[:, -1])  # [B, V]
+    def __init__(self, model: CausalLM, batch: int, capacity: int, *,
+                 graphs: bool | None = None) -> None:
+        dev = model.model.embed_tokens.weight.device
+        bs = 16
+        self.batch, self.capacity, self.device = batch, capacity, dev
+        cfg = BatchConfig(num_blocks=batch * -(-(capacity + 1) // bs) + 1, block_size=bs,
+                          max_num_batched_tokens=max(2048, batch), max_num_seqs=batch,
+                          max_model_len=capacity + 1,
+                          cuda_graphs=dev.type == "cuda" if graphs is None else graphs)
+        self.engine = Engine(model, cfg)
+        self._count = 0
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams,
                  eos_ids: frozenset[int] | set[int], generator: torch.Generator | None
                  ) -> list[list[int]]:
-        """Continue each prompt until an EOS id or max_new_tokens; the new ids per row
-        (without the EOS). At most `batch` prompts; missing rows are idle padding."""
-        n, B, dev = len(prompts), self.batch, self.device
-        if not 0 < n <= B:
-            raise ValueError(f"BatchGenerator: {n} prompts for a batch of {B}")
+        """The new ids per prompt (without the EOS). Sampled rows all draw from
+        `generator`."""
+        n = len(prompts)
+        if not 0 < n <= self.batch:
+            raise ValueError(f"BatchGenerator: {n} prompts for a batch of {self.batch}")
         Tp = max(len(p) for p in prompts)
         if Tp + max_new_tokens > self.capacity:
             raise ValueError(f"prompt of {Tp} tokens + {max_new_tokens} new exceeds the "
                              f"generator's capacity {self.capacity}")
-        rows = prompts + [[0]] * (B - n)
-        lens = torch.tensor([len(p) for p in rows], device=dev)
-        ids = torch.zeros(B, Tp, dtype=torch.int64)
-        for b, p in enumerate(rows):
-            ids[b, :len(p)] = torch.tensor(p)
-        ids = ids.to(dev)
-        logits = torch.empty(B, self.model.config.vocab_size, device=dev)
-        for r0 in range(0, B, self.prefill_rows):
-            r1 = min(B, r0 + self.prefill_rows)
-            pos = torch.arange(Tp, device=dev).expand(r1 - r0, Tp)
-            hidden, _ = self.model(ids[r0:r1], pos, _Rows(self.cache, r0, r1), kv_len=Tp)
-            last = hidden[torch.arange(r1 - r0, device=dev), lens[r0:r1] - 1]  # [rows, H]
-            logits[r0:r1] = self.model.compute_logits(last)
-        eos = torch.tensor(sorted(eos_ids) or [-1], device=dev)
-        out = torch.zeros(B, max_new_tokens, dtype=torch.int64, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        done[n:] = True
-        steps = 0
-        for s in range(max_new_tokens):
-            tok = sample(logits, params, generator)  # [B]
-            out[:, s] = tok
-            steps = s + 1
-            done |= torch.isin(tok, eos)
-            # A host check every 8 steps: rows that finished early idle a few steps at most.
-            if s + 1 == max_new_tokens or (s % 8 == 7 and bool(done.all())):
-                break
-            kv = min(self.capacity, -(-(Tp + s + 1) // self.window) * self.window)
-            position = (lens + s)[:, None]
-            if self.graphs is not None:
-                logits = self.graphs.run(self.cache, tok[:, None], position, kv)
-            else:
-                logits = self._step(tok[:, None], position, kv)
-        result = []
-        for row in out[:n, :steps].tolist():
-            cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
-            result.append(row[:cut])
-        return result
+        self.engine.eos = frozenset(eos_ids)
+        p = dataclasses.replace(params, max_tokens=max_new_tokens, ignore_eos=False)
+        seqs = []
+        for prompt in prompts:
+            self._count += 1
+            seqs.append(Sequence(f"g{self._count}", list(prompt), p, generator))
+            self.engine.add(seqs[-1])
+        while self.engine.has_work:
+            self.engine.step()
+        return [s.output_ids[:-1] if s.output_ids and s.output_ids[-1] in eos_ids
+                else s.output_ids for s in seqs]
 
 
 def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
@@ -131,7 +83,7 @@ def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: in
                    generator: torch.Generator | None) -> list[list[int]]:
     """One-off batched generation (a BatchGenerator sized to these prompts)."""
     cap = max(len(p) for p in prompts) + max_new_tokens
-    gen = BatchGenerator(model, len(prompts), cap, window=cap)
+    gen = BatchGenerator(model, len(prompts), cap)
     return gen.generate(prompts, max_new_tokens, params, eos_ids, generator)
 
 

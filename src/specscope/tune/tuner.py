@@ -217,9 +217,9 @@ def simulated_acceptance(llm: Any, draft: str, base: SpecConfig, prompts: list[A
     ids = [llm.encode_prompt(p) for p in prompts]
     # One answer token: the draft is teacher-forced over the prompts themselves, so the
     # step costs about one prefill, whatever the target's size.
-    data = target_probe_data(llm.runner.model, ids, 1,
+    data = target_probe_data(llm.model, ids, 1,
                              answers=None if answers is None else [a[:1] for a in answers])
-    scores = draft_scores(llm.decoder.draft, data, depth)
+    scores = draft_scores(llm.draft, data, depth)
     return AcceptanceModel.simulated(base.simulate_acceptance, base.simulate_sibling, depth,
                                      scores=scores)
 
@@ -239,9 +239,9 @@ def _acceptance_model(llm: Any, draft: str, prompts: list[Any], answers: list[li
     from specscope.draft.loader import load_draft
 
     ids = [llm.encode_prompt(p) for p in prompts]
-    data = target_probe_data(llm.runner.model, ids, max_tokens, answers=answers)
+    data = target_probe_data(llm.model, ids, max_tokens, answers=answers)
     loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
-    loaded.model.attach_target(llm.runner.model)
+    loaded.model.attach_target(llm.model)
     acc = measure_acceptance(loaded.model, data, depth)
     log(f"[tune] acceptance model: {depth} steps over {data.answer_tokens} answer tokens "
         f"({time.perf_counter() - t:.1f} s)")

@@ -1,0 +1,213 @@
+"""The Triton paged-attention kernel (specscope.kvcache.triton_attention) timed on CUDA, one
+layer of Llama-3.1-8B attention (H=32, Hkv=8, D=128, bf16, block size 16).
+
+    python benchmarks/paged_attention.py            # the table, then one JSON line
+    python benchmarks/paged_attention.py --sweep    # also try other kernel configs per case
+
+Cases: batch-1 decode at contexts 1k/4k/16k, batch-64 decode at 1k, a 16k-token causal
+prefill and a 64-sequence x 8-node verify (after a 1k prefix). Each call's time is the mean
+over many calls between two CUDA events, eager (launch overhead in) and replayed from a CUDA
+graph (the engine's decode path); block tables are shuffled, and calls rotate among several
+disjoint sets of blocks so small cases are not served from the 60 MB L2. Achieved KV
+bandwidth = bytes of K/V a call must read (each visible key of each sequence once) / time;
+TFLOP/s counts 4 * D * H FLOPs per (query, visible key). Each case is first checked
+against attention_reference (float64) at a small size of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specscope.kvcache import triton_attention as ta
+from specscope.kvcache.paged import BatchMeta, attention_reference, tree_meta
+
+H, HKV, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
+ROTATE_BYTES = 512 << 20  # K/V touched across the rotation: several times the L2
+
+
+@dataclass
+class Case:
+    """One workload: (kind, sequences, context or prefix, tokens per sequence)."""
+
+    name: str
+    kind: str  # "decode" | "prefill" | "verify"
+    batch: int
+    ctx: int
+    per_seq: int = 1
+
+
+CASES = [Case("decode b1 1k", "decode", 1, 1024), Case("decode b1 4k", "decode", 1, 4096),
+         Case("decode b1 16k", "decode", 1, 16384), Case("decode b64 1k", "decode", 64, 1024),
+         Case("prefill 16k", "prefill", 1, 16384, 16384),
+         Case("verify 64x8 @1k", "verify", 64, 1024, 8)]
+
+
+def small(case: Case) -> Case:
+    """The same shape of work at a size the reference handles quickly."""
+    return Case(case.name, case.kind, min(case.batch, 4), min(case.ctx, 300),
+                min(case.per_seq, 300))
+
+
+def build(case: Case, bt: torch.Tensor, dev: torch.device
+          ) -> tuple[BatchMeta, list[int], int, int]:
+    """(meta, piece lengths, keys read, (query, key) pairs) for a case over block tables bt."""
+    B, L, n = case.batch, case.ctx, case.per_seq
+    if case.kind == "decode":
+        meta = BatchMeta.causal(bt, torch.arange(B, device=dev),
+                                torch.full((B,), L - 1, device=dev), BS, max_len=L)
+        return meta, [1] * B, B * L, B * L
+    if case.kind == "prefill":
+        meta = BatchMeta.causal(bt, torch.zeros(L, dtype=torch.long, device=dev),
+                                torch.arange(L, device=dev), BS, max_len=L)
+        return meta, [L], L, L * (L + 1) // 2
+    g = torch.Generator().manual_seed(0)
+    anc = torch.zeros(B, n, n, dtype=torch.bool)
+    for s in range(B):
+        parent = [-1] + [int(torch.randint(0, j, (), generator=g)) for j in range(1, n)]
+        for i in range(n):
+            j = i
+            while j >= 0:
+                anc[s, i, j], j = True, parent[j]
+    meta = tree_meta(bt, torch.full((B,), L, device=dev), anc.to(dev), BS, max_len=L + n)
+    return meta, [n] * B, B * (L + n), B * n * L + int(anc.sum())
+
+
+def tables(rows: int, width: int, sets: int, dev: torch.device) -> list[torch.Tensor]:
+    """`sets` block tables [rows, width] over disjoint, shuffled blocks of one pool."""
+    perm = torch.randperm(rows * width * sets, device=dev)
+    return [perm[i * rows * width:(i + 1) * rows * width].view(rows, width)
+            for i in range(sets)]
+
+
+def time_calls(fn: Callable[[int], object], sets: int, graph: bool) -> float:
+    """Mean milliseconds per call of fn(i) over calls rotating among `sets` inputs."""
+    reps = max(sets, 32 // sets * sets)
+    for i in range(sets):
+        fn(i)  # compile and warm up
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                fn(i % sets)
+        run = g.replay
+    else:
+        def run() -> None:
+            for i in range(reps):
+                fn(i % sets)
+    run()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def check(case: Case, dev: torch.device) -> float:
+    """Relative error against the float64 reference at a small size of the case."""
+    c = small(case)
+    W = math.ceil((c.ctx + c.per_seq) / BS)
+    bt = tables(c.batch, W, 1, dev)[0]
+    meta, pieces, _, _ = build(c, bt, dev)
+    k, v = (torch.randn(c.batch * W, BS, HKV, D, device=dev, dtype=DTYPE) for _ in range(2))
+    q = torch.randn(meta.num_tokens, H, D, device=dev, dtype=DTYPE)
+    out = ta.paged_attention(q, k, v, meta, D ** -0.5,
+                             tiles=ta.build_tiles(pieces, H, HKV, dev))
+    ref = attention_reference(q.double(), k.double(), v.double(), meta, D ** -0.5)
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def run_case(case: Case, dev: torch.device, num_splits: int | None = None
+             ) -> dict[str, float | str]:
+    W = math.ceil((case.ctx + case.per_seq) / BS)
+    block_bytes = 2 * BS * HKV * D * torch.empty((), dtype=DTYPE).element_size()
+    sets = max(1, min(16, ROTATE_BYTES // (case.batch * W * block_bytes)))
+    bts = tables(case.batch, W, sets, dev)
+    k, v = (torch.randn(sets * case.batch * W, BS, HKV, D, device=dev, dtype=DTYPE)
+            for _ in range(2))
+    metas = [build(case, bt, dev) for bt in bts]
+    _, pieces, keys, pairs = metas[0]
+    plan = ta.build_tiles(pieces, H, HKV, dev)
+    q = torch.randn(metas[0][0].num_tokens, H, D, device=dev, dtype=DTYPE)
+    fn = lambda i: ta.paged_attention(q, k, v, metas[i][0], D ** -0.5, tiles=plan,  # noqa: E731
+                                      num_splits=num_splits)
+    eager, graph = time_calls(fn, sets, False), time_calls(fn, sets, True)
+    kv_bytes = keys * block_bytes / BS
+    return {"case": case.name, "err": check(case, dev), "eager_us": eager * 1e3,
+            "graph_us": graph * 1e3, "kv_GBps": kv_bytes / (graph * 1e-3) / 1e9,
+            "tflops": 4 * D * H * pairs / (graph * 1e-3) / 1e12, "rotation_sets": sets}
+
+
+def variants(case: Case) -> list[dict[str, object]]:
+    """What --sweep tries per case: forced (BLOCK_N, num_warps, num_stages) configs, the
+    prefill tile's rows, split counts (each new config costs a compile: a short list)."""
+    if case.kind == "decode" and case.batch == 1:
+        return [{"splits": s} for s in (8, 16, 32, 64)]
+    if case.kind == "decode":
+        return [{"config": c} for c in [(128, 4, 2), (64, 4, 3)]]
+    if case.kind == "verify":
+        return [{"config": c} for c in [(32, 4, 4), (64, 4, 2), (128, 4, 3)]]
+    return [{"config": (32, 4, 4)}, {"rows": 64, "config": (64, 4, 3)},
+            {"rows": 64, "config": (32, 4, 4)}]
+
+
+def sweep(case: Case, dev: torch.device) -> list[tuple[str, float]]:
+    """Graph-replayed microseconds per variant (a forced kernel config, tile size or split
+    count), patched into the module for the run."""
+    base_cfg, base_rows = ta._kernel_config, ta.TILE_ROWS
+    out = []
+    for var in variants(case):
+        if "config" in var:
+            ta._kernel_config = lambda *_, c=var["config"]: c
+        if "rows" in var:
+            ta.TILE_ROWS = (*base_rows[:-1], var["rows"])
+        try:
+            out.append((str(var), run_case(case, dev, var.get("splits"))["graph_us"]))
+        except Exception as e:  # an out-of-resources config: skip it
+            print(f"  {case.name} {var}: {type(e).__name__}")
+        finally:
+            ta._kernel_config, ta.TILE_ROWS = base_cfg, base_rows
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweep", action="store_true", help="also time variants() of each case")
+    p.add_argument("--cases", nargs="*", help="names of cases to run (default all)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/paged_attention.py needs a CUDA device")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    cases = [c for c in CASES if not args.cases or c.name in args.cases]
+    print(f"{'case':18} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'KV GB/s':>8} "
+          f"{'TFLOP/s':>8}")
+    rows = []
+    for c in cases:  # printed as they come: a partial table survives a time limit
+        r = run_case(c, dev)
+        rows.append(r)
+        print(f"{r['case']:18} {r['err']:9.2e} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
+              f"{r['kv_GBps']:8.0f} {r['tflops']:8.1f}")
+    sweeps = {}
+    for c in cases if args.sweep else []:
+        sweeps[c.name] = sweep(c, dev)
+        print(c.name, " | ".join(f"{v} {t:.1f}" for v, t in sorted(sweeps[c.name],
+                                                                  key=lambda x: x[1])))
+    print(json.dumps({"bench": "paged_attention", "device": torch.cuda.get_device_name(),
+                      "shape": {"H": H, "Hkv": HKV, "D": D, "block_size": BS,
+                                "dtype": str(DTYPE)}, "rows": rows,
+                      "sweep": sweeps}))
+
+
+if __name__ == "__main__":
+    main()
