@@ -243,3 +243,51 @@ def test_simulated_acceptance_keeps_kv_consistent(model, draft, steps, topk, ndt
     acc = [a for s in seqs for a in s.spec.accepted]
     assert sum(acc) / len(acc) > 1.0  # simulated tau ~ 3: well above the random draft's
     _assert_all_free(engine)
+
+
+@pytest.mark.parametrize("policy", ["1:3,1,4;2:off", "1:4,2,7;3:2,1,3;8:off",
+                                    "2:off;4:3,3,8"])
+def test_speculation_by_batch_size(model, draft, policy):
+    """A policy picks each step's configuration from the batch size (off where it does not
+    pay): outputs stay each sequence's own greedy output, and the steps follow the table."""
+    from specscope.config import SpecPolicy
+
+    base = SpecConfig(draft="random", num_steps=3)
+    pol = SpecPolicy.parse(policy, base)
+    rng = random.Random(11)
+    prompts, lens = _workload(rng, n=5)
+    cfg = BatchConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+                      max_model_len=96)
+    engine = Engine(model, cfg, draft=draft, spec=base, policy=pol)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
+    pending = [(2 * i, s) for i, s in enumerate(seqs)]
+    step, seen = 0, []
+    while pending or engine.has_work:
+        while pending and pending[0][0] <= step:
+            engine.add(pending.pop(0)[1])
+        running = max(len(engine.scheduler.running), 1)
+        outs = engine.step()
+        want = pol.for_batch(running)
+        for o in outs:
+            if o.accepted is not None:
+                assert want is not None, (running, policy)
+                seen.append((running, want.num_draft_tokens))
+        step += 1
+    for s, p, n in zip(seqs, prompts, lens, strict=True):
+        assert s.output_ids == _solo_greedy(model, p, n), s.seq_id
+    assert seen, "nothing speculated"
+    _assert_all_free(engine)
+
+
+def test_policy_validation():
+    from specscope.config import SpecPolicy
+
+    base = SpecConfig(draft="random", num_steps=3)
+    for bad in ["", "4:3,1,4;2:off", "x:off", "1:3,1", "1:3,1,9"]:
+        with pytest.raises(ValueError):
+            SpecPolicy.parse(bad, base)
+    pol = SpecPolicy.parse("1:5,1,6;4:3,1,4;16:off", base)
+    assert pol.for_batch(1).num_steps == 5 and pol.for_batch(3).num_steps == 3
+    assert pol.for_batch(16) is None and pol.for_batch(100) is None
+    assert "<= 4: (3, 1, 4)" in pol.describe()

@@ -219,3 +219,30 @@ def test_profiler_totals_split_by_mode_beyond_the_window() -> None:
     assert s["modes"]["segments"]["cycles"] == 36 and s["modes"]["phases"]["cycles"] == 4
     assert s["modes"]["segments"]["percentile_cycles"] + \
         s["modes"]["phases"]["percentile_cycles"] == 8
+
+
+def test_batched_steps_are_recorded_by_batch_size(llm: LLM) -> None:
+    """A batch of prompts: each step's record carries its batch size and token kinds; the
+    summary splits steps by batch-size bucket, and acceptance counts every speculating
+    sequence of a step."""
+    llm.set_spec(SpecConfig(draft="random", num_steps=3, simulate_acceptance=2.5))
+    prof = llm.enable_profiling(True, interval=None)
+    prompts = [PROMPT, "Once upon a time", "1 2 3 4 5 6", "Why is the sky blue?",
+               "Hello"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    recs = prof.all_records()
+    assert max(r.batch for r in recs) == 5 and min(r.batch for r in recs) >= 1
+    assert all(r.decode_tokens + r.verify_tokens > 0 for r in recs)  # prefill-only: request
+    assert sum(r.speculating for r in recs) == sum(o.spec["cycles"] for o in outs)
+    assert sum(len(r.accepted_all) for r in recs) == sum(o.spec["cycles"] for o in outs)
+    s = prof.summary(prof.config)
+    assert 8 in s["by_batch"] and sum(b["cycles"] for b in s["by_batch"].values()) \
+        == s["cycles"]
+    every = [a for o in outs for a in o.spec["accepted_per_cycle"]]
+    assert s["accept_length"] == pytest.approx(1 + sum(every) / len(every))
+    assert "batch <=" in format_summary(s)
+    events = chrome_trace(recs)["traceEvents"] if isinstance(chrome_trace(recs), dict) \
+        else chrome_trace(recs)
+    assert any(e.get("args", {}).get("batch") == 5 for e in events)
+    llm.set_spec(None)
+    llm.enable_profiling(False)

@@ -476,6 +476,31 @@ def test_metrics_move(srv):
             float(line.rsplit(" ", 1)[1])
 
 
+def test_metrics_show_the_engine(srv, llm):
+    """Queues, KV blocks and the prefix cache: a second request with the same long prompt
+    hits the cache (its shared blocks are not prefilled again)."""
+    prompt = "A shared system prompt that is long enough to fill several KV blocks. " * 4
+
+    def figures():
+        text = httpx.get(f"{srv.url}/metrics").text
+        return {k: _metric(text, k) for k in (
+            "specscope_kv_cache_blocks_total", "specscope_num_requests_running",
+            "specscope_num_requests_waiting", "specscope_prefix_cache_queries_total",
+            "specscope_prefix_cache_hits_total", "specscope_kv_cache_blocks_in_use")}
+
+    before = figures()
+    for _ in range(2):
+        srv.client().completions.create(model=NAME, prompt=prompt, max_tokens=3, **GREEDY)
+    after = figures()
+    assert after["specscope_kv_cache_blocks_total"] > 0
+    assert after["specscope_num_requests_running"] == after["specscope_num_requests_waiting"] == 0
+    assert after["specscope_prefix_cache_queries_total"] > before[
+        "specscope_prefix_cache_queries_total"]
+    assert after["specscope_prefix_cache_hits_total"] >= before[
+        "specscope_prefix_cache_hits_total"] + 2  # the second request's full blocks
+    _wait_idle(srv)
+
+
 def test_profile_endpoints(srv, llm):
     srv.client().completions.create(model=NAME, prompt="Profile me", max_tokens=8,
                                     extra_body={"ignore_eos": True}, **GREEDY)

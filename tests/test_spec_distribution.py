@@ -1,4 +1,5 @@
-"""End to end: sampled speculative decoding emits tokens with exactly the target's law.
+"""End to end: sampled speculative decoding emits tokens with exactly the target's law, with
+16 sequences per batch (each its own seeded generator).
 
 A tiny 8-token-vocabulary target and a random draft; 3 tokens per request at temperature 1,
 thousands of seeds. The joint law of (t1, t2, t3) is computed exactly from the target by full
@@ -66,15 +67,22 @@ def test_sampled_speculative_output_has_the_target_law(single_thread, target, st
     spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt)
     llm = LLM.from_model(target, spec=spec)
     joint = _exact_joint(target).reshape(-1)
-    n = 4000
+    n, per_batch = 4000, 16
     counts = torch.zeros(V ** 3, dtype=torch.float64)
     accepted = 0
-    for seed in range(n):
-        out = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=seed,
-                                                  ignore_eos=True))[0]
-        a, b, c = out.token_ids
-        counts[(a * V + b) * V + c] += 1
-        accepted += sum(out.spec["accepted_per_cycle"])
+    ids = llm.encode_prompt(PROMPT)
+    for first in range(0, n, per_batch):
+        # Several sequences per step, each with its own seeded generator.
+        for seed in range(first, first + per_batch):
+            llm.add_request(ids, SamplingParams(max_tokens=3, temperature=1.0, seed=seed,
+                                                ignore_eos=True))
+        outs = []
+        while llm.has_unfinished_requests():
+            outs += [d.output for d in llm.step() if d.finished]
+        for out in outs:
+            a, b, c = out.token_ids
+            counts[(a * V + b) * V + c] += 1
+            accepted += sum(out.spec["accepted_per_cycle"])
     assert accepted > 0.05 * n  # drafts were really accepted, not only rejected
     expected = joint * n
     small = expected < 5

@@ -22,6 +22,7 @@ from specscope.cli_args import (
     fail,
     non_negative_float,
     non_negative_int,
+    policy_from_args,
     positive_float,
     positive_int,
     spec_from_args,
@@ -55,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)  # validate before the (slow) model load
     check_engine_args(args)
     spec = spec_from_args(args)
+    policy = policy_from_args(args, spec)
     if args.prompt is None and args.messages is None:
         args.prompt = "Write a haiku about speculative decoding."
         args.chat = True
@@ -69,8 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-                  **engine_kwargs(args),
-              compile=args.compile, spec=spec, profile=args.profile,
+              **engine_kwargs(args),
+              compile=args.compile, spec=spec, spec_policy=policy, profile=args.profile,
               profile_interval=args.profile_interval)
     load_s = time.perf_counter() - t0
     final = None
@@ -143,7 +145,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-                  **engine_kwargs(args),
+              **engine_kwargs(args),
               compile=args.compile, profile=False)
     configs = ([None] if not args.no_baseline else []) + specs
     if not configs:

@@ -14,7 +14,13 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from specscope.config import MAX_NUM_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK, SpecConfig
+from specscope.config import (
+    MAX_NUM_DRAFT_TOKENS,
+    MAX_NUM_STEPS,
+    MAX_TOPK,
+    SpecConfig,
+    SpecPolicy,
+)
 
 PORT_MAX = 65535
 
@@ -206,6 +212,21 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate-acceptance", default=None,
                    help="benchmark mode: a mean accept length (e.g. 3.0) or per-position "
                         "rates (e.g. 0.9,0.8,0.7); real draft and verify, simulated accepts")
+    p.add_argument("--spec-policy", default=None,
+                   help="speculation by batch size: bucket:steps,topk,tokens or bucket:off "
+                        "entries separated by ';' (e.g. '4:5,1,6;16:3,1,4;256:off': batches "
+                        "up to 4 draft chains of 5, up to 16 chains of 3, larger ones decode "
+                        "plainly)")
+
+
+def policy_from_args(args: argparse.Namespace, spec: SpecConfig | None) -> SpecPolicy | None:
+    """The --spec-policy table on the spec flags' draft (None without the flag)."""
+    text = getattr(args, "spec_policy", None)
+    if text is None:
+        return None
+    if spec is None:
+        raise ValueError("--spec-policy needs a draft (--draft)")
+    return SpecPolicy.parse(text, spec)
 
 
 def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:

@@ -18,6 +18,7 @@ from specscope.cli_args import (
     float_in,
     non_negative_float,
     non_negative_int,
+    policy_from_args,
     positive_float,
     positive_int,
 )
@@ -249,7 +250,7 @@ def start_serve_draft(llm: LLM, spec: Any, args: argparse.Namespace,
         plain = calibrate_plain(llm, load_prompts("mt_bench", 1)[0], max_tokens=calib)
         source = f"a plain calibration at start-up ({calib} tokens, 2 runs, 1 mt_bench prompt)"
     if not args.auto_tune:
-        llm.set_spec(spec)  # after the calibration, so the draft loads once
+        llm.set_spec(spec, policy_from_args(args, spec))  # after the calibration: one load
     if timer is not None and plain is not None:  # a fresh profiler: it shows serving only
         llm.enable_profiling(True, timer.interval)
     if guardrail_mode == "off":

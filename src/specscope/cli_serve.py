@@ -19,6 +19,7 @@ from specscope.cli_args import (
     int_in,
     non_negative_float,
     non_negative_int,
+    policy_from_args,
     port,
     positive_float,
     positive_int,
@@ -81,6 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _server_config(args)
     check_engine_args(args)
     spec = spec_from_args(args)
+    policy_from_args(args, spec)  # a bad --spec-policy fails now, not after the model loads
     guardrail_mode = check_serve_draft_args(args, spec)
     sockets = bind_sockets(args.host, args.port)
     try:

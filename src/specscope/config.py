@@ -6,6 +6,7 @@ with a message naming the field, instead of deep inside a forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -358,6 +359,65 @@ class SpecConfig:
             else:
                 hi = r
         return tuple([(lo + hi) / 2] * k)
+
+
+@dataclass(frozen=True)
+class SpecPolicy:
+    """Speculation by batch size: for each batch-size bucket (the largest batch it covers),
+    a speculative configuration or None (plain decoding there), in increasing bucket order;
+    a batch past the last bucket takes the last entry (vLLM's
+    num_speculative_tokens_per_batch_size, SGLang's adaptive speculation). Every entry uses
+    the same draft."""
+
+    entries: tuple[tuple[int, SpecConfig | None], ...]
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise ValueError("a speculation policy needs at least one batch-size bucket")
+        buckets = [b for b, _ in self.entries]
+        if any(not isinstance(b, int) or b < 1 for b in buckets) or buckets != sorted(set(
+                buckets)):
+            raise ValueError(f"policy buckets must be increasing positive integers, got "
+                             f"{buckets}")
+        drafts = {(c.draft, c.draft_layer_ids) for _, c in self.entries if c is not None}
+        if len(drafts) > 1:
+            raise ValueError("every entry of a speculation policy must use the same draft")
+
+    def for_batch(self, n: int) -> SpecConfig | None:
+        """The configuration a step of n sequences runs."""
+        return next((c for b, c in self.entries if n <= b), self.entries[-1][1])
+
+    @property
+    def configs(self) -> list[SpecConfig]:
+        return [c for _, c in self.entries if c is not None]
+
+    def describe(self) -> str:
+        return "; ".join(f"<= {b}: " + ("off" if c is None else
+                                        f"({c.num_steps}, {c.topk}, {c.num_draft_tokens})")
+                         for b, c in self.entries)
+
+    @classmethod
+    def parse(cls, text: str, base: SpecConfig) -> SpecPolicy:
+        """'1:5,1,6;4:3,1,4;16:off' -> a policy on base's draft and simulation settings:
+        bucket:num_steps,topk,num_draft_tokens (or off), entries separated by ';'."""
+        entries = []
+        for part in filter(None, (p.strip() for p in text.split(";"))):
+            bucket, sep, cfg = part.partition(":")
+            if not sep:
+                raise ValueError(f"policy entry {part!r}: write bucket:steps,topk,tokens or "
+                                 f"bucket:off")
+            try:
+                b = int(bucket)
+                if cfg.strip() == "off":
+                    entries.append((b, None))
+                    continue
+                steps, topk, ndt = (int(x) for x in cfg.split(","))
+            except ValueError:
+                raise ValueError(f"policy entry {part!r}: write bucket:steps,topk,tokens or "
+                                 f"bucket:off (integers)") from None
+            entries.append((b, dataclasses.replace(base, num_steps=steps, topk=topk,
+                                                   num_draft_tokens=ndt)))
+        return cls(tuple(entries))
 
 
 @dataclass(frozen=True)

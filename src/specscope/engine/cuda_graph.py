@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+from specscope.profiler.profiler import BATCH_BUCKETS
+
+BUCKETS = BATCH_BUCKETS  # the profiler splits its summaries by the same buckets
 
 
 def bucket_for(n: int) -> int | None:

@@ -27,7 +27,7 @@ from functools import cache
 
 import torch
 
-from specscope.config import SamplingParams, SpecConfig
+from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SequenceStatus, SpecState
@@ -109,6 +109,12 @@ class _Verdicts:
     path_taps: torch.Tensor
 
 
+def draft_slots(spec: SpecConfig) -> int:
+    """Draft positions a speculative step writes past the committed length: the chain's
+    draft steps, or every tree step's beams (num_steps - 1 steps of topk slots)."""
+    return max(spec.num_steps - 1, 1) * (1 if spec.topk == 1 else spec.topk)
+
+
 @cache
 def _fast_attention():
     """kvcache/triton_attention.py when Triton is installed, else None."""
@@ -124,9 +130,11 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, config: BatchConfig,
                  eos_token_ids: frozenset[int] = frozenset(), draft: Eagle3Draft | None = None,
-                 spec: SpecConfig | None = None) -> None:
+                 spec: SpecConfig | None = None, policy: SpecPolicy | None = None) -> None:
         if (draft is None) != (spec is None):
             raise ValueError("speculative decoding needs both a draft and its SpecConfig")
+        if policy is not None and spec is None:
+            raise ValueError("a speculation policy needs a draft and its SpecConfig")
         mc = model.config
         dev = model.model.embed_tokens.weight.device
         dtype = model.model.embed_tokens.weight.dtype
@@ -137,24 +145,27 @@ class Engine:
         # One block past the pool's: the scratch block CUDA-graph padding rows write into.
         self.kv = PagedKV(mc.num_layers, nb + 1, bs, mc.num_kv_heads, mc.head_dim, dtype, dev)
         pools = [Pool(self.pool)]
-        self.draft, self.spec = draft, spec
+        # spec: the configuration of the step being run (a policy picks one per step by
+        # batch size; None: plain steps, the draft still kept up to date).
+        self.draft, self.spec, self.spec_base, self.policy = draft, spec, spec, policy
         self.draft_pool: BlockPool | None = None
+        configs = ([] if spec is None else policy.configs if policy is not None else [spec])
         if draft is not None:
             dc = draft.config
             self.draft_pool = BlockPool(nb, bs, config.enable_prefix_caching)
             self.draft_kv = PagedKV(dc.num_layers, nb, bs, dc.num_kv_heads, dc.head_dim,
                                     dtype, dev)
-            pools.append(Pool(self.draft_pool, draft=True, spec_lookahead=self._draft_slots))
+            reach = max([draft_slots(c) for c in configs] or [1])
+            pools.append(Pool(self.draft_pool, draft=True, spec_lookahead=reach))
             model.set_taps(dc.aux_layer_ids)
             draft.ensure_rope(config.max_model_len)
-            rates = spec.acceptance_rates()
-            self.sim_rates = None if rates is None else torch.tensor(rates, device=dev)
+            self._sim_rates: dict[SpecConfig, torch.Tensor | None] = {}
             self.sim_gen = torch.Generator(device=dev)
             self.reset_simulation()
+        tree = max([c.num_draft_tokens for c in configs] or [0])
         self.scheduler = Scheduler(pools, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs,
-                                   max_model_len=config.max_model_len,
-                                   spec_tokens=spec.num_draft_tokens if spec else 0)
+                                   max_model_len=config.max_model_len, spec_tokens=tree)
         model.ensure_rope(config.max_model_len)
         self.timer: Profiler | None = None
         self.last_stats = StepStats()
@@ -173,16 +184,29 @@ class Engine:
 
     @property
     def _draft_slots(self) -> int:
-        """Draft positions a speculative step writes past the committed length: the chain's
-        draft steps, or every tree step's beams (num_steps - 1 steps of topk slots)."""
-        s = self.spec
-        return max(s.num_steps - 1, 1) if s.topk == 1 else max(s.num_steps - 1, 1) * s.topk
+        return draft_slots(self.spec)
+
+    @property
+    def sim_rates(self) -> torch.Tensor | None:
+        """The active configuration's simulated acceptance rates (None: real acceptance)."""
+        if self.spec not in self._sim_rates:
+            rates = self.spec.acceptance_rates()
+            self._sim_rates[self.spec] = None if rates is None else torch.tensor(
+                rates, device=self.device)
+        return self._sim_rates[self.spec]
 
     def reset_simulation(self) -> None:
         """Restart the simulated-acceptance random stream (identical accept decisions on
         identical workloads)."""
-        if self.spec is not None:
-            self.sim_gen.manual_seed(self.spec.simulate_seed)
+        if self.spec_base is not None:
+            self.sim_gen.manual_seed(self.spec_base.simulate_seed)
+
+    def _choose_spec(self) -> None:
+        """The policy's configuration for this step's batch (the running sequences)."""
+        if self.policy is None:
+            return
+        self.spec = self.policy.for_batch(max(len(self.scheduler.running), 1))
+        self.scheduler.spec_tokens = self.spec.num_draft_tokens if self.spec else 0
 
     def add(self, seq: Sequence) -> None:
         if seq.generator is None and not seq.params.greedy:
@@ -198,6 +222,15 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def state(self) -> dict:
+        """Queues, KV blocks and the prefix cache now (read from any thread: counters)."""
+        sch, st = self.scheduler, self.pool.stats()
+        return {"running": len(sch.running), "waiting": len(sch.waiting),
+                "preemptions": sch.num_preemptions, "kv_blocks": st.num_blocks,
+                "kv_blocks_in_use": st.in_use, "kv_blocks_cached": st.cached,
+                "block_size": self.config.block_size,
+                "prefix_queries": st.prefix_queries, "prefix_hits": st.prefix_hits}
 
     def drain(self) -> list[Sequence]:
         """Take every unfinished sequence out, its blocks released and its KV to be
@@ -232,6 +265,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        self._choose_spec()
         plan = self.scheduler.schedule()
         self.last_stats = StepStats()
         if plan.empty:
@@ -306,7 +340,9 @@ class Engine:
         pos_t = upload(pos, torch.long, dev)
         meta = BatchMeta.causal(self._tables(work, 1), upload(rows, torch.long, dev), pos_t,
                                 self.config.block_size, max_len=max(pos) + 1)
-        meta = self._planned(meta, [s.spec.taps.shape[0] for s in work], self.draft.config)
+        meta = self._planned(meta, [(s.spec.taps.shape[0], r, s.draft_computed +
+                                     s.spec.taps.shape[0]) for r, s in enumerate(work)],
+                             self.draft.config)
         h, normed = self.draft(upload(ids, torch.long, dev)[None],
                                self.draft.project(torch.cat(taps)[None]), pos_t[None],
                                self.draft_kv, batch=meta)
@@ -342,7 +378,8 @@ class Engine:
             else:
                 meta = tree_meta(tables, n, ancestors, bs, query_slots=query_slots,
                                  max_len=reach)
-            meta = self._planned(meta, [Q] * S, self.draft.config)
+            meta = self._planned(meta, [(Q, s, n_host[s] + self._draft_slots)
+                                        for s in range(S)], self.draft.config)
             h, normed = self.draft(tokens.reshape(1, -1), hidden.reshape(1, S * Q, -1),
                                    rope.reshape(1, -1), self.draft_kv, batch=meta)
             return h.view(S, Q, -1), self.draft.compute_logits(normed[0]).view(S, Q, -1)
@@ -389,17 +426,26 @@ class Engine:
                                    sliding_window=window, max_len=max(n_host) + tree.size))
             ids_t = torch.cat([ids_t, tree.tokens.reshape(-1)])
             rope = torch.cat([rope, tree_rope.reshape(-1)])
-        meta = self._planned(BatchMeta.cat(metas), [m for _, _, m in pieces] +
-                             [tree.size] * len(spec_idx) if spec_idx else
-                             [m for _, _, m in pieces], self.model.config)
+        parts = [(m, i, items[i].seq.num_computed + m) for i, _, m in pieces]
+        if spec_idx:
+            parts += [(tree.size, i, n + tree.size) for i, n in zip(spec_idx, n_host,
+                                                                    strict=True)]
+        meta = self._planned(BatchMeta.cat(metas), parts, self.model.config)
         return _TargetBatch(ids_t, rope, meta, pieces, last, sampling, base)
 
-    def _planned(self, meta: BatchMeta, piece_lengths: list[int], cfg) -> BatchMeta:
-        """meta with the fast backend's query tiles, built from the host-known piece
-        lengths (on CUDA; the CPU reference needs none)."""
+    def _planned(self, meta: BatchMeta, pieces: list[tuple[int, int, int]], cfg) -> BatchMeta:
+        """meta with its pieces, host-known (tokens, block-table row, keys seen) in flattened
+        order: the fast backend's query tiles on CUDA, the reference's spans elsewhere."""
         if self.device.type == "cuda" and _fast_attention() is not None:
-            meta.tiles = _fast_attention().build_tiles(piece_lengths, cfg.num_heads,
-                                                       cfg.num_kv_heads, self.device)
+            meta.tiles = _fast_attention().build_tiles([n for n, _, _ in pieces],
+                                                       cfg.num_heads, cfg.num_kv_heads,
+                                                       self.device)
+            return meta
+        spans, a = [], 0
+        for n, row, keys in pieces:
+            spans.append((a, a + n, row, keys))
+            a += n
+        meta.spans = spans
         return meta
 
     # -- 4. sample and verify -----------------------------------------------------------------

@@ -29,6 +29,7 @@ from specscope.config import (
     ModelConfig,
     SamplingParams,
     SpecConfig,
+    SpecPolicy,
     normalize_dtype,
 )
 from specscope.draft.eagle3 import Eagle3Draft
@@ -128,8 +129,9 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, cache_dir: str | None = None,
                  quantization: str = "none", cuda_graphs: bool = True, compile: bool = False,
-                 spec: SpecConfig | None = None, profile: bool | None = None,
-                 profile_interval: int | None = None, **batching: Any) -> None:
+                 spec: SpecConfig | None = None, spec_policy: SpecPolicy | None = None,
+                 profile: bool | None = None, profile_interval: int | None = None,
+                 **batching: Any) -> None:
         self.engine_config = EngineConfig(dtype=dtype, device=device,
                                           max_model_len=max_model_len, cache_dir=cache_dir,
                                           cuda_graphs=cuda_graphs, compile=compile,
@@ -141,7 +143,7 @@ class LLM:
         self.quantization = quantization
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization)
         self._setup(loaded.model, loaded.config, loaded.path, loaded.source,
-                    Tokenizer(loaded.path, loaded.config.eos_token_ids), spec)
+                    Tokenizer(loaded.path, loaded.config.eos_token_ids), spec, spec_policy)
         self._profile_from_env(profile, profile_interval)
 
     def _profile_from_env(self, profile: bool | None, interval: int | None) -> None:
@@ -153,20 +155,21 @@ class LLM:
 
     @classmethod
     def from_model(cls, model: CausalLM, *, tokenizer: Tokenizer | IdTokenizer | None = None,
-                   spec: SpecConfig | None = None, name: str = "in-memory",
-                   **engine: Any) -> LLM:
+                   spec: SpecConfig | None = None, spec_policy: SpecPolicy | None = None,
+                   name: str = "in-memory", **engine: Any) -> LLM:
         """An engine around an already built model (e.g. random weights of a real shape for
         benchmarks). Without a tokenizer, text is the token ids (IdTokenizer)."""
         self = cls.__new__(cls)
         self.engine_config = EngineConfig(**engine)
         param = next(model.parameters())
         self.device, self.dtype, self.quantization = param.device, param.dtype, "none"
-        self._setup(model, model.config, None, name, tokenizer or IdTokenizer(), spec)
+        self._setup(model, model.config, None, name, tokenizer or IdTokenizer(), spec,
+                    spec_policy)
         self._profile_from_env(None, None)
         return self
 
     def _setup(self, model: CausalLM, config: ModelConfig, path, name: str, tokenizer,
-               spec: SpecConfig | None) -> None:
+               spec: SpecConfig | None, policy: SpecPolicy | None = None) -> None:
         self.model_config = config
         self.model_path = path
         self.model_name = name
@@ -199,12 +202,15 @@ class LLM:
         self.draft: Eagle3Draft | None = None
         self.timer: Profiler | None = None
         self.engine: Engine | None = None
-        self.set_spec(spec)
+        self.spec_policy: SpecPolicy | None = None
+        self.set_spec(spec, policy)
 
-    def set_spec(self, spec: SpecConfig | None) -> None:
+    def set_spec(self, spec: SpecConfig | None, policy: SpecPolicy | None = None) -> None:
         """Switch speculative decoding on (with this configuration) or off, keeping the
         target weights loaded. A draft is loaded again only if its path or taps changed.
-        Requests in flight carry over: their KV is recomputed in the new engine."""
+        policy: speculation by batch size (each step runs the configuration of its batch's
+        bucket; spec gives the draft). Requests in flight carry over: their KV is
+        recomputed in the new engine."""
         with self._lock:
             draft = None
             if spec is not None:
@@ -222,14 +228,16 @@ class LLM:
             self.engine = None  # the old pools go before the new ones are allocated
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.engine = self._build_engine(draft, spec)
+            self.engine = self._build_engine(draft, spec, policy if spec is not None else None)
             for seq in carried:
                 self.engine.add(seq)
             self.spec, self.draft = spec, draft
+            self.spec_policy = policy if spec is not None else None
             self.engine.timer = self.timer
             self._label_config()
 
-    def _build_engine(self, draft: Eagle3Draft | None, spec: SpecConfig | None) -> Engine:
+    def _build_engine(self, draft: Eagle3Draft | None, spec: SpecConfig | None,
+                      policy: SpecPolicy | None) -> Engine:
         ec, mc = self.engine_config, self.model_config
         layouts = [KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)]
         if draft is not None:
@@ -248,7 +256,8 @@ class LLM:
                           max_num_seqs=ec.max_num_seqs, max_model_len=self.max_model_len,
                           enable_prefix_caching=ec.enable_prefix_caching,
                           cuda_graphs=ec.cuda_graphs, compile=ec.compile)
-        return Engine(self.model, cfg, frozenset(self.tokenizer.eos_token_ids), draft, spec)
+        return Engine(self.model, cfg, frozenset(self.tokenizer.eos_token_ids), draft, spec,
+                      policy)
 
     def reset_simulation(self) -> None:
         """Restart the simulated-acceptance random stream (the same accept decisions on
@@ -271,6 +280,8 @@ class LLM:
             self.timer.set_config("plain")
         else:
             label = f"spec steps={s.num_steps} topk={s.topk} ndt={s.num_draft_tokens}"
+            if self.spec_policy is not None:
+                label = f"spec policy [{self.spec_policy.describe()}]"
             self.timer.set_config(label + (" SIMULATED" if s.simulated else ""), s.simulated,
                                   s.num_steps)
 
@@ -457,7 +468,11 @@ class LLM:
             else:
                 tokens = sum(len(o.new_tokens) for o in outs)
                 spec = [o.accepted for o in outs if o.accepted is not None]
-                prof.end_cycle(tokens, spec[0] if len(spec) == 1 else None)
+                prof.end_cycle(tokens, spec[0] if len(spec) == 1 else None,
+                               batch=st.num_seqs, speculating=st.num_speculating,
+                               prefill_tokens=st.prefill_tokens,
+                               decode_tokens=st.decode_tokens,
+                               verify_tokens=st.verify_tokens, accepted_all=tuple(spec))
         return deltas
 
     def _delta(self, o: StepOutput) -> StreamDelta | None:

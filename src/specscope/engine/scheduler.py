@@ -109,6 +109,7 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start
 
     # -- queues ---------------------------------------------------------------------------------
 
@@ -236,6 +237,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self._release(seq)
         seq.num_computed = seq.draft_computed = seq.num_cached = 0
         if seq.spec is not None:

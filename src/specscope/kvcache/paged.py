@@ -17,6 +17,7 @@ from functools import cache
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -122,6 +123,11 @@ class BatchMeta:
     # The fast backend's query tiles (triton_attention.TilePlan), built once per forward on
     # the host from the pieces' lengths; None: the backend plans them on the device.
     tiles: Any = None
+    # Host-known pieces (first token, end token, block-table row, keys seen): runs of
+    # consecutive tokens of one sequence, so the reference attends piece by piece over one
+    # gather of that sequence's K/V; None: token by token (tests).
+    spans: list[tuple[int, int, int, int]] | None = None
+    span_masks: list[torch.Tensor] | None = None  # the reference's, per span (built once)
 
     @property
     def num_tokens(self) -> int:
@@ -147,6 +153,11 @@ class BatchMeta:
         """Pieces of one forward side by side (they share one block_tables tensor)."""
         if len(metas) == 1:
             return metas[0]
+        spans, base = [], 0
+        for m in metas:
+            spans = None if m.spans is None or spans is None else \
+                spans + [(a + base, b + base, r, L) for a, b, r, L in m.spans]
+            base += m.num_tokens
         T = max(m.tree_mask.shape[1] for m in metas)
         masks = [torch.nn.functional.pad(m.tree_mask, (0, T - m.tree_mask.shape[1]))
                  for m in metas]
@@ -154,18 +165,21 @@ class BatchMeta:
                      for f in ("slots", "seq_index")), metas[0].block_tables,
                    *(torch.cat([getattr(m, f) for m in metas])
                      for f in ("visible", "window_start", "tree_start")),
-                   torch.cat(masks), max(m.max_len for m in metas))
+                   torch.cat(masks), max(m.max_len for m in metas), spans=spans)
 
-    def dense_mask(self) -> torch.Tensor:
-        """[N, max_len] bool: which positions of its sequence each token sees (reference)."""
-        key = torch.arange(self.max_len, device=self.slots.device)[None, :]  # [1, L]
-        seen = (key < self.visible[:, None]) & (key >= self.window_start[:, None])
+    def dense_mask(self, rows: slice = slice(None), keys: int | None = None) -> torch.Tensor:
+        """[n, keys] bool: which of the first `keys` (default max_len) positions of its
+        sequence each token of `rows` sees (the reference's mask)."""
+        L = self.max_len if keys is None else keys
+        key = torch.arange(L, device=self.slots.device)[None, :]  # [1, L]
+        vis, ws = self.visible[rows, None], self.window_start[rows, None]
+        seen = (key < vis) & (key >= ws)
         T = self.tree_mask.shape[1]
         if T == 0:
             return seen
-        rel = key - self.tree_start[:, None]  # [N, L]
+        rel = key - self.tree_start[rows, None]  # [n, L]
         in_tree = (rel >= 0) & (rel < T)
-        return seen | (in_tree & self.tree_mask.gather(1, rel.clamp(0, T - 1)))
+        return seen | (in_tree & self.tree_mask[rows].gather(1, rel.clamp(0, T - 1)))
 
 
 def _window_start(positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -258,10 +272,36 @@ def _fast_backend():
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: BatchMeta, scale: float) -> torch.Tensor:
-    """Attention of a flattened ragged batch over one layer's paged K/V, the torch reference.
+    """Attention of a flattened ragged batch over one layer's paged K/V, the torch reference
+    (and the CPU's path).
 
-    q [N, H, D]: N query tokens of B sequences. Gathers each sequence's first L positions
-    into a contiguous copy (what a fast backend must not do). Returns [N, H * D]."""
+    q [N, H, D]: N query tokens of B sequences. Gathers each sequence's K/V into a
+    contiguous copy (what a fast backend must not do): once per piece with meta.spans, one
+    SDPA each with the GQA heads folded into the query axis; else per token. Returns
+    [N, H * D]."""
+    if meta.spans is None:
+        return _attention_per_token(q, k_cache, v_cache, meta, scale)
+    N, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    G, bs = H // Hkv, k_cache.shape[1]
+    out = torch.empty(N, H * D, dtype=q.dtype, device=q.device)
+    if meta.span_masks is None:  # the same for every layer: built at the first
+        meta.span_masks = [meta.dense_mask(slice(a, b), L)[None].expand(G, b - a, L)
+                           .reshape(1, 1, G * (b - a), L) for a, b, _, L in meta.spans]
+    for (a, b, r, L), m in zip(meta.spans, meta.span_masks, strict=True):
+        n = b - a
+        row = meta.block_tables[r]
+        nb = -(-L // bs)
+        k = k_cache[row[:nb]].flatten(0, 1)[:L].transpose(0, 1)  # [Hkv, L, D]
+        v = v_cache[row[:nb]].flatten(0, 1)[:L].transpose(0, 1)
+        qf = q[a:b].transpose(0, 1).reshape(1, Hkv, G * n, D)  # row g * n + t
+        o = F.scaled_dot_product_attention(qf, k[None], v[None], attn_mask=m, scale=scale)
+        out[a:b] = o.reshape(H, n, D).transpose(0, 1).reshape(n, H * D)
+    return out
+
+
+def _attention_per_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: BatchMeta, scale: float) -> torch.Tensor:
     N, H, D = q.shape
     bs = k_cache.shape[1]
     L = meta.max_len

@@ -26,6 +26,7 @@ import logging
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +45,15 @@ class _Pending:
     marks: list[tuple[str, object, object]] = field(default_factory=list)
     tokens: int = 0
     accepted: int | None = None
+    step: dict = field(default_factory=dict)  # CycleRecord's batch fields
+
+
+# Batch-size buckets a summary splits its cycles into (the engine's CUDA-graph buckets).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def batch_bucket(n: int) -> int:
+    return next((b for b in BATCH_BUCKETS if b >= n), BATCH_BUCKETS[-1])
 
 
 @dataclass
@@ -63,7 +73,9 @@ class Totals:
         for name, _, dur in r.phases:
             self.phase_ms[name] += dur
         self.phase_ms["other"] += r.other_ms
-        if r.accepted is not None:
+        if r.accepted_all:
+            self.accepted.update(r.accepted_all)
+        elif r.accepted is not None:
             self.accepted[r.accepted] += 1
 
     @classmethod
@@ -76,14 +88,17 @@ class Totals:
 
 @dataclass
 class ConfigTotals:
-    """A configuration's totals: over all its cycles, and per timing mode."""
+    """A configuration's totals: over all its cycles, per timing mode, and per batch-size
+    bucket."""
 
     all: Totals = field(default_factory=Totals)
     modes: dict[str, Totals] = field(default_factory=lambda: defaultdict(Totals))
+    buckets: dict[int, Totals] = field(default_factory=lambda: defaultdict(Totals))
 
     def add(self, r: CycleRecord) -> None:
         self.all.add(r)
         self.modes[r.mode].add(r)
+        self.buckets[batch_bucket(r.batch)].add(r)
 
     @classmethod
     def of(cls, recs: list[CycleRecord]) -> ConfigTotals:
@@ -175,7 +190,10 @@ class Profiler:
             self._loose.append((self.config, name, start, now))
         self._open = None
 
-    def end_cycle(self, tokens: int, accepted: int | None = None) -> None:
+    def end_cycle(self, tokens: int, accepted: int | None = None, **step: Any) -> None:
+        """Close the cycle: tokens emitted, accepted draft tokens (one sequence), and the
+        step's batch fields (CycleRecord: batch, speculating, prefill_tokens,
+        decode_tokens, verify_tokens, accepted_all)."""
         c = self._cycle
         if c is None:
             return
@@ -185,7 +203,7 @@ class Profiler:
         if c.start is None:  # a cycle with no phase marks
             c.start = now
         self._last_end = now
-        c.tokens, c.accepted = tokens, accepted
+        c.tokens, c.accepted, c.step = tokens, accepted, step
         self._pending.append(c)
         self._cycle = None
         self._since_log += 1
@@ -225,7 +243,7 @@ class Profiler:
             phases = [(n, self._at(a), self._ms(a, b)) for n, a, b in c.marks]
             rec = CycleRecord(index=c.index, config=c.config, start_ms=self._at(c.start),
                               wall_ms=self._ms(c.start, c.end), phases=phases,
-                              tokens=c.tokens, accepted=c.accepted)
+                              tokens=c.tokens, accepted=c.accepted, **c.step)
             self.records[c.config].append(rec)
             self.totals[c.config].add(rec)
             used += [c.start, c.end] + [e for _, a, b in c.marks for e in (a, b)]
@@ -323,6 +341,13 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
             by_pos.append(sum(c for a, c in acc.items() if a >= i) / reached if reached else 0.0)
     modes = _by_mode(recs, ct)
     seg = modes.get("segments")
+    by_batch = {}
+    for b, bt in sorted(ct.buckets.items()):
+        mine = [r for r in recs if batch_bucket(r.batch) == b]
+        by_batch[b] = {"cycles": bt.cycles, "tokens": bt.tokens,
+                       "cycle_ms": bt.wall_ms / bt.cycles if bt.cycles else 0.0,
+                       "tok_per_s": bt.tokens / bt.wall_ms * 1e3 if bt.wall_ms else 0.0,
+                       "phases": _phase_rows(mine, bt)}
     return {
         "config": config, "cycles": t.cycles, "tokens": t.tokens, "wall_ms": wall,
         "tok_per_s": t.tokens / wall * 1e3 if wall else 0.0,
@@ -333,7 +358,7 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
         "cycles_per_s": t.cycles / wall * 1e3 if wall else 0.0,
         "accept_length": (sum(a * c for a, c in acc.items()) / n_acc + 1.0) if n_acc else None,
         "acceptance_by_position": by_pos, "simulated": simulated, "phases": phases,
-        "modes": modes,
+        "modes": modes, "by_batch": by_batch,
         "attributed": 1.0 - (phases.get("other", {}).get("share", 0.0) if wall else 0.0),
         "request_phases_ms": {name: sum(xs) / len(xs) for name, xs in loose.items() if xs},
         "percentile_cycles": len(recs),
@@ -365,6 +390,15 @@ def format_summary(s: dict) -> str:
             lines.append(f"  {MODE_TITLES[mode]}: {m['cycles']} cycles"
                          + (f", {m['cycle_ms']:.3f} ms each" if "cycle_ms" in m else ""))
         lines.extend(_phase_table(m))
+    by_batch = s.get("by_batch") or {}
+    if len(by_batch) > 1 or any(b > 1 for b in by_batch):
+        lines.append(f"  {'batch <=':>9} {'cycles':>7} {'ms each':>9} {'tok/s':>9}   "
+                     "largest phases")
+        for b, m in by_batch.items():
+            top = sorted(m["phases"].items(), key=lambda kv: -kv[1]["mean_ms"])[:3]
+            lines.append(f"  {b:>9} {m['cycles']:>7} {m['cycle_ms']:>9.3f} "
+                         f"{m['tok_per_s']:>9.1f}   " + ", ".join(
+                             f"{name} {p['mean_ms']:.2f}" for name, p in top))
     return "\n".join(lines)
 
 

@@ -245,6 +245,12 @@ def _phase_table(s: dict) -> str:
         (f'<p class="muted">{escape(MODE_TITLES[mode])}: {m["cycles"]} cycles</p>'
          if len(modes) > 1 or mode == "segments" else "")
         + f"<table>{head}{_rows(m['phases'])}</table>" for mode, m in modes.items())
+    by_batch = s.get("by_batch") or {}
+    if len(by_batch) > 1 or any(b > 1 for b in by_batch):
+        tables += "".join(
+            f'<p class="muted">batch size &le; {b}: {m["cycles"]} steps, '
+            f'{m["cycle_ms"]:.3f} ms each, {m["tok_per_s"]:.1f} tok/s</p>'
+            f"<table>{head}{_rows(m['phases'])}</table>" for b, m in by_batch.items())
     return (f'<div><h2>{escape(s["config"])}{_badge(s)}</h2>{tables}'
             f'<p class="muted">{s["cycles"]} cycles · {s["wall_ms"]:.1f} ms wall · '
             f"{s['cycles_per_s']:.1f} cycles/s · {_pct(s['attributed'])} attributed</p></div>")

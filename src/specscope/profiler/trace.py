@@ -31,6 +31,14 @@ class CycleRecord:
     phases: list[tuple[str, float, float]]
     tokens: int  # tokens emitted by the cycle
     accepted: int | None = None  # draft tokens accepted (None for plain decoding)
+    # The engine step the cycle was: sequences in its batch, how many speculated, and the
+    # target tokens it fed by kind; each speculating sequence's accepted draft tokens.
+    batch: int = 1
+    speculating: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    verify_tokens: int = 0
+    accepted_all: tuple[int, ...] = ()
 
     @property
     def mode(self) -> str:
@@ -85,7 +93,11 @@ def chrome_trace(records: list[CycleRecord], last: int | None = None) -> dict:
                 "name": "cycle", "cat": "cycle", "ph": "X", "pid": PID, "tid": tid,
                 "ts": r.start_ms * 1000.0, "dur": r.wall_ms * 1000.0,
                 "args": {"config": config, "index": r.index, "tokens": r.tokens,
-                         "accepted": r.accepted, "other_ms": r.other_ms},
+                         "accepted": r.accepted, "other_ms": r.other_ms, "batch": r.batch,
+                         "speculating": r.speculating, "prefill_tokens": r.prefill_tokens,
+                         "decode_tokens": r.decode_tokens,
+                         "verify_tokens": r.verify_tokens,
+                         "accepted_all": list(r.accepted_all)},
             })
             for name, start_ms, dur_ms in r.phases:
                 lane.append({

@@ -412,7 +412,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
 
     @_get_and_head(app, "/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(guardrail.state() if guardrail else None),
+        return PlainTextResponse(metrics.render(guardrail.state() if guardrail else None,
+                                                llm.engine.state()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     add_admin_routes(app, llm, worker, guardrail, draft_spec, enabled=cfg.enable_admin)

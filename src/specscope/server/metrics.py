@@ -66,8 +66,9 @@ class Metrics:
         with self._lock:
             self.cancelled += 1
 
-    def render(self, guardrail: dict | None = None) -> str:
-        """The exposition text; `guardrail` is Guardrail.state() when the server has one."""
+    def render(self, guardrail: dict | None = None, engine: dict | None = None) -> str:
+        """The exposition text; `guardrail` is Guardrail.state() when the server has one,
+        `engine` Engine.state()."""
         m = _labels(model=self.model)
         with self._lock:
             out = [
@@ -107,9 +108,41 @@ class Metrics:
                 "# TYPE specscope_queue_depth gauge",
                 f"specscope_queue_depth{m} {self.queue_depth}",
             ]
+        if engine is not None:
+            out += _engine_lines(engine, m)
         if guardrail is not None:
             out += _guardrail_lines(guardrail, m)
         return "\n".join(out) + "\n"
+
+
+def _gauge(name: str, help: str, labels: str, value: float) -> list[str]:
+    return [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name}{labels} {value:.6g}"]
+
+
+def _engine_lines(e: dict, m: str) -> list[str]:
+    """The batched engine's queues, KV blocks and prefix cache."""
+    usage = e["kv_blocks_in_use"] / e["kv_blocks"] if e["kv_blocks"] else 0.0
+    rate = e["prefix_hits"] / e["prefix_queries"] if e["prefix_queries"] else 0.0
+    return (_gauge("specscope_num_requests_running", "Requests in the engine's batch.", m,
+                   e["running"])
+            + _gauge("specscope_num_requests_waiting", "Requests waiting to be scheduled.", m,
+                     e["waiting"])
+            + _gauge("specscope_kv_cache_blocks_total", "KV blocks in the target's pool.", m,
+                     e["kv_blocks"])
+            + _gauge("specscope_kv_cache_blocks_in_use", "KV blocks held by requests.", m,
+                     e["kv_blocks_in_use"])
+            + _gauge("specscope_kv_cache_usage_perc", "Fraction of KV blocks in use.", m,
+                     usage)
+            + _counter("specscope_prefix_cache_queries_total",
+                       "Prompt blocks looked up in the prefix cache.", m, e["prefix_queries"])
+            + _counter("specscope_prefix_cache_hits_total",
+                       "Prompt blocks found in the prefix cache (their prefill skipped).", m,
+                       e["prefix_hits"])
+            + _gauge("specscope_prefix_cache_hit_rate", "Prefix-cache hits over queries.", m,
+                     rate)
+            + _counter("specscope_num_preemptions_total",
+                       "Requests preempted when KV blocks ran out (recomputed later).", m,
+                       e["preemptions"]))
 
 
 def _counter(name: str, help: str, labels: str, value: int) -> list[str]:
