@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import SHAPES  # noqa: E402  (benchmarks/ is not a package)
 
-from specscope.config import ModelConfig, SamplingParams, SpecConfig  # noqa: E402
+from specscope.config import ModelConfig, SamplingParams, SpecConfig, SpecPolicy  # noqa: E402
 from specscope.draft.eagle3 import random_draft  # noqa: E402
 from specscope.engine.engine import BatchConfig, Engine  # noqa: E402
 from specscope.engine.sequence import Sequence  # noqa: E402
@@ -58,7 +58,7 @@ def build_engine(args, model, spec: bool, max_len: int) -> Engine:
     dtype = model.model.embed_tokens.weight.dtype
     mc = model.config
     layouts = [KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)]
-    draft = spec_cfg = None
+    draft = spec_cfg = policy = None
     if spec:
         spec_cfg = SpecConfig(draft="random", num_steps=args.spec_steps, topk=1,
                               simulate_acceptance=args.simulate)
@@ -66,6 +66,8 @@ def build_engine(args, model, spec: bool, max_len: int) -> Engine:
         draft.attach_target(model)
         dc = draft.config
         layouts.append(KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype))
+        if args.spec_policy:
+            policy = SpecPolicy.parse(args.spec_policy, spec_cfg)
     budget = kv_budget(layouts, 16, dev, gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_cache_memory=args.kv_cache_memory,
                        activation_bytes=args.activation_reserve)
@@ -73,7 +75,7 @@ def build_engine(args, model, spec: bool, max_len: int) -> Engine:
     cfg = BatchConfig(num_blocks=budget.num_blocks, block_size=16,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=max_len)
-    return Engine(model, cfg, draft=draft, spec=spec_cfg)
+    return Engine(model, cfg, draft=draft, spec=spec_cfg, policy=policy)
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
@@ -123,7 +125,8 @@ def concurrency_table(args, model) -> list[dict]:
             if mode == "spec":
                 engine.reset_simulation()
             r = run_batch(engine, ps, args.output_len)
-            r.update(mode=mode + (" SIMULATED" if mode == "spec" else ""), concurrency=c)
+            r.update(mode=mode + (" SIMULATED" if mode == "spec" else ""), concurrency=c,
+                     policy=args.spec_policy if mode == "spec" else None)
             if args.sequential:
                 t0 = time.perf_counter()
                 for p in ps:
@@ -174,6 +177,9 @@ def main() -> None:
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["plain", "spec"])
     ap.add_argument("--spec-steps", type=int, default=7)
     ap.add_argument("--simulate", type=float, default=3.9, help="SIMULATED tau")
+    ap.add_argument("--spec-policy", default=None,
+                    help="speculation by batch size for the spec mode, e.g. "
+                         "'4:7,1,8;16:3,1,4;512:off'")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)

@@ -271,3 +271,25 @@ def test_simulated_siblings_take_the_drawn_kept_rank():
     with pytest.raises(ValueError, match="simulate_sibling"):
         SpecConfig(draft="random", topk=2, num_draft_tokens=4, simulate_acceptance=3.0,
                    simulate_sibling=1.0)
+
+
+def test_switching_speculation_keeps_requests_in_flight(tiny_model_dir, plain):
+    """set_spec while requests run (a server's /admin/spec): they carry over into the new
+    engine (their KV recomputed) and still give their greedy outputs; nothing leaks."""
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
+    prompts = [PROMPT, "Once upon a time", "1 2 3 4"]
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, p)]
+    rids = [llm.add_request(llm.encode_prompt(x), p) for x in prompts]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    switches = iter([SpecConfig(draft="random", num_steps=3),
+                     SpecConfig(draft="random", num_steps=2, topk=2, num_draft_tokens=4), None])
+    step = 0
+    while llm.has_unfinished_requests():
+        for d in llm.step():
+            got[d.request_id] += d.token_ids
+        step += 1
+        if step % 4 == 0:
+            llm.set_spec(next(switches, None))
+    assert [got[r] for r in rids] == want
+    assert llm.engine.pool.all_free()

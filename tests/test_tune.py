@@ -339,3 +339,53 @@ def test_confirmation_always_covers_both_families_and_the_served_config():
     chains_only = {c: v for c, v in preds.items() if c[1] == 1}
     assert confirmation_set(chains_only, 2) == ([(5, 1, 6)], [(4, 1, 5), (7, 1, 8)])
     assert confirmation_set(preds, 0, served=(9, 9, 99)) == ([(5, 3, 21), (5, 1, 6)], [])
+
+
+def test_best_at_a_batch_size_turns_speculation_off_where_it_does_not_pay():
+    from specscope.tune.batch_policy import best_at
+    from specscope.tune.cost import CostModel
+
+    def cost(verify_per_token):
+        return CostModel(a_draft=1.0, b_step=0.5, c_tree=0.0, e_tree=0.0, b_row=0.0,
+                         a_verify=10.0, b_verify=verify_per_token, c_tree_verify=0.0,
+                         d_tree_verify=0.0, other=0.2, plain=10.0)
+
+    taus = {(3, 1, 4): 2.6, (5, 1, 6): 3.2}
+    pick, pred = best_at(cost(0.1), 1, taus, 0.03)  # a cheap verify: the longer chain
+    assert pick == (5, 1, 6) and pred > 100.0
+    pick, pred = best_at(cost(10.0), 16, taus, 0.03)  # verify tokens dear at batch 16
+    assert pick is None and pred is not None and pred < 16 * 100.0
+
+
+def test_a_policy_is_fitted_at_several_batch_sizes():
+    """fit_policy runs plain and the calibration shapes as 4 concurrent requests, fits that
+    batch size's costs, and gives a policy whose entries are its picks (or off)."""
+    import torch
+
+    from specscope.config import ModelConfig, SpecPolicy
+    from specscope.models.loader import random_model
+    from specscope.tune.batch_policy import fit_policy
+    from specscope.tune.tuner import CALIBRATION, spec_for
+
+    cfg = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512})
+    llm = LLM.from_model(random_model(cfg, torch.float32, "cpu"), max_model_len=512)
+    base = SpecConfig(draft="random", num_steps=3, simulate_acceptance=(0.8,))
+    taus = {(3, 1, 4): 3.0, (5, 1, 6): 3.5, (2, 2, 4): 2.6}
+    lines = []
+    policy, rows = fit_policy(llm, "random", ["1 2 3", "4 5 6 7"], [1, 4], taus, (3, 1, 4),
+                              SamplingParams(max_tokens=12, ignore_eos=True), CALIBRATION,
+                              spec_for, base, 4, 0.03, lines.append)
+    assert [r.batch for r in rows] == [4] and rows[0].plain_tok_per_s > 0
+    assert rows[0].cost.plain > 0 and len(lines) == 1
+    assert policy is not None and isinstance(policy, SpecPolicy)
+    one, four = policy.for_batch(1), policy.for_batch(3)
+    assert (one.num_steps, one.topk, one.num_draft_tokens) == (3, 1, 4)
+    if rows[0].pick is None:
+        assert four is None
+    else:
+        assert (four.num_steps, four.topk, four.num_draft_tokens) == rows[0].pick
+        assert rows[0].measured_tok_per_s > rows[0].plain_tok_per_s
+    assert SpecPolicy.parse(policy.flag(), base) == policy

@@ -150,13 +150,26 @@ def cmd_tune(args: argparse.Namespace) -> int:
                   **engine_kwargs(args),
               compile=args.compile)
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, confirm=args.confirm,
-               budget_seconds=args.budget_seconds, served=served)
+               budget_seconds=args.budget_seconds, served=served,
+               batch_sizes=args.batch_sizes)
     print(res.table())
     print(res.recommendation())
     (out_dir / "tune.json").write_text(json.dumps(res.as_dict(), indent=1) + "\n")
     write_plot(res, out_dir / "tune.svg")
     print(f"wrote {out_dir / 'tune.json'} and {out_dir / 'tune.svg'}")
     return 0
+
+
+def batch_sizes(text: str) -> list[int]:
+    """'4,16,64' -> [4, 16, 64] (positive integers)."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(b < 1 for b in out):
+        raise argparse.ArgumentTypeError(f"must be comma-separated batch sizes >= 1, got "
+                                         f"{text!r}")
+    return out
 
 
 def add_serve_draft_args(s: argparse.ArgumentParser) -> None:
@@ -173,6 +186,9 @@ def add_serve_draft_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--auto-tune-max-tokens", type=positive_int, default=64)
     s.add_argument("--auto-tune-budget-seconds", type=positive_float, default=None,
                    help="stop confirming predictions once the tuner has run this long")
+    s.add_argument("--auto-tune-batch-sizes", type=batch_sizes, default=None,
+                   help="also fit speculation by batch size at these batch sizes, e.g. "
+                        "4,16,64, and serve that policy")
     s.add_argument("--guardrail", choices=GUARDRAIL_MODES, default=None,
                    help="compare speculative decode tok/s over a rolling window with the "
                         "predicted plain-decoding tok/s: warn logs when slower, "
@@ -239,10 +255,12 @@ def start_serve_draft(llm: LLM, spec: Any, args: argparse.Namespace,
             f"{args.auto_tune_max_tokens} tokens each")
         res = tune(llm, spec.draft, prompts, max_tokens=args.auto_tune_max_tokens,
                    budget_seconds=args.auto_tune_budget_seconds, log=say,
-                   served=(spec.num_steps, spec.topk, spec.num_draft_tokens))
+                   served=(spec.num_steps, spec.topk, spec.num_draft_tokens),
+                   batch_sizes=args.auto_tune_batch_sizes)
         say(res.table())
         say(res.recommendation())
-        say(f"[auto-tune] serving with {res.recommended}" if res.recommended else
+        say(f"[auto-tune] serving by batch size: {res.policy.describe()}" if res.policy else
+            f"[auto-tune] serving with {res.recommended}" if res.recommended else
             "[auto-tune] serving with speculation OFF (POST /admin/spec can switch it on)")
         plain, source = res.cost.plain_tok_per_s, "the --auto-tune cost model"
     elif guardrail_mode != "off":
@@ -367,6 +385,10 @@ def add_draft_commands(sub: argparse._SubParsersAction,
                    help="next-best predictions confirmed by real runs beyond those always "
                         "run (the top prediction, the best predicted chain and tree, and "
                         "the --served one)")
+    u.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="B,B,...",
+                   help="also fit speculation by batch size: re-measure the costs with B "
+                        "concurrent requests for each B (e.g. 4,16,64) and print the "
+                        "--spec-policy table")
     u.add_argument("--served", default="5,1", metavar="STEPS,TOPK[,NDT]",
                    help="the configuration served today, always confirmed (default 5,1)")
     u.add_argument("--budget-seconds", type=positive_float, default=None,

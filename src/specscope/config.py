@@ -391,6 +391,12 @@ class SpecPolicy:
     def configs(self) -> list[SpecConfig]:
         return [c for _, c in self.entries if c is not None]
 
+    def flag(self) -> str:
+        """The --spec-policy text that gives this policy back."""
+        return ";".join(f"{b}:" + ("off" if c is None else
+                                   f"{c.num_steps},{c.topk},{c.num_draft_tokens}")
+                        for b, c in self.entries)
+
     def describe(self) -> str:
         return "; ".join(f"<= {b}: " + ("off" if c is None else
                                         f"({c.num_steps}, {c.topk}, {c.num_draft_tokens})")

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specscope.config import SamplingParams, SpecConfig
+from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.tune.acceptance import AcceptanceModel, draft_scores, measure_acceptance
+from specscope.tune.batch_policy import BucketRow, fit_policy
 from specscope.tune.cost import (
     CostModel,
     calibration_from_summary,
@@ -83,6 +84,9 @@ class TuneResult:
     measured: list[Measured] = field(default_factory=list)
     recommended: Config | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # Speculation by batch size (tune(batch_sizes=...)): the policy and each batch's row.
+    policy: SpecPolicy | None = None
+    batch_rows: list[BucketRow] = field(default_factory=list)
 
     def table(self) -> str:
         plain = next((m for m in self.measured if m.config is None), None)
@@ -99,9 +103,17 @@ class TuneResult:
             lines.append(f"{str(m.config):<28} {tau:>8.2f} {tps:>10.1f} "
                          f"{m.accept_length or 1:>8.2f} {m.tok_per_s:>10.1f} "
                          f"{tps / m.tok_per_s - 1:>+7.1%}")
+        for r in self.batch_rows:
+            meas = f"{r.measured_tok_per_s:.1f}" if r.measured_tok_per_s else "-"
+            pred = f"{r.predicted_tok_per_s:.1f}" if r.predicted_tok_per_s else "-"
+            lines.append(f"batch {r.batch:<4} plain {r.plain_tok_per_s:>9.1f} tok/s   pick "
+                         f"{str(r.pick or 'off'):<14} predicted {pred:>9} measured {meas:>9}")
         return "\n".join(lines)
 
     def recommendation(self) -> str:
+        if self.policy is not None:
+            return (f"recommendation by batch size: {self.policy.describe()} -> specscope "
+                    f"serve ... --draft DRAFT --spec-policy '{self.policy.flag()}'")
         if self.recommended is None:
             return ("recommendation: speculation OFF: no configuration beat plain decoding "
                     "(serve without --draft)")
@@ -123,7 +135,9 @@ class TuneResult:
                              for m in self.measured],
                 "top_predictions": [{"config": list(c), "tau": round(t, 3),
                                      "tok_per_s": round(v, 2)} for c, (t, v) in best],
-                "timings_s": {k: round(v, 2) for k, v in self.timings.items()}}
+                "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
+                "policy": self.policy.flag() if self.policy else None,
+                "by_batch": [r.as_dict() for r in self.batch_rows]}
 
 
 def spec_for(cfg: Config | None, draft: str, base: SpecConfig | None = None
@@ -269,7 +283,8 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          calibration_tokens: int = 48, budget_seconds: float | None = None,
          log: Any = print, base: SpecConfig | None = None,
          acceptance: AcceptanceModel | None = None, warmup_tokens: int = 8,
-         tie_margin: float = 0.03, served: Config | None = None) -> TuneResult:
+         tie_margin: float = 0.03, served: Config | None = None,
+         batch_sizes: list[int] | None = None) -> TuneResult:
     """The whole tuner on an LLM holding the target (weights never reloaded). With a budget,
     confirmation runs stop once it is spent (plain and confirmation_set's must-runs always
     run: the top prediction, the best chain and tree, and `served`, the configuration in
@@ -278,7 +293,9 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     `acceptance`: a given acceptance model instead of measuring the draft. With a simulated
     `base` and no `acceptance`, the model is the profile's (simulated_acceptance).
     `tie_margin`: confirmed configurations measured within this share of the fastest are
-    tied, and the tie goes to the higher prediction (pick)."""
+    tied, and the tie goes to the higher prediction (pick).
+    `batch_sizes`: beyond batch 1, fit speculation by batch size (tune/batch_policy.py):
+    the result's policy, served from then on."""
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     params = SamplingParams(max_tokens=max_tokens)
@@ -333,8 +350,18 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     timings["confirmation"] = time.perf_counter() - t
     best = pick(result.measured, preds, cost.plain_tok_per_s, tie_margin)
     result.recommended = best.config
+    if batch_sizes and max(batch_sizes) > 1:
+        t = time.perf_counter()
+        result.policy, result.batch_rows = fit_policy(
+            llm, draft, prompts, [1, *batch_sizes], {c: v[0] for c, v in preds.items()},
+            best.config, params, CALIBRATION, spec_for, base, warmup_tokens, tie_margin,
+            log)
+        timings["by_batch"] = time.perf_counter() - t
     result.timings = timings
-    llm.set_spec(spec_for(best.config, draft, base))
+    if result.policy is not None:
+        llm.set_spec(result.policy.configs[0], result.policy)
+    else:
+        llm.set_spec(spec_for(best.config, draft, base))
     return result
 
 
