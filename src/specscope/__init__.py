@@ -1,10 +1,10 @@
 """specscope: a PyTorch-native EAGLE-3 speculative-decoding engine in which every cycle is measured.
 
-Public API: `LLM`, `SamplingParams`, `SpecConfig`.
+Public API: `LLM`, `SamplingParams`, `SpecConfig`, `SpecPolicy`.
 """
 
-from specscope.config import SamplingParams, SpecConfig
+from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.engine.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "SpecConfig"]
+__all__ = ["LLM", "SamplingParams", "SpecConfig", "SpecPolicy"]
 __version__ = "0.1.0"

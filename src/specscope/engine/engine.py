@@ -23,12 +23,12 @@ the emitted tokens, in one tensor. Everything per request lives in its `Sequence
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
 from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.draft.eagle3 import Eagle3Draft
+from specscope.engine.draft_runner import DraftRunner, draft_slots
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SequenceStatus, SpecState
 from specscope.kvcache.block_pool import BlockPool
@@ -36,12 +36,14 @@ from specscope.kvcache.paged import (
     BatchMeta,
     PagedKV,
     accepted_path_slots,
+    block_tables,
+    fast_backend_available,
     tree_meta,
     upload,
+    with_pieces,
 )
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import make_generator, processed_logits, sample
-from specscope.spec.drafter import draft_chain, draft_tree
 from specscope.spec.simulate import simulated_verdict
 from specscope.spec.tree import DraftTree
 from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch, verify_sampling
@@ -109,22 +111,6 @@ class _Verdicts:
     path_taps: torch.Tensor
 
 
-def draft_slots(spec: SpecConfig) -> int:
-    """Draft positions a speculative step writes past the committed length: the chain's
-    draft steps, or every tree step's beams (num_steps - 1 steps of topk slots)."""
-    return max(spec.num_steps - 1, 1) * (1 if spec.topk == 1 else spec.topk)
-
-
-@cache
-def _fast_attention():
-    """kvcache/triton_attention.py when Triton is installed, else None."""
-    try:
-        from specscope.kvcache import triton_attention
-    except ImportError:
-        return None
-    return triton_attention
-
-
 class Engine:
     """A target model (and optionally an EAGLE-3 draft) served in batches over paged KV."""
 
@@ -148,17 +134,16 @@ class Engine:
         # spec: the configuration of the step being run (a policy picks one per step by
         # batch size; None: plain steps, the draft still kept up to date).
         self.draft, self.spec, self.spec_base, self.policy = draft, spec, spec, policy
+        self.drafter: DraftRunner | None = None
         self.draft_pool: BlockPool | None = None
         configs = ([] if spec is None else policy.configs if policy is not None else [spec])
         if draft is not None:
-            dc = draft.config
-            self.draft_pool = BlockPool(nb, bs, config.enable_prefix_caching)
-            self.draft_kv = PagedKV(dc.num_layers, nb, bs, dc.num_kv_heads, dc.head_dim,
-                                    dtype, dev)
+            self.drafter = DraftRunner(draft, nb, bs, config.enable_prefix_caching,
+                                       config.max_model_len, dtype, dev)
+            self.draft_pool = self.drafter.pool
             reach = max([draft_slots(c) for c in configs] or [1])
             pools.append(Pool(self.draft_pool, draft=True, spec_lookahead=reach))
-            model.set_taps(dc.aux_layer_ids)
-            draft.ensure_rope(config.max_model_len)
+            model.set_taps(draft.config.aux_layer_ids)
             self._sim_rates: dict[SpecConfig, torch.Tensor | None] = {}
             self.sim_gen = torch.Generator(device=dev)
             self.reset_simulation()
@@ -175,16 +160,14 @@ class Engine:
         if dev.type == "cuda" and config.cuda_graphs and draft is None:
             from specscope.engine.cuda_graph import BatchGraphs
 
-            fast = _fast_attention()
-            plan = None if fast is None else (lambda lens: fast.build_tiles(
-                lens, mc.num_heads, mc.num_kv_heads, dev))
+            def plan(lens: list[int]) -> object:
+                from specscope.kvcache.triton_attention import build_tiles
+
+                return build_tiles(lens, mc.num_heads, mc.num_kv_heads, dev)
+
             self.graphs = BatchGraphs(self._target, self.kv, bs, -(-config.max_model_len // bs),
                                       config.max_model_len, nb, dev, config.max_num_seqs,
-                                      plan)
-
-    @property
-    def _draft_slots(self) -> int:
-        return draft_slots(self.spec)
+                                      plan if fast_backend_available() else None)
 
     @property
     def sim_rates(self) -> torch.Tensor | None:
@@ -276,7 +259,7 @@ class Engine:
         tree = None
         if self.draft is not None:
             self._mark(Phase.DRAFT_EXTEND)
-            heads = self._extend(items, spec_idx)
+            heads = self.drafter.extend(items, spec_idx, self.scheduler)
             if spec_idx:
                 tree = self._draft_trees([items[i].seq for i in spec_idx], *heads)
         if self._graphable(items):
@@ -315,81 +298,10 @@ class Engine:
             self.timer.stop()
         return [self._advance(s, [t], 1, None) for s, t in zip(seqs, tokens, strict=True)]
 
-    # -- 1. draft extend ----------------------------------------------------------------------
-
-    def _extend(self, items: list[Scheduled], spec_idx: list[int]
-                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
-        """One draft forward over every scheduled sequence's pending pairs: pair p is the
-        target's taps at position p and the token at p + 1. Returns the draft's output at
-        the last pair of each speculating sequence (h0 [S, Hd], logits0 [S, Vd]), which
-        predicts its first draft token."""
-        work = [it.seq for it in items if it.seq.spec is not None and
-                it.seq.spec.taps is not None]
-        if not work:
-            assert not spec_idx, "a speculating sequence always has pending pairs"
-            return ()
-        ids, pos, rows, taps, last = [], [], [], [], {}
-        for r, seq in enumerate(work):
-            dc, P = seq.draft_computed, seq.spec.taps.shape[0]
-            ids += seq.token_ids[dc + 1:dc + 1 + P]
-            pos += range(dc, dc + P)
-            rows += [r] * P
-            taps.append(seq.spec.taps)
-            last[seq.seq_id] = len(pos) - 1
-        dev = self.device
-        pos_t = upload(pos, torch.long, dev)
-        meta = BatchMeta.causal(self._tables(work, 1), upload(rows, torch.long, dev), pos_t,
-                                self.config.block_size, max_len=max(pos) + 1)
-        meta = self._planned(meta, [(s.spec.taps.shape[0], r, s.draft_computed +
-                                     s.spec.taps.shape[0]) for r, s in enumerate(work)],
-                             self.draft.config)
-        h, normed = self.draft(upload(ids, torch.long, dev)[None],
-                               self.draft.project(torch.cat(taps)[None]), pos_t[None],
-                               self.draft_kv, batch=meta)
-        for seq in work:
-            P = seq.spec.taps.shape[0]
-            seq.spec.taps = None
-            self.scheduler.computed(seq, 0, P)
-        if not spec_idx:
-            return ()
-        sel = upload([last[items[i].seq.seq_id] for i in spec_idx], torch.long, dev)
-        return h[0, sel], self.draft.compute_logits(normed[0, sel])
-
-    # -- 2. draft steps -----------------------------------------------------------------------
-
     def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor,
                      logits0: torch.Tensor) -> DraftTree:
-        """Every speculating sequence's chain or tree, each draft step one batched forward
-        over the draft's paged KV."""
-        spec, dev, bs = self.spec, self.device, self.config.block_size
-        S = len(seqs)
-        n_host = [s.num_computed for s in seqs]  # each root's position
-        n = upload(n_host, torch.long, dev)
-        root = upload([s.token_ids[-1] for s in seqs], torch.long, dev)
-        tables = self._tables(seqs, 1)
-        rows = torch.arange(S, device=dev)
-        reach = max(n_host) + self._draft_slots
-
-        def step(tokens, hidden, rope, query_slots, ancestors):
-            Q = tokens.shape[1]
-            if query_slots is None:
-                meta = BatchMeta.causal(tables, rows.repeat_interleave(Q), rope.reshape(-1),
-                                        bs, max_len=reach)
-            else:
-                meta = tree_meta(tables, n, ancestors, bs, query_slots=query_slots,
-                                 max_len=reach)
-            meta = self._planned(meta, [(Q, s, n_host[s] + self._draft_slots)
-                                        for s in range(S)], self.draft.config)
-            h, normed = self.draft(tokens.reshape(1, -1), hidden.reshape(1, S * Q, -1),
-                                   rope.reshape(1, -1), self.draft_kv, batch=meta)
-            return h.view(S, Q, -1), self.draft.compute_logits(normed[0]).view(S, Q, -1)
-
-        params = [s.params for s in seqs]
-        if spec.topk == 1:
-            return draft_chain(step, self.draft, h0, logits0, root, n, spec.num_steps,
-                                     params, [s.generator for s in seqs], self.timer)
-        return draft_tree(step, self.draft, h0, logits0, root, n, spec.num_steps,
-                                spec.topk, spec.num_draft_tokens, params, self.timer)
+        """Every speculating sequence's chain or tree (the seam tests replace)."""
+        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer)
 
     # -- 3. the target forward ----------------------------------------------------------------
 
@@ -430,23 +342,10 @@ class Engine:
         if spec_idx:
             parts += [(tree.size, i, n + tree.size) for i, n in zip(spec_idx, n_host,
                                                                     strict=True)]
-        meta = self._planned(BatchMeta.cat(metas), parts, self.model.config)
+        mc = self.model.config
+        meta = with_pieces(BatchMeta.cat(metas), parts, mc.num_heads, mc.num_kv_heads,
+                           self.device)
         return _TargetBatch(ids_t, rope, meta, pieces, last, sampling, base)
-
-    def _planned(self, meta: BatchMeta, pieces: list[tuple[int, int, int]], cfg) -> BatchMeta:
-        """meta with its pieces, host-known (tokens, block-table row, keys seen) in flattened
-        order: the fast backend's query tiles on CUDA, the reference's spans elsewhere."""
-        if self.device.type == "cuda" and _fast_attention() is not None:
-            meta.tiles = _fast_attention().build_tiles([n for n, _, _ in pieces],
-                                                       cfg.num_heads, cfg.num_kv_heads,
-                                                       self.device)
-            return meta
-        spans, a = [], 0
-        for n, row, keys in pieces:
-            spans.append((a, a + n, row, keys))
-            a += n
-        meta.spans = spans
-        return meta
 
     # -- 4. sample and verify -----------------------------------------------------------------
 
@@ -579,7 +478,4 @@ class Engine:
         return False
 
     def _tables(self, seqs: list[Sequence], pool: int) -> torch.Tensor:
-        """Block tables [len(seqs), widest] int64 of one pool (0: target, 1: draft)."""
-        width = max(len(s.block_tables[pool]) for s in seqs)
-        rows = [s.block_tables[pool] + [0] * (width - len(s.block_tables[pool])) for s in seqs]
-        return upload(rows, torch.long, self.device)
+        return block_tables([q.block_tables[pool] for q in seqs], self.device)

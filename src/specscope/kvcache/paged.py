@@ -47,6 +47,29 @@ def upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables [len(tables), widest] int64 on the device, zero padded."""
+    width = max(len(t) for t in tables)
+    return upload([t + [0] * (width - len(t)) for t in tables], torch.long, device)
+
+
+def with_pieces(meta: BatchMeta, pieces: list[tuple[int, int, int]], num_heads: int,
+                num_kv_heads: int, device: torch.device) -> BatchMeta:
+    """meta with its pieces, host-known (tokens, block-table row, keys seen) in flattened
+    order: the fast backend's query tiles on CUDA, the reference's spans elsewhere."""
+    if device.type == "cuda" and _fast_backend() is not None:
+        from specscope.kvcache.triton_attention import build_tiles
+
+        meta.tiles = build_tiles([n for n, _, _ in pieces], num_heads, num_kv_heads, device)
+        return meta
+    spans, a = [], 0
+    for n, row, keys in pieces:
+        spans.append((a, a + n, row, keys))
+        a += n
+    meta.spans = spans
+    return meta
+
+
 def slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,
                  block_size: int) -> torch.Tensor:
     """Slots [N] of N tokens: token i is at `positions[i]` of sequence `seq_index[i]`, whose
@@ -257,6 +280,10 @@ def _fast_attend(fast, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """The Triton kernels, outside torch.compile's graph (their launch wrapper plans tiles
     and splits on the host, which dynamo does not trace); CUDA graphs still capture them."""
     return fast(q[0].transpose(0, 1), k_cache, v_cache, meta, scale, tiles=meta.tiles)[None]
+
+
+def fast_backend_available() -> bool:
+    return _fast_backend() is not None
 
 
 @cache

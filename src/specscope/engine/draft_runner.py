@@ -1,0 +1,127 @@
+"""The draft side of the batched engine: the EAGLE-3 draft, its paged KV pool, the draft
+extend over every scheduled sequence's pending taps, and the batched draft steps.
+
+Draft position p holds the pair (the target's taps at p, the token at p + 1), so the draft
+lags the target by one position; a sequence's pending taps (`Sequence.spec.taps`) are the
+target's at the positions it computed since the draft caught up. A step extends every
+scheduled sequence over them in one forward, then runs the speculating sequences' draft
+steps, one forward per step for all of them (spec/drafter.py, through a DraftStep over this
+pool).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specscope.config import SpecConfig
+from specscope.draft.eagle3 import Eagle3Draft
+from specscope.engine.scheduler import Scheduled, Scheduler
+from specscope.engine.sequence import Sequence
+from specscope.kvcache.block_pool import BlockPool
+from specscope.kvcache.paged import (
+    BatchMeta,
+    PagedKV,
+    block_tables,
+    tree_meta,
+    upload,
+    with_pieces,
+)
+from specscope.profiler import Profiler
+from specscope.spec.drafter import draft_chain, draft_tree
+from specscope.spec.tree import DraftTree
+
+
+def draft_slots(spec: SpecConfig) -> int:
+    """Draft positions a speculative step writes past the committed length: the chain's
+    draft steps, or every tree step's beams (num_steps - 1 steps of topk slots)."""
+    return max(spec.num_steps - 1, 1) * (1 if spec.topk == 1 else spec.topk)
+
+
+class DraftRunner:
+    """A draft over its own paged KV pool (pool index 1 of every sequence's block tables)."""
+
+    def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool, max_model_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        dc = draft.config
+        self.draft, self.device, self.block_size = draft, device, block_size
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.kv = PagedKV(dc.num_layers, num_blocks, block_size, dc.num_kv_heads, dc.head_dim,
+                          dtype, device)
+        draft.ensure_rope(max_model_len)
+
+    def _pieces(self, meta: BatchMeta, pieces: list[tuple[int, int, int]]) -> BatchMeta:
+        dc = self.draft.config
+        return with_pieces(meta, pieces, dc.num_heads, dc.num_kv_heads, self.device)
+
+    def extend(self, items: list[Scheduled], spec_idx: list[int], scheduler: Scheduler
+               ) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+        """One draft forward over every scheduled sequence's pending pairs: pair p is the
+        target's taps at position p and the token at p + 1. Returns the draft's output at
+        the last pair of each speculating sequence (h0 [S, Hd], logits0 [S, Vd]), which
+        predicts its first draft token."""
+        work = [it.seq for it in items if it.seq.spec is not None and
+                it.seq.spec.taps is not None]
+        if not work:
+            assert not spec_idx, "a speculating sequence always has pending pairs"
+            return ()
+        ids, pos, rows, taps, last = [], [], [], [], {}
+        for r, seq in enumerate(work):
+            dc, P = seq.draft_computed, seq.spec.taps.shape[0]
+            ids += seq.token_ids[dc + 1:dc + 1 + P]
+            pos += range(dc, dc + P)
+            rows += [r] * P
+            taps.append(seq.spec.taps)
+            last[seq.seq_id] = len(pos) - 1
+        dev = self.device
+        pos_t = upload(pos, torch.long, dev)
+        meta = BatchMeta.causal(block_tables([s.block_tables[1] for s in work], dev),
+                                upload(rows, torch.long, dev), pos_t, self.block_size,
+                                max_len=max(pos) + 1)
+        meta = self._pieces(meta, [(s.spec.taps.shape[0], r, s.draft_computed +
+                                    s.spec.taps.shape[0]) for r, s in enumerate(work)])
+        h, normed = self.draft(upload(ids, torch.long, dev)[None],
+                               self.draft.project(torch.cat(taps)[None]), pos_t[None],
+                               self.kv, batch=meta)
+        for seq in work:
+            P = seq.spec.taps.shape[0]
+            seq.spec.taps = None
+            scheduler.computed(seq, 0, P)
+        if not spec_idx:
+            return ()
+        sel = upload([last[items[i].seq.seq_id] for i in spec_idx], torch.long, dev)
+        return h[0, sel], self.draft.compute_logits(normed[0, sel])
+
+    def trees(self, seqs: list[Sequence], h0: torch.Tensor, logits0: torch.Tensor,
+              spec: SpecConfig, timer: Profiler | None = None) -> DraftTree:
+        """Every speculating sequence's chain or tree, each draft step one batched forward
+        over the draft's paged KV."""
+        dev, bs = self.device, self.block_size
+        S = len(seqs)
+        n_host = [s.num_computed for s in seqs]  # each root's position
+        n = upload(n_host, torch.long, dev)
+        root = upload([s.token_ids[-1] for s in seqs], torch.long, dev)
+        tables = block_tables([s.block_tables[1] for s in seqs], dev)
+        rows = torch.arange(S, device=dev)
+        slots = draft_slots(spec)
+        reach = max(n_host) + slots
+
+        def step(tokens, hidden, rope, query_slots, ancestors):
+            Q = tokens.shape[1]
+            if query_slots is None:
+                meta = BatchMeta.causal(tables, rows.repeat_interleave(Q), rope.reshape(-1),
+                                        bs, max_len=reach)
+            else:
+                meta = tree_meta(tables, n, ancestors, bs, query_slots=query_slots,
+                                 max_len=reach)
+            meta = self._pieces(meta, [(Q, s, n_host[s] + slots) for s in range(S)])
+            h, normed = self.draft(tokens.reshape(1, -1), hidden.reshape(1, S * Q, -1),
+                                   rope.reshape(1, -1), self.kv, batch=meta)
+            return h.view(S, Q, -1), self.draft.compute_logits(normed[0]).view(S, Q, -1)
+
+        params = [s.params for s in seqs]
+        if spec.topk == 1:
+            return draft_chain(step, self.draft, h0, logits0, root, n, spec.num_steps, params,
+                               [s.generator for s in seqs], timer)
+        return draft_tree(step, self.draft, h0, logits0, root, n, spec.num_steps, spec.topk,
+                          spec.num_draft_tokens, params, timer)
