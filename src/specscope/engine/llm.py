@@ -491,7 +491,9 @@ class LLM:
         out = req.output()
         st = o.seq.spec
         if self.spec is not None:
-            stats = SpecStats(self.spec.num_steps, self.spec.simulated)
+            configs = self.spec_policy.configs if self.spec_policy else []
+            steps = max(c.num_steps for c in configs or [self.spec])
+            stats = SpecStats(steps, self.spec.simulated)
             stats.accepted = list(st.accepted) if st else []
             stats.cycles = len(stats.accepted)
             out.spec = stats.as_dict()

@@ -196,7 +196,7 @@ def calibrate_plain(llm: LLM, prompt: Prompt, max_tokens: int = 32, runs: int = 
     """Plain-decoding tok/s measured as the guardrail measures speculation (decode tokens
     over decode time): a warm-up, then `runs` generations of `max_tokens` tokens. The
     speculative configuration is switched off for it and restored after."""
-    spec = llm.spec
+    spec, policy = llm.spec, llm.spec_policy
     if spec is not None:
         llm.set_spec(None)
     try:
@@ -205,7 +205,7 @@ def calibrate_plain(llm: LLM, prompt: Prompt, max_tokens: int = 32, runs: int = 
                 for _ in range(runs)]
     finally:
         if spec is not None:
-            llm.set_spec(spec)
+            llm.set_spec(spec, policy)
     tokens = sum(o.metrics.completion_tokens - 1 for o in outs)
     seconds = sum(o.metrics.decode_s for o in outs)
     if tokens <= 0 or seconds <= 0:
