@@ -12,7 +12,6 @@ from specscope.kvcache.paged import (
     PagedKV,
     accepted_path_slots,
     attention_reference,
-    blocks_for_budget,
     kv_bytes_per_token,
     slot_mapping,
 )
@@ -106,12 +105,9 @@ def test_prefix_caching_off():
     assert pool.stats().cached == 0 and pool.lookup([h]) == []
 
 
-def test_budget_sizing():
+def test_kv_bytes_per_token():
     # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 128 KiB per token
     assert kv_bytes_per_token(32, 8, 128, torch.bfloat16) == 131072
-    assert blocks_for_budget(10 * 2**30, 16, 32, 8, 128, torch.bfloat16) == 5120
-    with pytest.raises(ValueError, match="holds no block of 16 tokens"):
-        blocks_for_budget(1000, 16, 32, 8, 128, torch.bfloat16)
 
 
 def _paged(num_blocks=12, bs=4, Hkv=2, D=8, layers=2):

@@ -22,6 +22,11 @@ def test_bytes_per_token_of_the_8b_shape():
     assert LLAMA_8B.bytes_per_token == 131072  # 128 KiB: the "131 KB per token"
 
 
+def test_a_byte_budget_of_the_target_alone():
+    b = kv_budget([LLAMA_8B], 16, CPU, kv_cache_memory=10 * GiB)
+    assert b.num_blocks == 5120  # 10 GiB / (16 tokens x 128 KiB)
+
+
 def test_a_byte_budget_buys_whole_blocks_of_both_pools():
     b = kv_budget([LLAMA_8B, DRAFT_8B], 16, CPU, kv_cache_memory=10 * GiB)
     per_block = 16 * (131072 + 4096)

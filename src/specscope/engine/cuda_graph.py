@@ -17,12 +17,11 @@ import torch
 
 from specscope.profiler.profiler import BATCH_BUCKETS
 
-BUCKETS = BATCH_BUCKETS  # the profiler splits its summaries by the same buckets
-
 
 def bucket_for(n: int) -> int | None:
-    """The smallest batch-size bucket holding n sequences (None past the largest)."""
-    return next((b for b in BUCKETS if b >= n), None)
+    """The smallest batch-size bucket holding n sequences (None past the largest); the
+    profiler splits its summaries by the same buckets."""
+    return next((b for b in BATCH_BUCKETS if b >= n), None)
 
 
 class BatchGraphs:
@@ -39,7 +38,7 @@ class BatchGraphs:
                  plan_tiles: Callable | None = None) -> None:
         self.model, self.kv, self.block_size = model, kv, block_size
         self.max_len, self.scratch, self.device = max_len, scratch_block, device
-        self.max_batch = bucket_for(max_batch) or BUCKETS[-1]
+        self.max_batch = bucket_for(max_batch) or BATCH_BUCKETS[-1]
         B = self.max_batch
         self.ids = torch.zeros(B, dtype=torch.long, device=device)
         self.pos = torch.zeros(B, dtype=torch.long, device=device)

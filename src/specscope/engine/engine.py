@@ -30,7 +30,7 @@ from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.draft_runner import DraftRunner, draft_slots
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
-from specscope.engine.sequence import Sequence, SequenceStatus, SpecState
+from specscope.engine.sequence import Sequence, SpecState
 from specscope.kvcache.block_pool import BlockPool
 from specscope.kvcache.paged import (
     BatchMeta,
@@ -198,8 +198,6 @@ class Engine:
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End a sequence now (client gone, cancelled): its blocks are free for the next step."""
-        if seq.spec is not None:
-            seq.spec.taps = None
         self.scheduler.finish(seq, reason)
 
     @property
@@ -214,20 +212,6 @@ class Engine:
                 "kv_blocks_in_use": st.in_use, "kv_blocks_cached": st.cached,
                 "block_size": self.config.block_size,
                 "prefix_queries": st.prefix_queries, "prefix_hits": st.prefix_hits}
-
-    def drain(self) -> list[Sequence]:
-        """Take every unfinished sequence out, its blocks released and its KV to be
-        recomputed (as after a preemption), in arrival order: to carry them into a new
-        engine (a new speculative configuration)."""
-        sch = self.scheduler
-        seqs = sorted(sch.running + list(sch.waiting), key=lambda s: s.arrival)
-        for seq in seqs:
-            sch.finish(seq, "drained")
-            seq.status, seq.finish_reason = SequenceStatus.WAITING, None
-            seq.num_computed = seq.draft_computed = seq.num_cached = 0
-            if seq.spec is not None:
-                seq.spec.taps = None
-        return seqs
 
     @staticmethod
     def _stats(items: list[Scheduled]) -> StepStats:
@@ -459,8 +443,6 @@ class Engine:
             seq.output_ids.append(t)
             kept.append(t)
             if self._stops(seq):
-                if seq.spec is not None:
-                    seq.spec.taps = None
                 self.scheduler.finish(seq, seq.finish_reason)
                 return StepOutput(seq, kept, True, accepted)
         self.scheduler.computed(seq, computed, 0 if self.draft is not None else None)

@@ -224,7 +224,7 @@ class LLM:
                                                              self.device)
                     pack_linears(draft)
                     self._draft = (key, draft)
-            carried = self.engine.drain() if self.engine is not None else []
+            carried = self.engine.scheduler.drain() if self.engine is not None else []
             self.engine = None  # the old pools go before the new ones are allocated
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

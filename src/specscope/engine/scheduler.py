@@ -135,6 +135,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        if seq.spec is not None:
+            seq.spec.taps = None
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     @property
@@ -189,8 +191,7 @@ class Scheduler:
             if not self._reserve(seq, item):
                 # Wait for blocks, holding none: cached blocks pinned by a waiting sequence
                 # would starve the running ones. The lookup is repeated next time.
-                self._release(seq)
-                seq.num_computed = seq.draft_computed = seq.num_cached = 0
+                self._forget(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -238,13 +239,29 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
-        self._release(seq)
-        seq.num_computed = seq.draft_computed = seq.num_cached = 0
-        if seq.spec is not None:
-            seq.spec.taps = None  # recomputed with the target's K/V; accept stats are kept
+        self._forget(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def drain(self) -> list[Sequence]:
+        """Take every unfinished sequence out, its blocks released and its KV to be
+        recomputed (as after a preemption), in arrival order: to carry them into another
+        engine (a new speculative configuration)."""
+        seqs = sorted(self.running + list(self.waiting), key=lambda s: s.arrival)
+        for seq in seqs:
+            self._forget(seq)
+            seq.status = SequenceStatus.WAITING
+        self.running, self.waiting = [], deque()
+        return seqs
+
+    def _forget(self, seq: Sequence) -> None:
+        """Release a sequence's blocks: its K/V (and the pending draft inputs computed from
+        them) are to be computed again; its tokens and accept stats are kept."""
+        self._release(seq)
+        seq.num_computed = seq.draft_computed = seq.num_cached = 0
+        if seq.spec is not None:
+            seq.spec.taps = None
 
     def _release(self, seq: Sequence) -> None:
         for p, table in zip(self.pools, seq.block_tables, strict=False):

@@ -35,10 +35,6 @@ class SpecState:
     taps: torch.Tensor | None = None
     accepted: list[int] = field(default_factory=list)
 
-    @property
-    def accept_length(self) -> float | None:
-        return 1 + sum(self.accepted) / len(self.accepted) if self.accepted else None
-
 
 @dataclass
 class Sequence:

@@ -26,17 +26,6 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def blocks_for_budget(budget_bytes: int, block_size: int, num_layers: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype) -> int:
-    """How many blocks a byte budget holds (at least 1, or a ValueError naming the budget)."""
-    per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
-    n = budget_bytes // per_block
-    if n < 1:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} "
-                         f"tokens ({per_block} bytes); raise the budget")
-    return int(n)
-
-
 def upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list (or list of equal-length lists) on the device. On CUDA through pinned
     memory and an asynchronous copy: a plain torch.tensor(..., device=cuda) from pageable
