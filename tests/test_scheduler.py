@@ -174,3 +174,16 @@ def test_block_keys_chain_and_the_draft_key_needs_the_next_token():
     assert block_keys(t, 4, False, start=1, parent=k[0]) == k[1:]
     assert block_keys([0, 1, 2, 3, 4], 4, True) != block_keys([0, 1, 2, 3, 5], 4, True)
     assert Sequence("x", [1], SamplingParams()).status is SequenceStatus.WAITING
+
+
+def test_sequence_token_slices_equal_the_whole_list():
+    from specscope.config import SamplingParams
+    from specscope.engine.sequence import Sequence
+
+    seq = Sequence("s", [1, 2, 3, 4], SamplingParams(max_tokens=8), output_ids=[5, 6, 7])
+    whole = seq.token_ids
+    for a in range(len(whole) + 1):
+        for b in range(a, len(whole) + 2):
+            assert seq.tokens(a, b) == whole[a:b], (a, b)
+    assert seq.last_token == 7
+    assert Sequence("t", [9, 8], SamplingParams()).last_token == 8

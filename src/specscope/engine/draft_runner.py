@@ -68,7 +68,7 @@ class DraftRunner:
         ids, pos, rows, taps, last = [], [], [], [], {}
         for r, seq in enumerate(work):
             dc, P = seq.draft_computed, seq.spec.taps.shape[0]
-            ids += seq.token_ids[dc + 1:dc + 1 + P]
+            ids += seq.tokens(dc + 1, dc + 1 + P)
             pos += range(dc, dc + P)
             rows += [r] * P
             taps.append(seq.spec.taps)
@@ -100,7 +100,7 @@ class DraftRunner:
         S = len(seqs)
         n_host = [s.num_computed for s in seqs]  # each root's position
         n = upload(n_host, torch.long, dev)
-        root = upload([s.token_ids[-1] for s in seqs], torch.long, dev)
+        root = upload([s.last_token for s in seqs], torch.long, dev)
         tables = block_tables([s.block_tables[1] for s in seqs], dev)
         rows = torch.arange(S, device=dev)
         slots = draft_slots(spec)

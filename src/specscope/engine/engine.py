@@ -275,7 +275,7 @@ class Engine:
         items = plan.scheduled
         seqs = [it.seq for it in items]
         self._mark(Phase.DECODE)
-        logits = self.graphs.run([s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
+        logits = self.graphs.run([s.last_token for s in seqs], [s.num_computed for s in seqs],
                                  [s.block_tables[0] for s in seqs])
         tokens, _ = self._read(self._sample(logits, seqs), None)
         if self.timer is not None:
@@ -300,7 +300,7 @@ class Engine:
             seq, m = item.seq, item.num_tokens
             a = seq.num_computed
             pieces.append((i, len(ids), m))
-            ids += seq.token_ids[a:a + m]
+            ids += seq.tokens(a, a + m)
             pos += range(a, a + m)
             rows += [i] * m
             if m == seq.num_uncomputed:

@@ -276,7 +276,6 @@ class Scheduler:
         prefix cache. Call after the step's tokens are appended (a key needs its tokens)."""
         seq.num_computed += target
         seq.draft_computed += target if draft is None else draft
-        tokens = seq.token_ids
         for i, p in enumerate(self.pools):
             if not p.blocks.enable_prefix_caching:
                 continue
@@ -286,7 +285,8 @@ class Scheduler:
             if full <= have:
                 continue
             parent = seq.block_hashes[i][-1] if seq.block_hashes[i] else ROOT_HASH
-            keys = block_keys(tokens[:full * self.block_size + (1 if p.draft else 0)],
+            # Only when a block fills (once per block_size tokens): the key needs the prefix.
+            keys = block_keys(seq.tokens(0, full * self.block_size + (1 if p.draft else 0)),
                               self.block_size, p.draft, have, parent)
             for j, key in enumerate(keys, start=have):
                 p.blocks.register(seq.block_tables[i][j], key)

@@ -62,6 +62,20 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (a step's hot path reads a
+        few tokens of a long sequence)."""
+        P = len(self.prompt_ids)
+        if end <= P:
+            return self.prompt_ids[start:end]
+        if start >= P:
+            return self.output_ids[start - P:end - P]
+        return self.prompt_ids[start:] + self.output_ids[:end - P]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
