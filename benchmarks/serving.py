@@ -53,14 +53,14 @@ def build_model(args):
     return random_model(cfg, dtype, args.device)
 
 
-def build_engine(args, model, spec: bool, max_len: int) -> Engine:
+def build_engine(args, model, spec: bool, max_len: int, steps: int = 7) -> Engine:
     dev = torch.device(args.device)
     dtype = model.model.embed_tokens.weight.dtype
     mc = model.config
     layouts = [KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)]
     draft = spec_cfg = policy = None
     if spec:
-        spec_cfg = SpecConfig(draft="random", num_steps=args.spec_steps, topk=1,
+        spec_cfg = SpecConfig(draft="random", num_steps=steps, topk=1,
                               simulate_acceptance=args.simulate)
         draft = random_draft(mc, dtype, dev)
         draft.attach_target(model)
@@ -74,7 +74,8 @@ def build_engine(args, model, spec: bool, max_len: int) -> Engine:
     print(budget.describe(max_len), file=sys.stderr)
     cfg = BatchConfig(num_blocks=budget.num_blocks, block_size=16,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.max_num_seqs, max_model_len=max_len)
+                       max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                       compile=args.compile)
     return Engine(model, cfg, draft=draft, spec=spec_cfg, policy=policy)
 
 
@@ -113,8 +114,9 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def concurrency_table(args, model) -> list[dict]:
     rows = []
     max_len = args.prompt_len + args.output_len + 64
-    for mode in args.modes:
-        engine = build_engine(args, model, mode == "spec", max_len)
+    runs = [(m, s) for m in args.modes for s in (args.spec_steps if m == "spec" else [0])]
+    for mode, steps in runs:
+        engine = build_engine(args, model, mode == "spec", max_len, steps)
         for c in args.concurrency:
             ps = prompts_for(c, args.prompt_len, model.config.vocab_size, c)
             # A whole warm-up run on other prompts (no prefix-cache hit later): every kernel
@@ -125,7 +127,8 @@ def concurrency_table(args, model) -> list[dict]:
             if mode == "spec":
                 engine.reset_simulation()
             r = run_batch(engine, ps, args.output_len)
-            r.update(mode=mode + (" SIMULATED" if mode == "spec" else ""), concurrency=c,
+            name = mode + (f" SIMULATED k={steps}" if mode == "spec" else "")
+            r.update(mode=name + (" compiled" if args.compile else ""), concurrency=c,
                      policy=args.spec_policy if mode == "spec" else None)
             if args.sequential:
                 t0 = time.perf_counter()
@@ -153,13 +156,13 @@ def long_context(args, model) -> dict:
 
 
 def fmt(rows: list[dict]) -> str:
-    lines = [f"{'mode':<16} {'conc':>5} {'out tok/s':>10} {'TPOT p50 ms':>12} "
+    lines = [f"{'mode':<28} {'conc':>5} {'out tok/s':>10} {'TPOT p50 ms':>12} "
              f"{'TTFT p50 ms':>12} {'tau':>5} {'vs 1-by-1':>9}"]
     for r in rows:
         tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
         sp = f"{r['batched_speedup']:.2f}x" if "batched_speedup" in r else "-"
         tpot = f"{r['tpot_ms_p50']:.2f}" if r["tpot_ms_p50"] else "-"
-        lines.append(f"{r['mode']:<16} {r['concurrency']:>5} {r['output_tok_s']:>10.1f} "
+        lines.append(f"{r['mode']:<28} {r['concurrency']:>5} {r['output_tok_s']:>10.1f} "
                      f"{tpot:>12} {r['ttft_ms_p50']:>12.1f} {tau:>5} {sp:>9}")
     return "\n".join(lines)
 
@@ -175,7 +178,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["plain", "spec"])
-    ap.add_argument("--spec-steps", type=int, default=7)
+    ap.add_argument("--spec-steps", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[7], help="chain lengths of the spec mode, e.g. 3,5,7")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the target")
     ap.add_argument("--simulate", type=float, default=3.9, help="SIMULATED tau")
     ap.add_argument("--spec-policy", default=None,
                     help="speculation by batch size for the spec mode, e.g. "

@@ -291,3 +291,62 @@ def test_policy_validation():
     assert pol.for_batch(1).num_steps == 5 and pol.for_batch(3).num_steps == 3
     assert pol.for_batch(16) is None and pol.for_batch(100) is None
     assert "<= 4: (3, 1, 4)" in pol.describe()
+
+
+def _static_steps(engine):
+    """Run the engine's CUDA-graph steps eagerly (what a graph replays) and count them."""
+    engine._make_graphs(capture=False)
+    counts = {"spec": 0, "decode": 0}
+    for name, key in (("_graph_spec", "spec"), ("_graph_decode", "decode")):
+        real = getattr(engine, name)
+
+        def counted(*a, _real=real, _key=key):
+            counts[_key] += 1
+            return _real(*a)
+        setattr(engine, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, None), (5, 1, None), (3, 3, 8),
+                                                     (4, 2, 7)])
+def test_graph_steps_equal_the_eager_step(model, draft, steps, topk, ndt):
+    """The CUDA-graph steps' static-shape functions (padded to a bucket, pending pairs padded
+    to num_steps + 1, block tables as wide as needed, padding rows in the scratch block),
+    run eagerly: greedy output is still each sequence's own, token for token in fp32, and
+    both kinds of graph step ran (a policy turns speculation off at 3+ sequences)."""
+    from specscope.config import SpecPolicy
+
+    base = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    pol = SpecPolicy.parse(f"2:{steps},{topk},{base.num_draft_tokens};4:off", base)
+    rng = random.Random(steps + 10 * topk)
+    prompts, lens = _workload(rng, n=5)
+    cfg = BatchConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+                      max_model_len=96)
+    engine = Engine(model, cfg, draft=draft, spec=base, policy=pol)
+    counts = _static_steps(engine)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n + 8, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
+    _run(engine, [(4 * i, s) for i, s in enumerate(seqs)])
+    for s, p, n in zip(seqs, prompts, lens, strict=True):
+        assert s.output_ids == _solo_greedy(model, p, n + 8), s.seq_id
+    assert counts["spec"] > 0 and counts["decode"] > 0, counts
+    _assert_all_free(engine)
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(4, 1, None), (3, 2, 6)])
+def test_graph_steps_simulate_as_the_eager_step(model, draft, steps, topk, ndt):
+    """Simulated acceptance in the graph steps draws the same uniforms as the eager step:
+    the same accepted lengths and tokens, step for step."""
+    rng = random.Random(5)
+    prompts, lens = _workload(rng, n=3)
+    runs = []
+    for static in (False, True):
+        engine = _engine(model, draft, steps, topk, ndt, sim=3.0)
+        counts = _static_steps(engine) if static else None
+        seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n + 10, ignore_eos=True))
+                for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
+        _run(engine, [(0, s) for s in seqs])
+        runs.append([(s.output_ids, s.spec.accepted) for s in seqs])
+        _assert_all_free(engine)
+    assert counts["spec"] > 0
+    assert runs[0] == runs[1]

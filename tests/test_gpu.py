@@ -234,3 +234,63 @@ def test_data_parallel_training_on_two_gpus(tiny_model_dir, tmp_path):
     prov = json.loads((tmp_path / "run" / "draft" / "config.json").read_text())[
         "specscope_provenance"]
     assert prov["processes"] == 2 and prov["steps"] == 8
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(5, 1, None), (3, 3, 8)])
+def test_batched_spec_graphs_equal_eager(steps, topk, ndt):
+    """Concurrent speculating requests replayed as the two captured segments per bucket:
+    greedy output equals eager (fp32), simulated acceptance too (the same draws), and
+    the captured path ran."""
+    from specscope.config import SpecConfig
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.float32, "cuda", seed=7)
+    prompts = [" ".join(str(i) for i in range(5, 5 + n)) for n in (25, 3, 60, 11, 7)]
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    for sim in (None, 2.5):
+        spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt,
+                          simulate_acceptance=sim)
+        g, e = _spec_llm(model, spec), _spec_llm(model, spec, graphs=False)
+        got = g.generate(prompts, params)
+        want = e.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.spec["accepted_per_cycle"] for o in got] == \
+            [o.spec["accepted_per_cycle"] for o in want]
+        assert g.engine.spec_graphs.entries
+
+
+def test_cuda_spec_graph_step_has_no_host_sync_but_its_read():
+    """A captured speculative step (the inputs' upload, two replays, the verdicts' read)
+    synchronises with the host only in its one read."""
+    from specscope.config import SpecConfig
+    from specscope.engine.engine import Engine
+
+    cfg = ModelConfig.from_hf(TINY)
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    spec = SpecConfig(draft="random", num_steps=4, simulate_acceptance=3.0)
+    llm = _llm(model, spec)
+    llm.add_request(list(range(10)), SamplingParams(max_tokens=60, ignore_eos=True))
+    for _ in range(4):  # the prefill, an eager first step, then captures
+        llm.step()
+    calls, reads = [], []
+    real_read, real_graph = Engine._read, Engine._graph_spec
+
+    def read(sampled, verdicts):
+        torch.cuda.set_sync_debug_mode("default")
+        reads.append(1)
+        return real_read(sampled, verdicts)
+
+    def graph(self, items):
+        calls.append(1)
+        return real_graph(self, items)
+
+    Engine._read, Engine._graph_spec = staticmethod(read), graph
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        llm.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        Engine._read, Engine._graph_spec = staticmethod(real_read), real_graph
+    assert reads == [1] and calls == [1]

@@ -46,13 +46,16 @@ class DraftRunner:
         dc = draft.config
         self.draft, self.device, self.block_size = draft, device, block_size
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        self.kv = PagedKV(dc.num_layers, num_blocks, block_size, dc.num_kv_heads, dc.head_dim,
-                          dtype, device)
+        # One block past the pool's: the scratch block CUDA-graph padding rows write into.
+        self.kv = PagedKV(dc.num_layers, num_blocks + 1, block_size, dc.num_kv_heads,
+                          dc.head_dim, dtype, device)
+        self.scratch_block = num_blocks
         draft.ensure_rope(max_model_len)
 
-    def _pieces(self, meta: BatchMeta, pieces: list[tuple[int, int, int]]) -> BatchMeta:
+    def _pieces(self, meta: BatchMeta, pieces: list[tuple[int, int, int]],
+                plans: dict | None = None) -> BatchMeta:
         dc = self.draft.config
-        return with_pieces(meta, pieces, dc.num_heads, dc.num_kv_heads, self.device)
+        return with_pieces(meta, pieces, dc.num_heads, dc.num_kv_heads, self.device, plans)
 
     def extend(self, items: list[Scheduled], spec_idx: list[int], scheduler: Scheduler
                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
@@ -92,19 +95,55 @@ class DraftRunner:
         sel = upload([last[items[i].seq.seq_id] for i in spec_idx], torch.long, dev)
         return h[0, sel], self.draft.compute_logits(normed[0, sel])
 
+    def extend_static(self, ids: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
+                      taps: torch.Tensor, tables: torch.Tensor, max_len: int,
+                      plans: dict | None = None, heads: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The extend of b sequences at a fixed width W (the CUDA-graph step's): row s
+        holds count[s] pending pairs, then padding. ids, pos [b, W] (the tokens after the
+        pairs' positions, and the positions); taps [b * W, n_taps * H]; tables [b, blocks].
+        Padding rows write their K/V into the scratch block, so only real pairs land in
+        the cache. Returns h0 [b, Hd] and logits0 [b, Vd] at each row's last pair (heads;
+        else None: a plain step only keeps the draft's K/V current)."""
+        b, W = ids.shape
+        dev = ids.device
+        rows = torch.arange(b, device=dev).repeat_interleave(W)
+        meta = BatchMeta.causal(tables, rows, pos.reshape(-1), self.block_size,
+                                max_len=max_len)
+        real = (torch.arange(W, device=dev) < count[:, None]).reshape(-1)  # [b * W]
+        meta.slots = torch.where(real, meta.slots, self.scratch_block * self.block_size)
+        meta = self._pieces(meta, [(W, s, max_len) for s in range(b)], plans)
+        h, normed = self.draft(ids.reshape(1, -1), self.draft.project(taps[None]),
+                               pos.reshape(1, -1), self.kv, batch=meta)
+        if not heads:
+            return None
+        last = torch.arange(b, device=dev) * W + count - 1  # [b]
+        return h[0, last], self.draft.compute_logits(normed[0, last])
+
     def trees(self, seqs: list[Sequence], h0: torch.Tensor, logits0: torch.Tensor,
               spec: SpecConfig, timer: Profiler | None = None) -> DraftTree:
         """Every speculating sequence's chain or tree, each draft step one batched forward
         over the draft's paged KV."""
-        dev, bs = self.device, self.block_size
-        S = len(seqs)
+        dev = self.device
         n_host = [s.num_computed for s in seqs]  # each root's position
-        n = upload(n_host, torch.long, dev)
-        root = upload([s.last_token for s in seqs], torch.long, dev)
-        tables = block_tables([s.block_tables[1] for s in seqs], dev)
-        rows = torch.arange(S, device=dev)
         slots = draft_slots(spec)
-        reach = max(n_host) + slots
+        return self.steps(block_tables([s.block_tables[1] for s in seqs], dev),
+                          upload(n_host, torch.long, dev),
+                          upload([s.last_token for s in seqs], torch.long, dev), h0, logits0,
+                          spec, [s.params for s in seqs], [s.generator for s in seqs],
+                          [x + slots for x in n_host], timer)
+
+    def steps(self, tables: torch.Tensor, n: torch.Tensor, root: torch.Tensor,
+              h0: torch.Tensor, logits0: torch.Tensor, spec: SpecConfig, params: list,
+              generators: list, keys: list[int], timer: Profiler | None = None,
+              plans: dict | None = None) -> DraftTree:
+        """The draft steps of S sequences: roots root [S] at positions n [S], their draft
+        block tables [S, blocks], and keys[s] a host-known bound on the positions sequence
+        s sees (a CUDA-graph step passes the context limit for every row)."""
+        dev, bs = self.device, self.block_size
+        S = n.shape[0]
+        rows = torch.arange(S, device=dev)
+        reach = max(keys)
 
         def step(tokens, hidden, rope, query_slots, ancestors):
             Q = tokens.shape[1]
@@ -114,14 +153,13 @@ class DraftRunner:
             else:
                 meta = tree_meta(tables, n, ancestors, bs, query_slots=query_slots,
                                  max_len=reach)
-            meta = self._pieces(meta, [(Q, s, n_host[s] + slots) for s in range(S)])
+            meta = self._pieces(meta, [(Q, s, keys[s]) for s in range(S)], plans)
             h, normed = self.draft(tokens.reshape(1, -1), hidden.reshape(1, S * Q, -1),
                                    rope.reshape(1, -1), self.kv, batch=meta)
             return h.view(S, Q, -1), self.draft.compute_logits(normed[0]).view(S, Q, -1)
 
-        params = [s.params for s in seqs]
         if spec.topk == 1:
             return draft_chain(step, self.draft, h0, logits0, root, n, spec.num_steps, params,
-                               [s.generator for s in seqs], timer)
+                               generators, timer)
         return draft_tree(step, self.draft, h0, logits0, root, n, spec.num_steps, spec.topk,
                           spec.num_draft_tokens, params, timer)

@@ -44,7 +44,7 @@ from specscope.kvcache.paged import (
 )
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import make_generator, processed_logits, sample
-from specscope.spec.simulate import simulated_verdict
+from specscope.spec.simulate import simulated_paths
 from specscope.spec.tree import DraftTree
 from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch, verify_sampling
 
@@ -156,18 +156,28 @@ class Engine:
         self.last_stats = StepStats()
         # The target's forward, compiled with dynamic shapes (the batch is ragged) or eager.
         self._target = torch.compile(model, dynamic=True) if config.compile else model
-        self.graphs = None
-        if dev.type == "cuda" and config.cuda_graphs and draft is None:
-            from specscope.engine.cuda_graph import BatchGraphs
+        self.graphs = self.spec_graphs = None
+        if dev.type == "cuda" and config.cuda_graphs:
+            self._make_graphs(capture=True)
 
-            def plan(lens: list[int]) -> object:
-                from specscope.kvcache.triton_attention import build_tiles
+    def _make_graphs(self, capture: bool) -> None:
+        """The CUDA-graph steps (engine/cuda_graph.py): plain decode, and with a draft the
+        pure speculative step. capture=False runs their static-shape functions eagerly
+        (tests, on any device)."""
+        from specscope.engine.cuda_graph import BatchGraphs, SpecGraphs
 
-                return build_tiles(lens, mc.num_heads, mc.num_kv_heads, dev)
-
-            self.graphs = BatchGraphs(self._target, self.kv, bs, -(-config.max_model_len // bs),
-                                      config.max_model_len, nb, dev, config.max_num_seqs,
-                                      plan if fast_backend_available() else None)
+        c, mc, d = self.config, self.model.config, self.drafter
+        max_blocks = -(-c.max_model_len // c.block_size)
+        X = len(self.model.tap_layer_ids) * mc.hidden_size if d is not None else 0
+        self.graphs = BatchGraphs(
+            self._target, self.kv, c.block_size, max_blocks, c.max_model_len, c.num_blocks,
+            self.device, c.max_num_seqs, None if d is None else d.extend_static, X,
+            0 if d is None else d.scratch_block, capture)
+        if d is not None:
+            self.spec_graphs = SpecGraphs(
+                self._draft_static, self._verify_static, c.block_size, max_blocks,
+                c.max_model_len, c.num_blocks, d.scratch_block, X, self.dtype, self.device,
+                c.max_num_seqs, capture)
 
     @property
     def sim_rates(self) -> torch.Tensor | None:
@@ -240,14 +250,16 @@ class Engine:
         items = plan.scheduled
         spec_idx = [i for i, it in enumerate(items) if it.speculative]
         self.last_stats = self._stats(items)
+        if self._spec_graphable(items, spec_idx):
+            return self._graph_spec(items)
+        if self._graphable(items):
+            return self._graph_decode(plan)
         tree = None
         if self.draft is not None:
             self._mark(Phase.DRAFT_EXTEND)
             heads = self.drafter.extend(items, spec_idx, self.scheduler)
             if spec_idx:
                 tree = self._draft_trees([items[i].seq for i in spec_idx], *heads)
-        if self._graphable(items):
-            return self._graph_decode(plan)
         batch = self._target_batch(items, spec_idx, tree)
         prefill = any(it.num_tokens > 1 and not it.speculative for it in items)
         self._mark(Phase.VERIFY if spec_idx else Phase.PREFILL if prefill else Phase.DECODE)
@@ -264,23 +276,122 @@ class Engine:
         counts, emitted = self._read(sampled, verdicts)
         if self.timer is not None:
             self.timer.stop()
-        return self._update(plan, batch, spec_idx, counts, emitted, taps, verdicts)
+        return self._update(items, batch.pieces, dict(zip(batch.sampling, counts, strict=True)),
+                            spec_idx, emitted, taps, verdicts)
 
     def _graphable(self, items: list[Scheduled]) -> bool:
-        """A step of plain decode tokens only, within the captured buckets."""
-        return (self.graphs is not None and len(items) <= self.graphs.max_batch and
-                all(it.num_tokens == 1 == it.seq.num_uncomputed for it in items))
+        """A step of plain decode tokens only, within the captured buckets; with a draft,
+        each sequence has one pending pair (its previous step was a decode step too)."""
+        if self.graphs is None or len(items) > self.graphs.max_batch:
+            return False
+        if not all(it.num_tokens == 1 == it.seq.num_uncomputed and not it.speculative
+                   for it in items):
+            return False
+        return self.draft is None or all(it.seq.spec is not None and
+                                         it.seq.spec.taps is not None and
+                                         it.seq.spec.taps.shape[0] == 1 for it in items)
 
     def _graph_decode(self, plan: StepPlan) -> list[StepOutput]:
         items = plan.scheduled
         seqs = [it.seq for it in items]
         self._mark(Phase.DECODE)
-        logits = self.graphs.run([s.last_token for s in seqs], [s.num_computed for s in seqs],
-                                 [s.block_tables[0] for s in seqs])
+        draft = self.draft is not None
+        pending = [s.spec.taps for s in seqs] if draft else None
+        logits, taps = self.graphs.run(
+            [s.last_token for s in seqs], [s.num_computed for s in seqs],
+            [s.block_tables[0] for s in seqs],
+            [s.block_tables[1] for s in seqs] if draft else None, pending)
+        if draft:
+            taps = taps.clone()  # the next replay overwrites the graph's output
+            for seq in seqs:
+                seq.spec.taps = None
+                self.scheduler.computed(seq, 0, 1)
         tokens, _ = self._read(self._sample(logits, seqs), None)
         if self.timer is not None:
             self.timer.stop()
-        return [self._advance(s, [t], 1, None) for s, t in zip(seqs, tokens, strict=True)]
+        out = []
+        for r, (s, t) in enumerate(zip(seqs, tokens, strict=True)):
+            if draft:
+                self._pend(s, taps[r:r + 1])
+            out.append(self._advance(s, [t], 1, None))
+        return out
+
+    def _spec_graphable(self, items: list[Scheduled], spec_idx: list[int]) -> bool:
+        """A step of speculating greedy sequences only, each with at most a verify's worth of
+        pending draft pairs (not the first step after a prefill), within the buckets."""
+        g = self.spec_graphs
+        if g is None or not spec_idx or len(spec_idx) < len(items) or len(items) > g.max_batch:
+            return False
+        width = self.spec.num_steps + 1
+        return all(it.seq.params.greedy and it.seq.spec.taps.shape[0] <= width for it in items)
+
+    def _graph_spec(self, items: list[Scheduled]) -> list[StepOutput]:
+        """A pure speculative step as two replays (engine/cuda_graph.py SpecGraphs): the
+        draft segment (extend and draft steps), then the verify segment (target forward,
+        accept, commit); each is one profiler phase."""
+        seqs = [it.seq for it in items]
+        S = len(seqs)
+        self._mark(Phase.DRAFT)
+        g = self.spec_graphs
+        entry = g.entry(self.spec, S, self.sim_rates is not None)
+        taps = [s.spec.taps for s in seqs]
+        g.load(entry, seqs, taps, None if self.sim_rates is None else self._sim_uniforms(S))
+        for seq, t in zip(seqs, taps, strict=True):
+            seq.spec.taps = None
+            self.scheduler.computed(seq, 0, t.shape[0])
+        g.draft()
+        self._mark(Phase.VERIFY_COMMIT)
+        v = g.verify()
+        # The next replay overwrites the graph's outputs: keep this step's path taps.
+        verdicts = _Verdicts(v.accepted[:S], v.emitted[:S], v.path_taps[:S].clone())
+        _, emitted = self._read(v.accepted.new_empty(0), verdicts)
+        if self.timer is not None:
+            self.timer.stop()
+        return self._update(items, [], {}, list(range(S)), emitted, None, verdicts)
+
+    def _draft_static(self, ids: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
+                      taps: torch.Tensor, tables: torch.Tensor, n: torch.Tensor,
+                      root: torch.Tensor, plans: dict) -> DraftTree:
+        """The draft segment of the CUDA-graph step at static shapes (b rows, pending pairs
+        padded to num_steps + 1): the extend, then the draft steps of every row."""
+        L, b = self.config.max_model_len, n.shape[0]
+        h0, logits0 = self.drafter.extend_static(ids, pos, count, taps, tables, L, plans)
+        return self.drafter.steps(tables, n, root, h0, logits0, self.spec,
+                                  [SamplingParams()] * b, [None] * b, [L] * b, None, plans)
+
+    def _verify_static(self, tree: DraftTree, n: torch.Tensor, tables: torch.Tensor,
+                       u: torch.Tensor | None, plans: dict) -> _Verdicts:
+        """The verify segment of the CUDA-graph step at static shapes: b trees in one
+        target forward, greedy or simulated verdicts, the commit and the path's taps."""
+        b, N = tree.tokens.shape
+        L, mc = self.config.max_model_len, self.model.config
+        rope = n[:, None] + tree.depth  # [b, N]
+        meta = tree_meta(tables, n, tree.ancestor_mask(self.spec.num_steps),
+                         self.config.block_size, rope=rope, sliding_window=mc.sliding_window,
+                         max_len=L)
+        meta = with_pieces(meta, [(N, s, L) for s in range(b)], mc.num_heads, mc.num_kv_heads,
+                           self.device, plans)
+        hidden, taps = self._target(tree.tokens.reshape(1, -1), rope.reshape(1, -1), self.kv,
+                                    batch=meta, return_taps=True)
+        logits = self.model.compute_logits(hidden[0]).view(b, N, -1)
+        if u is None:
+            path, a, bonus = verify_greedy_batch(tree.tokens, tree.parents, tree.depth, logits,
+                                                 self.spec.num_steps, tree.chain)
+        else:
+            path, a, bonus = self._simulate(tree, logits, u)
+        return self._commit_paths(tree, path, a, bonus, taps[0], tables, n)
+
+    def _commit_paths(self, tree: DraftTree, path: torch.Tensor, a: torch.Tensor,
+                      bonus: torch.Tensor, taps: torch.Tensor, tables: torch.Tensor,
+                      n: torch.Tensor) -> _Verdicts:
+        """Move every accepted path into place (a chain's nodes already are) and gather
+        the path's taps [S, k + 1, n_taps] and the emitted tokens. taps [S * N, n_taps]."""
+        S, N, k = tree.tokens.shape[0], tree.size, self.spec.num_steps
+        if not tree.chain:
+            self.kv.commit(*accepted_path_slots(tables, n, path, self.config.block_size))
+        node = path.clamp_min(0)[..., None].expand(S, k + 1, taps.shape[-1])
+        path_taps = taps.view(S, N, -1).gather(1, node)
+        return _Verdicts(a, emitted_tokens_batch(tree.tokens, path, a, bonus), path_taps)
 
     def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor,
                      logits0: torch.Tensor) -> DraftTree:
@@ -347,48 +458,63 @@ class Engine:
                 hidden: torch.Tensor, taps: torch.Tensor) -> _Verdicts:
         """Verify every tree, commit the accepted paths, gather their taps."""
         seqs = [items[i].seq for i in spec_idx]
-        S, N, k = len(seqs), tree.size, self.spec.num_steps
+        S, N = len(seqs), tree.size
         logits = self.model.compute_logits(hidden).view(S, N, -1)
         path, a, bonus = self._accept(seqs, tree, logits)
         self._mark(Phase.KV_COMMIT)
-        if not tree.chain:  # a chain's accepted nodes already sit where they belong
-            tables = self._tables(seqs, 0)
-            n = upload([s.num_computed for s in seqs], torch.long, self.device)
-            self.kv.commit(*accepted_path_slots(tables, n, path, self.config.block_size))
-        node = path.clamp_min(0)[..., None].expand(S, k + 1, taps.shape[-1])
-        path_taps = taps.view(S, N, -1).gather(1, node)
-        return _Verdicts(a, emitted_tokens_batch(tree.tokens, path, a, bonus), path_taps)
+        n = upload([s.num_computed for s in seqs], torch.long, self.device)
+        return self._commit_paths(tree, path, a, bonus, taps, self._tables(seqs, 0), n)
 
     def _accept(self, seqs: list[Sequence], tree: DraftTree, logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """path [S, k + 1], accepted [S], bonus [S]: greedy rows in one batched verify,
         sampled rows by lossless rejection with their own generator, or all rows by
-        simulated acceptance."""
+        simulated acceptance (one batched walk; sampled rows then draw their bonus)."""
         spec, k = self.spec, self.spec.num_steps
-        S = len(seqs)
-        if self.sim_rates is None and all(s.params.greedy for s in seqs):
+        greedy = all(s.params.greedy for s in seqs)
+        if self.sim_rates is not None:
+            path, a, bonus = self._simulate(tree, logits, self._sim_uniforms(len(seqs)))
+            end = path.gather(1, a[:, None])[:, 0]
+            for r, seq in enumerate(seqs):
+                if not seq.params.greedy:
+                    p = processed_logits(logits[r, end[r]][None], seq.params).softmax(-1)[0]
+                    race = torch.empty_like(p).exponential_(generator=seq.generator)
+                    bonus[r] = (p / race.clamp_min_(torch.finfo(p.dtype).tiny)).argmax(-1)
+            return path, a, bonus
+        if greedy:
             return verify_greedy_batch(tree.tokens, tree.parents, tree.depth, logits, k,
                                        tree.chain)
         verdicts = []
-        cols = spec.topk if spec.simulate_sibling > 0 and spec.topk > 1 else 1
-        u = None if self.sim_rates is None else torch.rand(
-            S, k, cols, generator=self.sim_gen, device=self.device)
         for r, seq in enumerate(seqs):
             p, g = seq.params, seq.generator
-            probs = None if p.greedy else processed_logits(logits[r], p).softmax(-1)
-            if u is not None:
-                v = simulated_verdict(tree.row(r), logits[r], probs, self.sim_rates, u[r], k,
-                                      spec.topk, g, spec.simulate_sibling)
-            elif p.greedy:
+            if p.greedy:
                 path, a, b = verify_greedy_batch(tree.tokens[r:r + 1], tree.parents[r:r + 1],
                                                  tree.depth[r:r + 1], logits[r:r + 1], k,
                                                  tree.chain)
                 verdicts.append((path[0], a[0], b[0]))
                 continue
-            else:
-                v = verify_sampling(tree.row(r), probs, k, spec.topk, g)
+            probs = processed_logits(logits[r], p).softmax(-1)
+            v = verify_sampling(tree.row(r), probs, k, spec.topk, g)
             verdicts.append((v.path, v.num_accepted, v.bonus))
         return tuple(torch.stack(x) for x in zip(*verdicts, strict=True))
+
+    def _sim_uniforms(self, S: int) -> torch.Tensor:
+        """The simulated walk's uniforms for S sequences [S, k, C] (C: the ranks a draw
+        covers), from the engine's simulation stream."""
+        spec = self.spec
+        cols = spec.topk if spec.simulate_sibling > 0 and spec.topk > 1 else 1
+        return torch.rand(S, spec.num_steps, cols, generator=self.sim_gen, device=self.device)
+
+    def _simulate(self, tree: DraftTree, logits: torch.Tensor, u: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Simulated verdicts of every tree with greedy bonus tokens: path [S, k + 1],
+        accepted [S], bonus [S] (device ops only: the CUDA-graph step runs it too)."""
+        spec = self.spec
+        path, a = simulated_paths(tree.parents, self.sim_rates, u, spec.num_steps, spec.topk,
+                                  spec.simulate_sibling)
+        end = path.gather(1, a[:, None])  # [S, 1]
+        rows = logits.gather(1, end[..., None].expand(-1, 1, logits.shape[-1]))[:, 0]
+        return path, a, rows.argmax(-1)
 
     @staticmethod
     def _read(sampled: torch.Tensor, verdicts: _Verdicts | None
@@ -407,13 +533,13 @@ class Engine:
 
     # -- 5. host bookkeeping ------------------------------------------------------------------
 
-    def _update(self, plan: StepPlan, batch: _TargetBatch, spec_idx: list[int],
-                sampled: list[int], emitted: list[list[int]], taps: torch.Tensor | None,
-                verdicts: _Verdicts | None) -> list[StepOutput]:
-        items = plan.scheduled
+    def _update(self, items: list[Scheduled], pieces: list[tuple[int, int, int]],
+                tokens_at: dict[int, int], spec_idx: list[int], emitted: list[list[int]],
+                taps: torch.Tensor | None, verdicts: _Verdicts | None) -> list[StepOutput]:
+        """Every scheduled sequence's tokens and pending taps. pieces: the causal pieces
+        (item, first row, rows); tokens_at: the token sampled per item."""
         out: dict[int, StepOutput] = {}
-        tokens_at = dict(zip(batch.sampling, sampled, strict=True))
-        for i, start, m in batch.pieces:
+        for i, start, m in pieces:
             seq = items[i].seq
             if taps is not None:
                 self._pend(seq, taps[0, start:start + m])

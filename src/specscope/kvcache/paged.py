@@ -43,13 +43,24 @@ def block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def with_pieces(meta: BatchMeta, pieces: list[tuple[int, int, int]], num_heads: int,
-                num_kv_heads: int, device: torch.device) -> BatchMeta:
+                num_kv_heads: int, device: torch.device, plans: dict | None = None
+                ) -> BatchMeta:
     """meta with its pieces, host-known (tokens, block-table row, keys seen) in flattened
-    order: the fast backend's query tiles on CUDA, the reference's spans elsewhere."""
+    order: the fast backend's query tiles on CUDA, the reference's spans elsewhere.
+
+    plans: a cache of tile plans by the pieces' lengths, for steps of static shapes: a
+    CUDA-graph capture cannot upload a plan, so its warm-up run builds them here and the
+    capture finds them."""
     if device.type == "cuda" and _fast_backend() is not None:
         from specscope.kvcache.triton_attention import build_tiles
 
-        meta.tiles = build_tiles([n for n, _, _ in pieces], num_heads, num_kv_heads, device)
+        lens = tuple(n for n, _, _ in pieces)
+        tiles = None if plans is None else plans.get(lens)
+        if tiles is None:
+            tiles = build_tiles(list(lens), num_heads, num_kv_heads, device)
+            if plans is not None:
+                plans[lens] = tiles
+        meta.tiles = tiles
         return meta
     spans, a = [], 0
     for n, row, keys in pieces:

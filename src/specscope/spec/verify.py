@@ -80,24 +80,25 @@ class Verdict:
 
 
 def children_table(parents: torch.Tensor, max_children: int) -> torch.Tensor:
-    """[N, max_children] int64: the children of each node in index order, -1 padded.
+    """[..., N, max_children] int64: the children of each node in index order, -1 padded,
+    for parents [..., N] (one tree, or a batch of trees).
 
     Same table as DraftTree.children_table, built with comparisons and argmax only (no
     boolean-mask indexing, which needs a nonzero and so a host sync). Children beyond
     max_children are dropped.
     """
-    N = parents.shape[0]
+    N = parents.shape[-1]
     dev = parents.device
     # Rank of each node among its siblings = number of earlier nodes with the same parent.
-    same = parents[None, :] == parents[:, None]  # [N, N]
+    same = parents[..., None, :] == parents[..., :, None]  # [..., N, N]
     earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)  # [N, N]
-    rank = (same & earlier).sum(-1)  # [N]
+    rank = (same & earlier).sum(-1)  # [..., N]
     node = torch.arange(N, device=dev)  # [N]
     slot = torch.arange(max_children, device=dev)  # [M]
-    # match[i, j, k]: node k is the j-th child of node i.
-    match = (parents[None, None, :] == node[:, None, None]) & (
-        rank[None, None, :] == slot[None, :, None])  # [N, M, N]
-    return torch.where(match.any(-1), match.long().argmax(-1), -1)  # [N, M]
+    # match[..., i, j, k]: node k is the j-th child of node i.
+    match = (parents[..., None, None, :] == node[:, None, None]) & (
+        rank[..., None, None, :] == slot[None, :, None])  # [..., N, M, N]
+    return torch.where(match.any(-1), match.long().argmax(-1), -1)  # [..., N, M]
 
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: int) -> Verdict:
