@@ -37,7 +37,6 @@ from specscope.kvcache.paged import (
     PagedKV,
     accepted_path_slots,
     block_tables,
-    fast_backend_available,
     tree_meta,
     upload,
     with_pieces,
