@@ -20,6 +20,7 @@ device->host read makes the host timestamps real. Prints a table, then one JSON 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -61,7 +62,7 @@ def build_engine(args, model, spec: bool, max_len: int, steps: int = 7) -> Engin
     draft = spec_cfg = policy = None
     if spec:
         spec_cfg = SpecConfig(draft="random", num_steps=steps, topk=1,
-                              simulate_acceptance=args.simulate)
+                              simulate_acceptance=args.rates or args.simulate)
         draft = random_draft(mc, dtype, dev)
         draft.attach_target(model)
         dc = draft.config
@@ -127,7 +128,8 @@ def concurrency_table(args, model) -> list[dict]:
             if mode == "spec":
                 engine.reset_simulation()
             r = run_batch(engine, ps, args.output_len)
-            name = mode + (f" SIMULATED k={steps}" if mode == "spec" else "")
+            name = mode + (" SIMULATED " + ("policy" if args.spec_policy else f"k={steps}")
+                           if mode == "spec" else "")
             r.update(mode=name + (" compiled" if args.compile else ""), concurrency=c,
                      policy=args.spec_policy if mode == "spec" else None)
             if args.sequential:
@@ -139,9 +141,33 @@ def concurrency_table(args, model) -> list[dict]:
             rows.append(r)
             print(json.dumps(r), file=sys.stderr)
         del engine
+        gc.collect()  # the engine and its captured graphs hold each other
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the next engine sizes its pools from what is free
     return rows
+
+
+def fit_policy(args, model) -> str:
+    """The tuner's speculation-by-batch-size policy for this target and the random draft at
+    the SIMULATED profile args.rates (the tuner's acceptance model is that profile), as a
+    --spec-policy flag; the tuner's own LLM is freed before the table's engines start."""
+    from specscope import LLM
+    from specscope.tune.tuner import tune
+
+    t = time.perf_counter()
+    llm = LLM.from_model(model, name=args.shape, max_model_len=args.prompt_len +
+                         args.output_len + 64)
+    prompts = [" ".join(str(100 + 37 * i + j) for j in range(48)) for i in range(3)]
+    base = SpecConfig(draft="random", simulate_acceptance=args.rates)
+    res = tune(llm, "random", prompts, max_tokens=96, base=base, warmup_tokens=96,
+               batch_sizes=args.fit_policy, log=lambda x: print(x, file=sys.stderr))
+    flag = res.policy.flag() if res.policy is not None else res.recommendation()
+    print(f"tuner ({time.perf_counter() - t:.0f} s): {flag}", file=sys.stderr)
+    del llm, res
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return flag
 
 
 def long_context(args, model) -> dict:
@@ -185,6 +211,9 @@ def main() -> None:
     ap.add_argument("--spec-policy", default=None,
                     help="speculation by batch size for the spec mode, e.g. "
                          "'4:7,1,8;16:3,1,4;512:off'")
+    ap.add_argument("--fit-policy", type=lambda s: [int(x) for x in s.split(",")],
+                    default=None, help="batch sizes to fit the tuner's policy at (e.g. "
+                    "4,16,64); the spec mode then serves it")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -193,6 +222,7 @@ def main() -> None:
     ap.add_argument("--sequential", action="store_true")
     ap.add_argument("--long-context", type=int, default=0)
     args = ap.parse_args()
+    args.rates = None
     cpu = args.device == "cpu"
     args.shape = args.shape or ("default" if cpu else "llama-3.1-8b")
     args.dtype = args.dtype or ("fp32" if cpu else "bf16")
@@ -205,6 +235,13 @@ def main() -> None:
         out["long_context"] = long_context(args, model)
         print(json.dumps(out["long_context"]))
     else:
+        if args.fit_policy:
+            # The tuner models a per-position profile: the one whose chain of 7 gives tau
+            # 3.9 (a constant rate), which the table's speculation then uses too.
+            args.rates = SpecConfig(draft="random", num_steps=7,
+                                    simulate_acceptance=args.simulate).acceptance_rates()
+            out["simulated_rates"] = args.rates
+            args.spec_policy = out["tuned_policy"] = fit_policy(args, model)
         out["rows"] = concurrency_table(args, model)
         print(fmt(out["rows"]))
     print(json.dumps(out))

@@ -95,7 +95,7 @@ class _TargetBatch:
     rope: torch.Tensor
     meta: BatchMeta
     pieces: list[tuple[int, int, int]]
-    last_rows: list[int]
+    last_rows: torch.Tensor  # [rows that sample] on the device
     sampling: list[int]
     tree_base: int
 
@@ -439,7 +439,8 @@ class Engine:
         mc = self.model.config
         meta = with_pieces(BatchMeta.cat(metas), parts, mc.num_heads, mc.num_kv_heads,
                            self.device)
-        return _TargetBatch(ids_t, rope, meta, pieces, last, sampling, base)
+        return _TargetBatch(ids_t, rope, meta, pieces, upload(last, torch.long, dev), sampling,
+                            base)
 
     # -- 4. sample and verify -----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ its `Sequence`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -226,6 +227,7 @@ class LLM:
                     self._draft = (key, draft)
             carried = self.engine.scheduler.drain() if self.engine is not None else []
             self.engine = None  # the old pools go before the new ones are allocated
+            gc.collect()  # an engine and its captured graphs hold each other
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.engine = self._build_engine(draft, spec, policy if spec is not None else None)

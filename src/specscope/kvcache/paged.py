@@ -261,24 +261,35 @@ def accepted_path_slots(block_tables: torch.Tensor, prefix_len: torch.Tensor,
 def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: BatchMeta, scale: float) -> torch.Tensor:
     """One layer's attention step for a flattened batch: write this step's K/V at
-    meta.slots, then attend over the paged cache (the torch reference).
+    meta.slots, then attend over the paged cache (the Triton kernels on CUDA, else the
+    torch reference).
 
     q [1, H, N, D], k/v [1, Hkv, N, D] (the model's layout); k_cache/v_cache one layer's
     blocks [num_blocks, block_size, Hkv, D]. Returns [1, N, H * D]."""
-    kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-    kf.index_copy_(0, meta.slots, k[0].transpose(0, 1).to(kf.dtype))
-    vf.index_copy_(0, meta.slots, v[0].transpose(0, 1).to(vf.dtype))
     fast = _fast_backend() if q.is_cuda else None
     if fast is not None:
-        return _fast_attend(fast, q, k_cache, v_cache, meta, scale)
+        return _fast_attend(fast, q, k, v, k_cache, v_cache, meta, scale)
+    _write(k, v, k_cache, v_cache, meta.slots)
     return attention_reference(q[0].transpose(0, 1), k_cache, v_cache, meta, scale)[None]
 
 
+# Both run outside torch.compile's graphs. The write: traced, an in-place write into the
+# cache (a graph input) is functionalised into a copy of the whole layer's cache per step.
+# The kernels: their launch wrapper plans tiles and splits on the host, which dynamo does
+# not trace. CUDA graphs still capture both.
 @torch.compiler.disable
-def _fast_attend(fast, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: BatchMeta, scale: float) -> torch.Tensor:
-    """The Triton kernels, outside torch.compile's graph (their launch wrapper plans tiles
-    and splits on the host, which dynamo does not trace); CUDA graphs still capture them."""
+def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           slots: torch.Tensor) -> None:
+    kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    kf.index_copy_(0, slots, k[0].transpose(0, 1).to(kf.dtype))
+    vf.index_copy_(0, slots, v[0].transpose(0, 1).to(vf.dtype))
+
+
+@torch.compiler.disable
+def _fast_attend(fast, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                 scale: float) -> torch.Tensor:
+    _write(k, v, k_cache, v_cache, meta.slots)
     return fast(q[0].transpose(0, 1), k_cache, v_cache, meta, scale, tiles=meta.tiles)[None]
 
 
