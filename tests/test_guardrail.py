@@ -1,6 +1,6 @@
 """The goodput guardrail: the window's verdicts (sustained shortfall, blips, margin), its
-actions on a server (warn, off-when-slower), the plain calibration, and `serve --auto-tune`
-end to end."""
+actions per batch-size bucket on a server (warn, off-when-slower for that bucket only), the
+plain calibration, and `serve --auto-tune` end to end."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ import logging
 
 import pytest
 
-from specscope.config import SamplingParams, ServerConfig, SpecConfig
-from specscope.engine.request import RequestMetrics, RequestOutput
-from specscope.server.guardrail import OK, SLOWER, WARMING_UP, GoodputWindow, Guardrail
+from specscope.config import SamplingParams, ServerConfig, SpecConfig, SpecPolicy
+from specscope.server.guardrail import (
+    OK,
+    SLOWER,
+    WARMING_UP,
+    GoodputWindow,
+    Guardrail,
+    StepSample,
+    policy_without,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -23,20 +30,20 @@ def feed(w: GoodputWindow, samples: list[tuple[int, float]], config=None) -> lis
 
 
 def test_sustained_shortfall_triggers_once_the_window_is_full():
-    w = GoodputWindow(100.0, window_tokens=512, min_requests=3, margin=0.05)
+    w = GoodputWindow(100.0, window_tokens=512, min_samples=3, margin=0.05)
     # 80 tok/s, 128 tokens a request: full at the 4th request (512 tokens), below all along.
     assert feed(w, [(128, 1.6)] * 4) == [WARMING_UP] * 3 + [SLOWER]
-    assert w.tok_per_s == pytest.approx(80.0) and w.tokens == 512 and w.requests == 4
+    assert w.tok_per_s == pytest.approx(80.0) and w.tokens == 512 and w.samples == 4
     # Full windows slide: the oldest samples go once the rest still cover 512 tokens.
     feed(w, [(256, 3.2)] * 3)
-    assert w.requests == 3 and w.tokens == 768
-    # Few tokens per request: min_requests alone does not fill it, tokens must too.
-    w2 = GoodputWindow(100.0, window_tokens=512, min_requests=3)
+    assert w.samples == 3 and w.tokens == 768
+    # Few tokens per sample: min_samples alone does not fill it, tokens must too.
+    w2 = GoodputWindow(100.0, window_tokens=512, min_samples=3)
     assert feed(w2, [(10, 1.0)] * 10) == [WARMING_UP] * 10
 
 
 def test_a_short_blip_does_not_trigger():
-    w = GoodputWindow(100.0, window_tokens=512, min_requests=3, margin=0.05)
+    w = GoodputWindow(100.0, window_tokens=512, min_samples=3, margin=0.05)
     assert feed(w, [(200, 1.6)] * 3)[-1] == OK  # 125 tok/s
     # One very slow request drags the window's rate below the threshold (600 tokens in
     # 13.2 s = 45 tok/s) while it is in the window, but it decoded a third of its tokens.
@@ -47,24 +54,24 @@ def test_a_short_blip_does_not_trigger():
     # A slowdown that lasts for most of a window does trigger.
     assert feed(w, [(200, 10.0)] * 3) == [OK, SLOWER, SLOWER]
     # So does a shortfall spread over every request, with no single slow outlier.
-    w2 = GoodputWindow(100.0, window_tokens=512, min_requests=3, margin=0.05)
+    w2 = GoodputWindow(100.0, window_tokens=512, min_samples=3, margin=0.05)
     assert feed(w2, [(200, 2.2)] * 3)[-1] == SLOWER and w2.slow_share == 1.0
 
 
 @pytest.mark.parametrize("rate,verdict", [(96.0, OK), (95.5, OK), (94.0, SLOWER),
                                           (50.0, SLOWER), (150.0, OK)])
 def test_margin_is_respected(rate, verdict):
-    w = GoodputWindow(100.0, window_tokens=100, min_requests=2, margin=0.05)
+    w = GoodputWindow(100.0, window_tokens=100, min_samples=2, margin=0.05)
     assert feed(w, [(100, 100 / rate)] * 3)[-1] == verdict
-    w0 = GoodputWindow(100.0, window_tokens=100, min_requests=2, margin=0.0)
+    w0 = GoodputWindow(100.0, window_tokens=100, min_samples=2, margin=0.0)
     assert feed(w0, [(100, 100 / 99.0)] * 3)[-1] == SLOWER
 
 
 def test_a_new_configuration_starts_a_new_window():
-    w = GoodputWindow(100.0, window_tokens=100, min_requests=2)
+    w = GoodputWindow(100.0, window_tokens=100, min_samples=2)
     assert feed(w, [(100, 2.0)] * 2, config="a")[-1] == SLOWER
-    assert w.observe(100, 2.0, "b") == WARMING_UP and w.requests == 1
-    assert w.observe(0, 0.0, "b") == WARMING_UP and w.requests == 1  # no decode time: skipped
+    assert w.observe(100, 2.0, "b") == WARMING_UP and w.samples == 1
+    assert w.observe(0, 0.0, "b") == WARMING_UP and w.samples == 1  # no decode time: skipped
     for bad in [dict(plain_tok_per_s=0.0), dict(plain_tok_per_s=1.0, margin=1.0),
                 dict(plain_tok_per_s=1.0, window_tokens=0)]:
         with pytest.raises(ValueError):
@@ -77,51 +84,98 @@ def test_a_new_configuration_starts_a_new_window():
 
 
 class FakeLLM:
-    def __init__(self, spec: SpecConfig | None) -> None:
-        self.spec = spec
+    """What the guardrail reads of an LLM: the configuration in force (spec, spec_policy),
+    the configuration of the last step (engine.spec), and set_spec."""
 
-    def set_spec(self, spec: SpecConfig | None) -> None:
-        self.spec = spec
+    def __init__(self, spec: SpecConfig | None, policy: SpecPolicy | None = None) -> None:
+        self.spec, self.spec_policy = spec, policy
+        self.engine = type("E", (), {"spec": spec})()
+
+    def set_spec(self, spec: SpecConfig | None, policy: SpecPolicy | None = None) -> None:
+        self.spec, self.spec_policy = spec, policy
+
+    def at(self, batch: int) -> FakeLLM:
+        """The engine ran a step of `batch` sequences: the policy's configuration."""
+        p = self.spec_policy
+        self.engine.spec = p.for_batch(batch) if p is not None else self.spec
+        return self
 
 
-def output(tokens: int, seconds: float, spec: bool = True) -> RequestOutput:
-    m = RequestMetrics(prompt_tokens=5, completion_tokens=tokens + 1, decode_s=seconds)
-    return RequestOutput("r", [1], "", [0] * (tokens + 1), "length", m,
-                         {"cycles": 1} if spec else None)
+def step(tokens: int, seconds: float, batch: int = 1, speculating: int | None = None,
+         prefill: int = 0) -> StepSample:
+    return StepSample(batch, batch if speculating is None else speculating, prefill, tokens,
+                      seconds)
 
 
 @pytest.mark.parametrize("mode", ["warn", "off-when-slower", "off"])
 def test_modes_warn_switch_off_or_do_nothing(mode, caplog):
     spec = SpecConfig(draft="random", num_steps=3)
     llm = FakeLLM(spec)
-    g = Guardrail(100.0, "injected", mode=mode, window_tokens=100, min_requests=2)
+    g = Guardrail(100.0, "injected", mode=mode, window_tokens=100, min_samples=2)
     with caplog.at_level(logging.INFO, logger="specscope.server.guardrail"):
         for _ in range(3):
-            g.after_request(llm, output(60, 1.0))  # 60 tok/s against 100 predicted
+            g.after_step(llm.at(1), step(60, 1.0))  # 60 tok/s against 100 predicted
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     if mode == "off":
-        assert not warnings and llm.spec is spec and g.state()["window_requests"] == 0
+        assert not warnings and llm.spec_policy is None and \
+            g.state()["buckets"][0]["window_steps"] == 0
         return
-    assert len(warnings) == 1, caplog.text  # on the transition only, not every request
+    assert len(warnings) == 1, caplog.text  # on the transition only, not every step
     msg = warnings[0].getMessage()
     assert "60.0 tok/s" in msg and "100.0 tok/s predicted" in msg and "injected" in msg
     st = g.state()
     assert st["last_trigger"]["window_tok_per_s"] == pytest.approx(60.0)
+    assert st["last_trigger"]["bucket"] == 1
     if mode == "warn":
-        assert llm.spec is spec and st["verdict"] == SLOWER and not st["switched_off"]
+        assert llm.spec_policy is None and st["verdict"] == SLOWER and not st["switched_off"]
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="specscope.server.guardrail"):
             for _ in range(3):
-                g.after_request(llm, output(60, 0.4))  # 150 tok/s: recovered
+                g.after_step(llm.at(1), step(60, 0.4))  # 150 tok/s: recovered
         assert g.state()["verdict"] == OK and "recovered" in caplog.text
     else:
-        assert llm.spec is None and st["switched_off"] and st["switch_offs"] == 1
-        g.after_request(llm, output(60, 1.0, spec=False))  # plain requests are not judged
-        assert g.state()["window_requests"] == 0
+        # Off at batch 1 only: a batch of 2 or more still speculates.
+        assert llm.spec is spec and llm.spec_policy.for_batch(1) is None
+        assert llm.spec_policy.for_batch(2) == spec and llm.spec_policy.for_batch(999) == spec
+        assert st["switched_off"] == [1] and st["switch_offs"] == 1
+        g.after_step(llm.at(1), step(60, 1.0, speculating=0))  # plain steps are not judged
+        assert g.state()["buckets"][0]["window_steps"] == 0
         llm.set_spec(spec)  # switched back on (POST /admin/spec): judged afresh
-        g.after_request(llm, output(60, 1.0))
+        g.after_step(llm.at(1), step(60, 1.0))
         st = g.state()
-        assert not st["switched_off"] and st["verdict"] == WARMING_UP and llm.spec is spec
+        assert not st["switched_off"] and st["verdict"] == WARMING_UP
+
+
+def test_each_bucket_is_judged_on_its_own():
+    """Per batch-size bucket predictions: a batch of 16 at 900 tok/s is slower than its
+    1,000 predicted while batch 1 at 150 tok/s beats its 100; only bucket 16 goes off.
+    Mixed and prefilling steps are not samples; a bucket without a prediction is not
+    judged."""
+    spec = SpecConfig(draft="random", num_steps=3)
+    llm = FakeLLM(spec)
+    g = Guardrail({1: 100.0, 16: 1000.0}, "injected", mode="off-when-slower",
+                  window_tokens=100, min_samples=2)
+    for _ in range(3):
+        g.after_step(llm.at(1), step(150, 1.0))
+        g.after_step(llm.at(12), step(900, 1.0, batch=12))  # bucket 16
+        g.after_step(llm.at(12), step(10, 1.0, batch=12, speculating=11))  # mixed: skipped
+        g.after_step(llm.at(12), step(10, 1.0, batch=12, prefill=30))  # prefill: skipped
+        g.after_step(llm.at(40), step(10, 1.0, batch=40))  # bucket 64: no prediction
+    st = g.state()
+    by = {b["bucket"]: b for b in st["buckets"]}
+    assert set(by) == {1, 16} and by[1]["verdict"] == OK and st["switched_off"] == [16]
+    assert by[16]["switched_off"] and st["verdict"] == OK  # its window restarted
+    p = llm.spec_policy
+    assert [p.for_batch(n) for n in (1, 8, 9, 16, 17, 64)] == [spec, spec, None, None, spec,
+                                                              spec]
+    # An existing policy keeps its own entries elsewhere.
+    other = SpecConfig(draft="random", num_steps=5)
+    base = SpecPolicy(((1, other), (8, spec), (32, None)))
+    q = policy_without(spec, base, 4)  # bucket 4: batches 3 and 4
+    assert [q.for_batch(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [
+        other, spec, None, None, spec, spec, None, None]
+    with pytest.raises(ValueError, match="buckets"):
+        Guardrail({3: 10.0}, "x")
 
 
 # -- on a real server ---------------------------------------------------------------------
@@ -147,16 +201,17 @@ def plain_ref(tiny_model_dir):
 @pytest.mark.parametrize("mode", ["off-when-slower", "warn"])
 def test_server_guardrail_with_an_unbeatable_plain_prediction(spec_llm, plain_ref, mode,
                                                               caplog):
-    """A plain prediction of 1e9 tok/s: after a window of 3 requests speculation counts as
-    slower. off-when-slower switches it off (the 4th request runs plain), warn only logs;
-    greedy outputs stay the plain ones throughout; /admin/guardrail and /metrics say so."""
+    """A plain prediction of 1e9 tok/s at batch 1: once the window fills (30 tokens, in
+    the second request) speculation counts as slower. off-when-slower switches it off at
+    batch 1 (the later requests run plain), warn only logs; greedy outputs stay the plain
+    ones throughout; /admin/guardrail, /admin/spec and /metrics say so."""
     import httpx
 
     from specscope.server import create_app
     from specscope.server.background import BackgroundServer
 
     spec = spec_llm.spec
-    g = Guardrail(1e9, "injected", mode=mode, window_tokens=40, min_requests=3)
+    g = Guardrail(1e9, "injected", mode=mode, window_tokens=30, min_samples=1)
     admin = ServerConfig(served_model_name="x", api_keys=("k",), enable_admin=True)
     srv = BackgroundServer(create_app(spec_llm, admin, guardrail=g))
     prompts = ["The quick brown fox", "Once upon a time", "In the beginning", "Hello there"]
@@ -170,23 +225,25 @@ def test_server_guardrail_with_an_unbeatable_plain_prediction(spec_llm, plain_re
                                                       "max_tokens": 24, "temperature": 0,
                                                       "ignore_eos": True}).json()
                 assert out["choices"][0]["text"] == plain_ref(p), (i, mode)
-                speculative = "spec" in out["usage"]
-                assert speculative == (i < 3 or mode == "warn"), (i, mode)
+                speculative = out["usage"].get("spec", {}).get("cycles", 0) > 0
+                assert speculative == (i < 2 or mode == "warn"), (i, mode)
             state = c.get("/admin/guardrail").json()
-            enabled = c.get("/admin/spec").json()["enabled"]
+            served = c.get("/admin/spec").json()
             metrics = c.get("/metrics").text
         assert state["plain_source"] == "injected" and state["last_trigger"] is not None
         assert 0 < state["last_trigger"]["window_tok_per_s"] < 1e9
         assert "guardrail" in caplog.text and "1000000000.0 tok/s predicted" in caplog.text
-        assert 'specscope_guardrail_plain_tok_per_s{model="x"} 1e+09' in metrics
+        assert 'specscope_guardrail_plain_tok_per_s{model="x",bucket="1"} 1e+09' in metrics
         if mode == "warn":
-            assert enabled and not state["switched_off"] and state["verdict"] == SLOWER
-            assert 'specscope_guardrail_slower{model="x"} 1' in metrics
+            assert served["policy"] is None and not state["switched_off"]
+            assert state["verdict"] == SLOWER
+            assert 'specscope_guardrail_slower{model="x",bucket="1"} 1' in metrics
             assert "speculation stays on" in caplog.text
         else:
-            assert not enabled and state["switched_off"] and state["switch_offs"] == 1
+            assert served["enabled"] and served["policy"].startswith("1:off;")
+            assert state["switched_off"] == [1] and state["switch_offs"] == 1
             assert 'specscope_guardrail_switch_offs_total{model="x"} 1' in metrics
-            assert "switching speculation off" in caplog.text
+            assert "switching speculation off at batch <= 1" in caplog.text
     finally:
         srv.stop()
         spec_llm.set_spec(spec)
@@ -263,7 +320,7 @@ def test_serve_auto_tune_end_to_end(tiny_model_dir, tmp_path, plain_ref, monkeyp
     assert "[auto-tune]" in err and "recommendation:" in err and "meas tok/s" in err, err
     assert "[guardrail] off-when-slower" in err and "--auto-tune cost model" in err, err
     g = seen["guardrail"]
-    assert g["mode"] == "off-when-slower" and g["plain_tok_per_s"] > 0
+    assert g["mode"] == "off-when-slower" and g["buckets"][0]["plain_tok_per_s"] > 0
     assert g["plain_source"] == "the --auto-tune cost model"
     assert seen["tuned"] is None or seen["tuned"].draft == str(d)
     assert seen["text"] == plain_ref("Hello there")
@@ -290,6 +347,8 @@ def test_serve_calibrates_plain_decoding_without_auto_tune(tiny_model_dir, monke
     err = capsys.readouterr().err
     assert "[guardrail] warn: plain decoding predicted at" in err, err
     assert "plain calibration at start-up" in seen["state"]["plain_source"]
-    assert seen["state"]["mode"] == "warn" and seen["state"]["plain_tok_per_s"] > 0
+    assert seen["state"]["mode"] == "warn"
+    assert [b["bucket"] for b in seen["state"]["buckets"]] == [1]
+    assert seen["state"]["buckets"][0]["plain_tok_per_s"] > 0
     assert seen["spec"].draft == "random" and seen["spec"].num_steps == 2
     assert seen["summaries"] == [], seen["summaries"]  # no calibration runs in it

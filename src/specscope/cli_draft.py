@@ -240,13 +240,14 @@ def start_serve_draft(llm: LLM, spec: Any, args: argparse.Namespace,
     if spec is None:
         return None
     from specscope.bench.datasets import load_prompts
+    from specscope.engine.cuda_graph import bucket_for
     from specscope.server.guardrail import Guardrail, calibrate_plain
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     timer = llm.timer  # the tuner and the calibration time their own runs
-    plain: float | None = None
+    plain: dict[int, float] | None = None
     if args.auto_tune:
         from specscope.tune.tuner import tune
 
@@ -262,10 +263,15 @@ def start_serve_draft(llm: LLM, spec: Any, args: argparse.Namespace,
         say(f"[auto-tune] serving by batch size: {res.policy.describe()}" if res.policy else
             f"[auto-tune] serving with {res.recommended}" if res.recommended else
             "[auto-tune] serving with speculation OFF (POST /admin/spec can switch it on)")
-        plain, source = res.cost.plain_tok_per_s, "the --auto-tune cost model"
+        plain = {1: res.cost.plain_tok_per_s}
+        for row in res.batch_rows or []:  # each fitted batch size's measured plain decoding
+            if bucket_for(row.batch) == row.batch:
+                plain[row.batch] = row.plain_tok_per_s
+        source = "the --auto-tune cost model" + (" and its batch-size fit"
+                                                  if len(plain) > 1 else "")
     elif guardrail_mode != "off":
         calib = 32
-        plain = calibrate_plain(llm, load_prompts("mt_bench", 1)[0], max_tokens=calib)
+        plain = {1: calibrate_plain(llm, load_prompts("mt_bench", 1)[0], max_tokens=calib)}
         source = f"a plain calibration at start-up ({calib} tokens, 2 runs, 1 mt_bench prompt)"
     if not args.auto_tune:
         llm.set_spec(spec, policy_from_args(args, spec))  # after the calibration: one load
@@ -276,10 +282,13 @@ def start_serve_draft(llm: LLM, spec: Any, args: argparse.Namespace,
     assert plain is not None
     g = Guardrail(plain, source, mode=guardrail_mode, window_tokens=args.guardrail_window,
                   margin=args.guardrail_margin)
-    say(f"[guardrail] {guardrail_mode}: plain decoding predicted at {plain:.1f} tok/s (from "
-        f"{source}); speculation counts as slower below {g.window.threshold:.1f} tok/s over "
-        f">= {g.window.window_tokens} decode tokens and {g.window.min_requests} requests, "
-        f"for most of the window's tokens")
+    w = next(iter(g.windows.values()))
+    predicted = ", ".join(f"batch <= {b}: {p:.1f} tok/s" for b, p in sorted(plain.items()))
+    say(f"[guardrail] {guardrail_mode}: plain decoding predicted at {predicted} (from "
+        f"{source}); speculation counts as slower at a batch size below (1 - "
+        f"{w.margin:g}) x its prediction over >= {w.window_tokens} tokens and "
+        f"{w.min_samples} steps, for most of the window's tokens; batch sizes without a "
+        f"prediction are not judged")
     return g
 
 

@@ -197,6 +197,8 @@ class LLM:
         # Deltas a generate/stream call stepped out for other callers' requests (a server
         # calibration running between steps): the next step() hands them over.
         self._undelivered: list[StreamDelta] = []
+        # The last step's (engine.StepStats, tokens emitted, wall seconds): the guardrail's.
+        self.last_step: tuple | None = None
         self.spec: SpecConfig | None = None
         self.draft_info: str | None = None
         self._draft: tuple[tuple, Any] | None = None  # ((draft, layer ids), loaded draft)
@@ -459,12 +461,14 @@ class LLM:
         prof = self.timer
         if prof:
             prof.begin_cycle()
+        t0 = time.perf_counter()
         outs = self.engine.step()
+        st = self.engine.last_stats
+        self.last_step = (st, sum(len(o.new_tokens) for o in outs), time.perf_counter() - t0)
         if prof:
             prof.mark(Phase.DETOKENIZE)
         deltas = ready + [d for o in outs if (d := self._delta(o)) is not None]
         if prof:
-            st = self.engine.last_stats
             if st.decode_tokens == 0 and st.verify_tokens == 0:
                 prof.end_as_request_phase()  # a prefill-only step is not a decode cycle
             else:

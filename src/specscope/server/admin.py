@@ -48,7 +48,10 @@ def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker,
         return {"object": "spec_config", "enabled": s is not None,
                 "draft": s.draft if s else known["draft"],
                 "num_steps": s.num_steps if s else None, "topk": s.topk if s else None,
-                "num_draft_tokens": s.num_draft_tokens if s else None}
+                "num_draft_tokens": s.num_draft_tokens if s else None,
+                # speculation by batch size, when a policy is in force (--spec-policy,
+                # --auto-tune by batch size, or the guardrail's switch-off of a bucket)
+                "policy": llm.spec_policy.flag() if s and llm.spec_policy else None}
 
     @app.get("/admin/spec")
     async def get_spec():

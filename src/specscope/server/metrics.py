@@ -150,21 +150,27 @@ def _counter(name: str, help: str, labels: str, value: int) -> list[str]:
 
 
 def _guardrail_lines(g: dict, m: str) -> list[str]:
+    """Per batch-size bucket (label `bucket`, its largest batch) the window's rate, the
+    prediction and the verdict; the switch-offs in total."""
+    rows = [(m[:-1] + f',bucket="{b["bucket"]}"}}', b) for b in g["buckets"]]
     return [
-        "# HELP specscope_guardrail_window_tok_per_s Speculative decode tok/s over the "
-        "guardrail's window (0 while it is empty).",
+        "# HELP specscope_guardrail_window_tok_per_s Speculative tok/s over the guardrail's "
+        "window of a batch-size bucket (0 while it is empty).",
         "# TYPE specscope_guardrail_window_tok_per_s gauge",
-        f"specscope_guardrail_window_tok_per_s{m} {g['window_tok_per_s']:.6g}",
-        "# HELP specscope_guardrail_plain_tok_per_s Predicted plain-decoding tok/s the "
-        "window is compared with.",
+        *(f"specscope_guardrail_window_tok_per_s{lb} {b['window_tok_per_s']:.6g}"
+          for lb, b in rows),
+        "# HELP specscope_guardrail_plain_tok_per_s Predicted plain-decoding tok/s of a "
+        "batch-size bucket, which its window is compared with.",
         "# TYPE specscope_guardrail_plain_tok_per_s gauge",
-        f"specscope_guardrail_plain_tok_per_s{m} {g['plain_tok_per_s']:.6g}",
+        *(f"specscope_guardrail_plain_tok_per_s{lb} {b['plain_tok_per_s']:.6g}"
+          for lb, b in rows),
         "# HELP specscope_guardrail_slower 1 while speculation is judged slower than plain "
-        "decoding.",
+        "decoding in a batch-size bucket.",
         "# TYPE specscope_guardrail_slower gauge",
-        f"specscope_guardrail_slower{m} {int(g['verdict'] == 'slower')}",
+        *(f"specscope_guardrail_slower{lb} {int(b['verdict'] == 'slower')}" for lb, b in rows),
         *_counter("specscope_guardrail_switch_offs_total",
-                  "Times the guardrail switched speculation off.", m, g["switch_offs"]),
+                  "Times the guardrail switched speculation off for a bucket.", m,
+                  g["switch_offs"]),
     ]
 
 

@@ -11,8 +11,8 @@ Shutdown (`begin_shutdown(grace)`): new requests get 503; running and queued one
 for `grace` seconds; then each is stopped at the next step (it gets a
 `server_shutting_down` error after what it already streamed).
 
-After each finished request, still on the engine thread, the guardrail (guardrail.py) gets
-its timings and may switch speculation off.
+After each step, still on the engine thread, the guardrail (guardrail.py) gets its timings
+and may switch speculation off for that step's batch-size bucket.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from typing import Any
 
 from specscope.config import SamplingParams
 from specscope.engine.llm import LLM
-from specscope.engine.request import RequestOutput
-from specscope.server.guardrail import Guardrail
+from specscope.server.guardrail import Guardrail, StepSample
 from specscope.server.metrics import Metrics
 from specscope.server.schemas import APIError
 
@@ -205,6 +204,7 @@ class EngineWorker:
                 del self._running[rid]
                 self._close(job, e)
             return
+        self._after_step()
         for d in deltas:
             job = self._running.get(d.request_id)
             if job is None:
@@ -214,7 +214,6 @@ class EngineWorker:
                 continue
             del self._running[d.request_id]
             self._close(job, d)
-            self._after(d.output)
         expired = self._expired()
         for rid, job in list(self._running.items()):
             if job.cancel.is_set() or expired:
@@ -223,11 +222,13 @@ class EngineWorker:
                 self._close(job, shutting_down("the request was stopped before it "
                                                "finished") if expired else None)
 
-    def _after(self, out: RequestOutput) -> None:
-        if self.guardrail is None:
+    def _after_step(self) -> None:
+        if self.guardrail is None or self.llm.last_step is None:
             return
+        st, tokens, seconds = self.llm.last_step
         try:
-            self.guardrail.after_request(self.llm, out)
+            self.guardrail.after_step(self.llm, StepSample(
+                st.num_seqs, st.num_speculating, st.prefill_tokens, tokens, seconds))
         except Exception:  # the guardrail must never stop the engine thread
             log.exception("guardrail failed")
 
