@@ -9,13 +9,13 @@ import logging
 import pytest
 
 from specscope.config import SamplingParams, ServerConfig, SpecConfig, SpecPolicy
+from specscope.engine.llm import StepRecord
 from specscope.server.guardrail import (
     OK,
     SLOWER,
     WARMING_UP,
     GoodputWindow,
     Guardrail,
-    StepSample,
     policy_without,
 )
 
@@ -102,8 +102,8 @@ class FakeLLM:
 
 
 def step(tokens: int, seconds: float, batch: int = 1, speculating: int | None = None,
-         prefill: int = 0) -> StepSample:
-    return StepSample(batch, batch if speculating is None else speculating, prefill, tokens,
+         prefill: int = 0) -> StepRecord:
+    return StepRecord(batch, batch if speculating is None else speculating, prefill, tokens,
                       seconds)
 
 

@@ -283,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         getattr(args, "profile", None) or \
         getattr(args, "profile_interval", None) or os.environ.get("SPECSCOPE_PROFILE")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
+    if getattr(args, "log_level", None):  # serve: its level is specscope's own too
+        logging.getLogger("specscope").setLevel(args.log_level.upper())
     try:
         return args.func(args)
     except (ValueError, OSError, TypeError, RuntimeError) as e:  # what the checks raise

@@ -8,6 +8,7 @@ listened on once the model is up.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -33,6 +34,8 @@ from specscope.cli_draft import (
     start_serve_draft,
 )
 from specscope.config import ServerConfig
+
+log = logging.getLogger("specscope.serve")
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -68,7 +71,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         request_read_timeout=args.request_read_timeout,
         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-        max_n=args.max_n, shutdown_timeout=args.shutdown_timeout)
+        max_n=args.max_n, shutdown_timeout=args.shutdown_timeout,
+        log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -101,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       "it, or drop --doctor)", file=sys.stderr)
                 return 1
         guardrail = start_serve_draft(llm, spec, args, guardrail_mode)  # --auto-tune
+        log.info("serving %s", llm.describe())
         app = create_app(llm, config, guardrail=guardrail, draft_spec=spec)
         return serve(app, sockets=sockets, log_level=args.log_level,
                      shutdown_timeout=config.shutdown_timeout)
@@ -147,6 +152,11 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
                    help="longest stop string, in characters (default %(default)s)")
     s.add_argument("--max-n", type=positive_int, default=d.max_n,
                    help="largest `n` (choices per request) (default %(default)s)")
+    s.add_argument("--log-stats-interval", type=positive_float, default=d.log_stats_interval,
+                   help="seconds between the throughput log lines (prompt and generation "
+                        "tok/s, queues, KV cache, speculation) (default %(default)s)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput log lines (vLLM's flag)")
     s.add_argument("--shutdown-timeout", type=non_negative_float, default=d.shutdown_timeout,
                    help="on SIGTERM/SIGINT, seconds that running and queued requests may "
                         "still take (new ones get 503 meanwhile); then the running one is "

@@ -436,7 +436,8 @@ class ServerConfig:
     max_prompt_tokens: None means the model's context length minus one. request_read_timeout:
     seconds a client has to send its whole body (408 after). max_stop_strings, max_stop_chars:
     how many stop strings a request may give and how long each may be. max_n: the largest
-    `n`. shutdown_timeout: seconds running requests get after SIGTERM.
+    `n`. shutdown_timeout: seconds running requests get after SIGTERM. log_stats_interval:
+    seconds between the throughput log's lines (0: none; vLLM's --disable-log-stats).
     """
 
     served_model_name: str | None = None
@@ -452,6 +453,7 @@ class ServerConfig:
     max_stop_chars: int = 256
     max_n: int = 16
     shutdown_timeout: float = 5.0
+    log_stats_interval: float = 10.0
 
     def __post_init__(self) -> None:
         _check_int("max_queue", self.max_queue, 0)
@@ -461,7 +463,7 @@ class ServerConfig:
         _check_int("max_stop_strings", self.max_stop_strings, 0)
         _check_int("max_stop_chars", self.max_stop_chars, 1)
         _check_int("max_n", self.max_n, 1)
-        for name in ("request_read_timeout", "shutdown_timeout"):
+        for name in ("request_read_timeout", "shutdown_timeout", "log_stats_interval"):
             v = getattr(self, name)
             lo_ok = v > 0 if name == "request_read_timeout" else v >= 0
             if not (isinstance(v, (int, float)) and not isinstance(v, bool)

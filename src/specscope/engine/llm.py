@@ -65,6 +65,22 @@ class _Active:
     req: Request
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as the server's guardrail and throughput log see it (LLM.last_step):
+    sequences in it and of them speculating, prefill tokens, tokens emitted, its wall
+    seconds, and per speculating sequence its draft tokens verified and accepted."""
+
+    batch: int
+    speculating: int
+    prefill_tokens: int
+    tokens: int
+    seconds: float
+    drafted: int = 0
+    accepted: tuple[int, ...] = ()
+    depth: int = 0  # the speculative configuration's num_steps (0: a plain step)
+
+
 @dataclass
 class StreamDelta:
     """One cycle's worth of output while streaming."""
@@ -197,8 +213,7 @@ class LLM:
         # Deltas a generate/stream call stepped out for other callers' requests (a server
         # calibration running between steps): the next step() hands them over.
         self._undelivered: list[StreamDelta] = []
-        # The last step's (engine.StepStats, tokens emitted, wall seconds): the guardrail's.
-        self.last_step: tuple | None = None
+        self.last_step: StepRecord | None = None
         self.spec: SpecConfig | None = None
         self.draft_info: str | None = None
         self._draft: tuple[tuple, Any] | None = None  # ((draft, layer ids), loaded draft)
@@ -464,7 +479,12 @@ class LLM:
         t0 = time.perf_counter()
         outs = self.engine.step()
         st = self.engine.last_stats
-        self.last_step = (st, sum(len(o.new_tokens) for o in outs), time.perf_counter() - t0)
+        accepted = tuple(o.accepted for o in outs if o.accepted is not None)
+        self.last_step = StepRecord(st.num_seqs, st.num_speculating, st.prefill_tokens,
+                                    sum(len(o.new_tokens) for o in outs),
+                                    time.perf_counter() - t0,
+                                    st.verify_tokens - st.num_speculating, accepted,
+                                    self.engine.spec.num_steps if accepted else 0)
         if prof:
             prof.mark(Phase.DETOKENIZE)
         deltas = ready + [d for o in outs if (d := self._delta(o)) is not None]
@@ -509,6 +529,26 @@ class LLM:
         c = self.model_config
         return (f"LLM({self.model_name!r}, {c.architecture}, layers={c.num_layers}, "
                 f"dtype={self.dtype}, device={self.device})")
+
+    def describe(self) -> str:
+        """One line for the start-up log: the model, its dtype and device, the draft and its
+        taps, the KV pool and the scheduler's limits."""
+        c, ec = self.model_config, self.engine_config
+        dtype = str(self.dtype).removeprefix("torch.")
+        text = (f"{self.model_name} ({c.architecture}, {c.num_layers} layers, vocab "
+                f"{c.vocab_size}) in {dtype} on {self.device}; max_model_len "
+                f"{self.max_model_len}, max {ec.max_num_seqs} sequences, "
+                f"{ec.max_num_batched_tokens} batched tokens per step")
+        if self.kv_budget is not None:
+            text += f"; {self.kv_budget.describe(self.max_model_len)}"
+        if self.spec is None:
+            return text + "; speculation off"
+        taps = list(self.draft.config.aux_layer_ids) if self.draft is not None else "?"
+        how = (f"policy {self.spec_policy.flag()}" if self.spec_policy else
+               f"steps={self.spec.num_steps} topk={self.spec.topk} "
+               f"ndt={self.spec.num_draft_tokens}")
+        return (text + f"; EAGLE-3 draft {self.spec.draft} tapping target layers {taps}, "
+                f"{how}" + (" (SIMULATED acceptance)" if self.spec.simulated else ""))
 
     def info(self) -> dict[str, Any]:
         c = self.model_config

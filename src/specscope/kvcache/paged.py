@@ -12,6 +12,7 @@ contiguous copy, which a fast path must never do every step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -303,7 +304,10 @@ def _fast_backend():
     installed (CUDA); None otherwise, and the torch reference runs."""
     try:
         from specscope.kvcache.triton_attention import paged_attention
-    except ImportError:
+    except ImportError as e:  # asked for on CUDA only: say once what is missing
+        logging.getLogger("specscope").warning(
+            "paged attention on CUDA runs the slow torch reference: %s; install the kernels' "
+            "dependency with pip install 'specscope[cuda]'", e)
         return None
     return paged_attention
 

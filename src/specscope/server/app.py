@@ -51,6 +51,7 @@ from specscope.server.schemas import (
     parse_json,
     validation_error,
 )
+from specscope.server.stats_log import StatsLog
 from specscope.server.worker import _END, EngineWorker, _Job
 
 log = logging.getLogger("specscope.server")
@@ -123,7 +124,9 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
     cfg = config or ServerConfig()
     served = cfg.served_model_name or llm.model_name
     metrics = Metrics(served)
-    worker = EngineWorker(llm, cfg.max_queue, metrics, guardrail)
+    stats = (StatsLog(lambda: llm.engine.state(), cfg.log_stats_interval)
+             if cfg.log_stats_interval > 0 else None)
+    worker = EngineWorker(llm, cfg.max_queue, metrics, guardrail, stats)
     limits = PromptLimits(llm, cfg)
 
     @asynccontextmanager

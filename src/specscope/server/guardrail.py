@@ -31,12 +31,11 @@ import logging
 import threading
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any
 
 from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.engine.cuda_graph import bucket_for
-from specscope.engine.llm import LLM, Prompt
+from specscope.engine.llm import LLM, Prompt, StepRecord
 from specscope.profiler.profiler import BATCH_BUCKETS
 
 log = logging.getLogger("specscope.server.guardrail")
@@ -124,17 +123,6 @@ class GoodputWindow:
         return SLOWER if self.tok_per_s < self.threshold and self.slow_share >= 0.5 else OK
 
 
-@dataclass
-class StepSample:
-    """One engine step as the guardrail sees it (LLM.last_step)."""
-
-    batch: int  # sequences in the step
-    speculating: int  # of them speculating
-    prefill_tokens: int
-    tokens: int  # tokens the step emitted
-    seconds: float  # its wall time
-
-
 class Guardrail:
     """The server's guardrail: a GoodputWindow per batch-size bucket, fed by pure
     speculative steps, and what to do on its verdict (`mode`). `after_step` runs on the
@@ -163,7 +151,7 @@ class Guardrail:
         self.last_trigger: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
-    def after_step(self, llm: LLM, step: StepSample) -> None:
+    def after_step(self, llm: LLM, step: StepRecord) -> None:
         """Feed one engine step (engine thread); warn and, in off-when-slower mode, switch
         speculation off for the bucket on a `slower` verdict."""
         if (self.mode == "off" or step.prefill_tokens or step.batch == 0

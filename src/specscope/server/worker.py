@@ -29,9 +29,10 @@ from typing import Any
 
 from specscope.config import SamplingParams
 from specscope.engine.llm import LLM
-from specscope.server.guardrail import Guardrail, StepSample
+from specscope.server.guardrail import Guardrail
 from specscope.server.metrics import Metrics
 from specscope.server.schemas import APIError
+from specscope.server.stats_log import StatsLog
 
 log = logging.getLogger("specscope.server")
 
@@ -91,11 +92,13 @@ class EngineWorker:
     """One thread that runs every engine call, in arrival order."""
 
     def __init__(self, llm: LLM, max_queue: int, metrics: Metrics,
-                 guardrail: Guardrail | None = None) -> None:
+                 guardrail: Guardrail | None = None, stats_log: StatsLog | None = None
+                 ) -> None:
         self.llm = llm
         self.max_queue = max_queue
         self.metrics = metrics
         self.guardrail = guardrail
+        self.stats_log = stats_log
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._inflight = 0  # generation jobs queued or running
@@ -223,12 +226,15 @@ class EngineWorker:
                                                "finished") if expired else None)
 
     def _after_step(self) -> None:
-        if self.guardrail is None or self.llm.last_step is None:
+        step = self.llm.last_step
+        if step is None:
             return
-        st, tokens, seconds = self.llm.last_step
+        if self.stats_log is not None:
+            self.stats_log.record(step)
+        if self.guardrail is None:
+            return
         try:
-            self.guardrail.after_step(self.llm, StepSample(
-                st.num_seqs, st.num_speculating, st.prefill_tokens, tokens, seconds))
+            self.guardrail.after_step(self.llm, step)
         except Exception:  # the guardrail must never stop the engine thread
             log.exception("guardrail failed")
 

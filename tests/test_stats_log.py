@@ -1,0 +1,54 @@
+"""The server's throughput log line and the two definitions of acceptance by position."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from specscope.engine.llm import StepRecord
+from specscope.server.stats_log import StatsLog, acceptance_by_position
+
+
+def test_both_acceptance_definitions():
+    """The issue's example: cycles accepting [1, 0, 2, 3, 2]. Conditional (given all earlier
+    accepted, ours) and per draft (over all drafts, vLLM's)."""
+    cond, per = acceptance_by_position([1, 0, 2, 3, 2], 5)
+    assert cond == pytest.approx([0.8, 0.75, 1 / 3, 0.0, 0.0])
+    assert per == pytest.approx([0.8, 0.6, 0.2, 0.0, 0.0])
+    assert acceptance_by_position([], 2) == ([0.0, 0.0], [0.0, 0.0])
+
+
+def test_one_line_per_interval_with_traffic(caplog):
+    now = [0.0]
+    state = {"running": 3, "waiting": 1, "kv_blocks": 200, "kv_blocks_in_use": 50,
+             "prefix_queries": 10, "prefix_hits": 4}
+    log = StatsLog(lambda: state, interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="specscope.server.stats"):
+        log.record(StepRecord(3, 0, 100, 0, 0.1))  # a prefill step
+        now[0] = 5.0
+        log.record(StepRecord(3, 3, 0, 9, 0.1, drafted=9, accepted=(2, 1, 3), depth=3))
+        assert not caplog.records  # the interval has not passed
+        now[0] = 10.0
+        log.record(StepRecord(3, 3, 0, 6, 0.1, drafted=9, accepted=(0, 3, 0), depth=3))
+        now[0] = 25.0
+        log.record(StepRecord(0, 0, 0, 0, 0.0))  # no traffic in this interval: no line
+    assert len(caplog.records) == 1
+    line = caplog.records[0].getMessage()
+    assert "prompt 10.0 tok/s, generation 1.5 tok/s, running 3, waiting 1" in line
+    assert "KV cache 25.0 % of 200 blocks, prefix-cache hit rate 40.0 %" in line
+    assert "6 drafts, mean accept length 2.50, accepted 9 of 18 draft tokens (50.0 %)" in line
+    # accepted (2, 1, 3, 0, 3, 0): conditional 4/6, 3/4, 2/3; per draft 4/6, 3/6, 2/6
+    assert "(conditional) 0.67, 0.75, 0.67, (per draft) 0.67, 0.50, 0.33" in line
+
+
+def test_llm_describes_itself_at_start_up(tiny_model_dir):
+    from specscope import LLM
+    from specscope.config import SpecConfig
+
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
+              spec=SpecConfig(draft="random", num_steps=3))
+    text = llm.describe()
+    assert "LlamaForCausalLM" in text and "float32 on cpu" in text and "KV cache:" in text
+    assert "max 256 sequences" in text or "sequences," in text
+    assert "EAGLE-3 draft random tapping target layers [" in text and "steps=3" in text
