@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from specscope.engine.llm import StepRecord
-from specscope.server.stats_log import StatsLog, acceptance_by_position
+from specscope.engine.speculative import acceptance_by_position
+from specscope.server.stats_log import StatsLog
 
 
 def test_both_acceptance_definitions():
@@ -52,3 +53,22 @@ def test_llm_describes_itself_at_start_up(tiny_model_dir):
     assert "LlamaForCausalLM" in text and "float32 on cpu" in text and "KV cache:" in text
     assert "max 256 sequences" in text or "sequences," in text
     assert "EAGLE-3 draft random tapping target layers [" in text and "steps=3" in text
+
+
+def test_requests_and_profiles_report_both_definitions(tiny_model_dir):
+    from specscope import LLM, SamplingParams
+    from specscope.config import SpecConfig
+    from specscope.profiler.profiler import format_summary
+
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", profile=True,
+              spec=SpecConfig(draft="random", num_steps=3, simulate_acceptance=2.5))
+    out = llm.generate("one two three", SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    st = out.spec
+    cond, per = acceptance_by_position(st["accepted_per_cycle"], 3)
+    assert st["acceptance_by_position"] == pytest.approx(cond, abs=1e-4)
+    assert st["acceptance_per_draft_by_position"] == pytest.approx(per, abs=1e-4)
+    assert sum(per) == pytest.approx(st["accept_length"] - 1, abs=1e-3)
+    s = llm.profile_summary()[0]
+    assert s["acceptance_per_draft_by_position"] == pytest.approx(per)
+    text = format_summary(s)
+    assert "(conditional)" in text and "(per draft)" in text

@@ -100,8 +100,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             st = final.spec
             label = "SIMULATED acceptance" if st["simulated"] else "speculative"
             rates = " ".join(f"{x:.2f}" for x in st["acceptance_by_position"])
+            per = " ".join(f"{x:.2f}" for x in st["acceptance_per_draft_by_position"])
             print(f"[{label}: {st['cycles']} cycles | accept length {st['accept_length']:.2f} "
-                  f"| acceptance by position {rates}]", file=sys.stderr)
+                  f"| acceptance by position (conditional) {rates} | (per draft) {per}]",
+                  file=sys.stderr)
     return 0
 
 

@@ -30,17 +30,34 @@ class SpecStats:
         return (sum(self.accepted) / len(self.accepted) + 1.0) if self.accepted else 0.0
 
     def acceptance_by_position(self) -> list[float]:
-        """Fraction of cycles whose i-th draft token was accepted given all earlier were."""
-        out = []
-        for i in range(1, self.num_steps + 1):
-            reached = sum(1 for a in self.accepted if a >= i - 1)
-            out.append(sum(1 for a in self.accepted if a >= i) / reached if reached else 0.0)
-        return out
+        """Conditional acceptance at each draft position (accepted given all earlier were)."""
+        return acceptance_by_position(self.accepted, self.num_steps)[0]
 
     def as_dict(self) -> dict:
+        cond, per_draft = acceptance_by_position(self.accepted, self.num_steps)
         return {"cycles": self.cycles, "accept_length": round(self.accept_length, 4),
-                "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position()],
+                "acceptance_by_position": [round(x, 4) for x in cond],
+                "acceptance_per_draft_by_position": [round(x, 4) for x in per_draft],
                 "accepted_per_cycle": list(self.accepted), "simulated": self.simulated}
+
+
+def acceptance_by_position(accepted: list[int], depth: int) -> tuple[list[float],
+                                                                       list[float]]:
+    """Both definitions of acceptance at draft positions 1..depth, for cycles that accepted
+    accepted[c] draft tokens each (docs/speculative.md):
+    conditional[i]: cycles accepting >= i + 1 over cycles accepting >= i (position i + 1
+        accepted given all earlier were; ours, `acceptance_by_position`);
+    per_draft[i]: cycles accepting >= i + 1 over all cycles (vLLM's per-position
+        acceptance rate, `acceptance_per_draft_by_position`).
+    For [1, 0, 2, 3, 2]: conditional 0.80 0.75 0.33 0 0, per draft 0.80 0.60 0.20 0 0."""
+    n = len(accepted)
+    cond, per = [], []
+    for i in range(depth):
+        reached = sum(1 for a in accepted if a >= i)
+        took = sum(1 for a in accepted if a > i)
+        cond.append(took / reached if reached else 0.0)
+        per.append(took / n if n else 0.0)
+    return cond, per
 
 
 def load_spec_draft(spec: SpecConfig, target: CausalLM, dtype: torch.dtype,

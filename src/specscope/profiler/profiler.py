@@ -332,13 +332,15 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
     phases = _phase_rows(recs, t)
     acc = t.accepted
     n_acc = sum(acc.values())
-    by_pos = None
-    if n_acc:
+    by_pos = per_draft = None
+    if n_acc:  # both definitions (engine/speculative.py acceptance_by_position)
         k = max(positions, max(acc), 1)
-        by_pos = []
+        by_pos, per_draft = [], []
         for i in range(1, k + 1):
             reached = sum(c for a, c in acc.items() if a >= i - 1)
-            by_pos.append(sum(c for a, c in acc.items() if a >= i) / reached if reached else 0.0)
+            took = sum(c for a, c in acc.items() if a >= i)
+            by_pos.append(took / reached if reached else 0.0)
+            per_draft.append(took / n_acc)
     modes = _by_mode(recs, ct)
     seg = modes.get("segments")
     by_batch = {}
@@ -357,7 +359,8 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
                              else (t.tokens / wall * 1e3 if wall else 0.0)),
         "cycles_per_s": t.cycles / wall * 1e3 if wall else 0.0,
         "accept_length": (sum(a * c for a, c in acc.items()) / n_acc + 1.0) if n_acc else None,
-        "acceptance_by_position": by_pos, "simulated": simulated, "phases": phases,
+        "acceptance_by_position": by_pos, "acceptance_per_draft_by_position": per_draft,
+        "simulated": simulated, "phases": phases,
         "modes": modes, "by_batch": by_batch,
         "attributed": 1.0 - (phases.get("other", {}).get("share", 0.0) if wall else 0.0),
         "request_phases_ms": {name: sum(xs) / len(xs) for name, xs in loose.items() if xs},
@@ -380,8 +383,11 @@ def format_summary(s: dict) -> str:
              + (" (SIMULATED)" if s["simulated"] else "")
              + f", attributed {s['attributed']:.1%}"]
     if s["acceptance_by_position"]:
-        lines.append("  acceptance by position: " + " ".join(
+        lines.append("  acceptance by position (conditional): " + " ".join(
             f"{x:.2f}" for x in s["acceptance_by_position"]))
+    if s.get("acceptance_per_draft_by_position"):
+        lines.append("  acceptance by position (per draft): " + " ".join(
+            f"{x:.2f}" for x in s["acceptance_per_draft_by_position"]))
     modes = s.get("modes") or {"phases": {"cycles": s["cycles"], "phases": s["phases"],
                                           "percentile_cycles": s.get("percentile_cycles",
                                                                      s["cycles"])}}

@@ -186,11 +186,13 @@ def _timeline(configs: list[str], records: list[CycleRecord]) -> str:
     return _svg(LABEL_W + PLOT_W + 40, axis_y + 24, body)
 
 
-def _acceptance(summaries: list[dict]) -> str:
-    have = [s for s in summaries if s.get("acceptance_by_position")]
+def _acceptance(summaries: list[dict], key: str = "acceptance_by_position") -> str:
+    """Bars of one acceptance definition by draft position (`key`: the conditional
+    acceptance_by_position, or acceptance_per_draft_by_position)."""
+    have = [s for s in summaries if s.get(key)]
     if not have:
         return '<p class="muted">No configuration reports acceptance by position.</p>'
-    k = max(len(s["acceptance_by_position"]) for s in have)
+    k = max(len(s[key]) for s in have)
     group_w = PLOT_W / k
     bar_w = group_w * 0.8 / len(have)
     rotate = bar_w < 34  # narrow bars: value labels run upwards, so leave room above 100%
@@ -206,7 +208,7 @@ def _acceptance(summaries: list[dict]) -> str:
         body.append(_label(left + (pos + 0.5) * group_w, top + plot_h + 16, str(pos + 1),
                            "middle", 12))
         for j, s in enumerate(have):
-            acc = s["acceptance_by_position"]
+            acc = s[key]
             if pos >= len(acc):
                 continue
             x, h = gx + j * bar_w, plot_h * max(min(acc[pos], 1.0), 0.0)
@@ -270,7 +272,10 @@ def render_report(summaries: list[dict], records: list[CycleRecord],
         ("Mean cycle time by phase (ms)", legend + _stacked(summaries)),
         (f"Timeline of the last {TIMELINE_CYCLES} cycles (hover for ms)",
          legend + _timeline(configs, records)),
-        ("Acceptance by draft position", _acceptance(summaries)),
+        ("Acceptance by draft position, conditional: accepted given all earlier were",
+         _acceptance(summaries)),
+        ("Acceptance by draft position, per draft: accepted over all drafts (vLLM's)",
+         _acceptance(summaries, "acceptance_per_draft_by_position")),
     ]
     html_cards = "".join(f'<section class="card"><h2>{escape(h)}</h2>{b}</section>'
                          for h, b in cards)

@@ -2,7 +2,7 @@
 "SpecDecoding metrics" lines): every `interval` seconds with traffic, prompt and generation
 tok/s, running and waiting requests, KV-cache use, prefix-cache hit rate, and for the
 speculative steps the mean accept length, the drafted and accepted tokens and the
-acceptance at each draft position in both definitions (docs/vocabulary.md): conditional
+acceptance at each draft position in both definitions (docs/speculative.md): conditional
 (accepted at i given all earlier were, ours) and per draft (accepted at i over all drafts,
 vLLM's)."""
 
@@ -13,23 +13,9 @@ import time
 from collections.abc import Callable
 
 from specscope.engine.llm import StepRecord
+from specscope.engine.speculative import acceptance_by_position
 
 log = logging.getLogger("specscope.server.stats")
-
-
-def acceptance_by_position(accepted: list[int], depth: int) -> tuple[list[float],
-                                                                       list[float]]:
-    """(conditional, per draft) acceptance at draft positions 1..depth of cycles that
-    accepted `accepted[c]` tokens each: conditional[i] = cycles accepting >= i + 1 over
-    cycles accepting >= i; per_draft[i] = cycles accepting >= i + 1 over all cycles."""
-    n = len(accepted)
-    cond, per = [], []
-    for i in range(depth):
-        reached = sum(1 for a in accepted if a >= i)
-        took = sum(1 for a in accepted if a > i)
-        cond.append(took / reached if reached else 0.0)
-        per.append(took / n if n else 0.0)
-    return cond, per
 
 
 class StatsLog:
