@@ -420,6 +420,9 @@ def started(monkeypatch):
         def __init__(self, *args, **kwargs) -> None:
             seen["loaded"] = True
 
+        def describe(self) -> str:
+            return "a fake"
+
     def create_app(llm, config=None, **kwargs):
         seen["config"] = config
         return "app"
@@ -433,6 +436,7 @@ def started(monkeypatch):
     monkeypatch.setattr("specscope.server.create_app", create_app)
     monkeypatch.setattr("specscope.server.serve.serve", serve)
     monkeypatch.delenv("SPECSCOPE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     return seen
 
 
@@ -462,10 +466,15 @@ def test_serve_defaults_are_the_server_configs(started, monkeypatch):
     assert started["config"].api_keys == ("from-env",)
     assert main(["serve", "--draft", "none", "--port", "0", "--api-key", "flag"]) == 0
     assert started["config"].api_keys == ("flag",)  # a flag overrides the environment
+    monkeypatch.delenv("SPECSCOPE_API_KEY")
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-env")  # vLLM's variable, for a migrating user
+    assert main(["serve", "--draft", "none", "--port", "0"]) == 0
+    assert started["config"].api_keys == ("vllm-env",)
 
 
 def test_admin_without_a_key_fails_before_the_target_loads(no_load, capsys, monkeypatch):
     monkeypatch.delenv("SPECSCOPE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     rc, err = run_main(["serve", "--draft", "none", "--port", "0", "--enable-admin"], capsys)
     assert rc == 2
     assert one_line(err).startswith("specscope: error: enable_admin needs an API key")

@@ -9,6 +9,7 @@ and where to look. The `type=` helpers check ranges while parsing, so "--port 70
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -25,9 +26,26 @@ from specscope.config import (
 PORT_MAX = 65535
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help names each option's default (vLLM's and SGLang's --help do), unless its help
+    already says it or there is none to name (unset, a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None
+                or action.default is False or action.default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr, exit status 2. Sub-commands
-    made with add_subparsers inherit the class (argparse uses type(self) for them)."""
+    """An ArgumentParser whose errors are one line on stderr, exit status 2, and whose --help
+    names the defaults. Sub-commands made with add_subparsers inherit the class (argparse
+    uses type(self) for them)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         line = " ".join(message.split())  # argparse messages may wrap; keep them one line
@@ -107,7 +125,11 @@ def check_engine_args(args: argparse.Namespace) -> None:
     from specscope.config import EngineConfig
 
     EngineConfig(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                 **engine_kwargs(args))
+                 **batching_kwargs(args))
+    if getattr(args, "chat_template", None) is not None:
+        from specscope.engine.tokenizer import check_chat_template, load_chat_template
+
+        check_chat_template(load_chat_template(args.chat_template))
 
 
 def fail(prog: str, message: str) -> int:
@@ -138,6 +160,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "then faster decoding (needs a C++ compiler on CPU, triton on CUDA)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted GGUFs are cached (default ~/.cache/specscope)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) instead of "
+                        "the tokenizer's")
     add_batching_args(p)
 
 
@@ -165,11 +190,20 @@ def add_batching_args(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV blocks of shared prompt prefixes")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The batching flags as LLM keyword arguments."""
+def batching_kwargs(args: argparse.Namespace) -> dict:
+    """The batching flags as EngineConfig keyword arguments."""
     return {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs",
                                           "block_size", "gpu_memory_utilization",
                                           "kv_cache_memory", "enable_prefix_caching")}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The batching flags, the chat template and serve's engine seed as LLM keyword
+    arguments."""
+    kw = batching_kwargs(args)
+    kw["chat_template"] = getattr(args, "chat_template", None)
+    kw["seed"] = getattr(args, "engine_seed", None)
+    return kw
 
 
 def fraction(text: str) -> float:
@@ -212,6 +246,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate-acceptance", default=None,
                    help="benchmark mode: a mean accept length (e.g. 3.0) or per-position "
                         "rates (e.g. 0.9,0.8,0.7); real draft and verify, simulated accepts")
+    p.add_argument("--speculative-algorithm", default=None, metavar="EAGLE3",
+                   help="SGLang's flag: EAGLE3 (the only algorithm specscope runs; the draft "
+                        "comes from --draft / --speculative-draft-model-path)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's flag, e.g. '{\"method\": \"eagle3\", \"model\": "
+                        "\"DRAFT\", \"num_speculative_tokens\": 5}' (a chain of that many "
+                        "draft tokens); its keys override --draft and --num-steps")
     p.add_argument("--spec-policy", default=None,
                    help="speculation by batch size: bucket:steps,topk,tokens or bucket:off "
                         "entries separated by ';' (e.g. '4:5,1,6;16:3,1,4;256:off': batches "
@@ -229,8 +270,59 @@ def policy_from_args(args: argparse.Namespace, spec: SpecConfig | None) -> SpecP
     return SpecPolicy.parse(text, spec)
 
 
+# vLLM's --speculative-config keys specscope reads; the rest of vLLM's are refused by name.
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens",
+                           "draft_tensor_parallel_size")
+
+
+def _apply_engine_spellings(args: argparse.Namespace) -> None:
+    """SGLang's --speculative-algorithm and vLLM's --speculative-config onto our flags."""
+    algo = getattr(args, "speculative_algorithm", None)
+    if algo is not None and algo.upper() != "EAGLE3":
+        raise ValueError(f"--speculative-algorithm {algo}: specscope runs EAGLE-3 drafts only "
+                         f"(--speculative-algorithm EAGLE3)")
+    if algo is not None and args.draft is None:
+        raise ValueError("--speculative-algorithm EAGLE3 needs the draft: "
+                         "--speculative-draft-model-path DRAFT (or --draft)")
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
+    unknown = sorted(set(cfg) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unsupported key(s) {unknown}; specscope "
+                         f"reads {list(SPECULATIVE_CONFIG_KEYS)}")
+    method = str(cfg.get("method", "eagle3")).lower()
+    if method != "eagle3":
+        raise ValueError(f"--speculative-config method {cfg['method']!r}: specscope runs "
+                         f"EAGLE-3 drafts only (\"method\": \"eagle3\")")
+    tp = cfg.get("draft_tensor_parallel_size", 1)
+    if tp != 1:
+        raise ValueError(f"--speculative-config draft_tensor_parallel_size {tp!r}: only 1 "
+                         f"(the draft on one device) is supported")
+    if "model" in cfg:
+        if args.draft not in (None, cfg["model"]):
+            raise ValueError(f"two drafts given: --draft {args.draft} and --speculative-config "
+                             f"model {cfg['model']}; give one")
+        args.draft = str(cfg["model"])
+    elif args.draft is None:
+        raise ValueError("--speculative-config needs \"model\": the draft checkpoint")
+    if "num_speculative_tokens" in cfg:
+        k = cfg["num_speculative_tokens"]
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_STEPS:
+            raise ValueError(f"--speculative-config num_speculative_tokens must be an integer "
+                             f"in 1..{MAX_NUM_STEPS}, got {k!r}")
+        args.num_steps, args.topk, args.num_draft_tokens = k, 1, None
+
+
 def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:
     """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked."""
+    _apply_engine_spellings(args)
     if args.draft is None and not getattr(args, "model", None) and \
             args.simulate_acceptance is None:
         args.draft = "default"  # the default model comes with its trained draft

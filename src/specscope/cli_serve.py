@@ -61,7 +61,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
     """serve's access rules and limits, validated (before anything loads)."""
     keys = args.api_key
     if keys is None:  # the environment keeps the key out of `ps` and shell history
-        env = os.environ.get("SPECSCOPE_API_KEY", "")
+        env = os.environ.get("SPECSCOPE_API_KEY") or os.environ.get("VLLM_API_KEY", "")
         keys = [env] if env else []
     hosts = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
     return ServerConfig(
@@ -121,11 +121,14 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (an IPv4 or IPv6 address, or a host name)")
     s.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one)")
-    s.add_argument("--served-model-name", default=d.served_model_name,
-                   help="the model id clients send (default: the model path or hub id)")
+    s.add_argument("--served-model-name", nargs="+", default=d.served_model_name,
+                   metavar="NAME",
+                   help="the model id(s) clients may send; responses carry the first "
+                        "(default: the model path or hub id)")
     s.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every route but /health "
-                        "(repeatable; default: $SPECSCOPE_API_KEY if set, else no key)")
+                        "(repeatable; default: $SPECSCOPE_API_KEY, else vLLM's $VLLM_API_KEY, if "
+                        "set, else no key)")
     s.add_argument("--enable-admin", action="store_true", default=d.enable_admin,
                    help="serve /admin/* (switch speculation, the guardrail); needs --api-key")
     s.add_argument("--enable-docs", action="store_true", default=d.enable_docs,
@@ -152,6 +155,9 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
                    help="longest stop string, in characters (default %(default)s)")
     s.add_argument("--max-n", type=positive_int, default=d.max_n,
                    help="largest `n` (choices per request) (default %(default)s)")
+    s.add_argument("--seed", "--random-seed", dest="engine_seed", type=int, default=None,
+                   help="seed of the requests that give none, so a server's sampled output "
+                        "repeats across runs (default: unseeded)")
     s.add_argument("--log-stats-interval", type=positive_float, default=d.log_stats_interval,
                    help="seconds between the throughput log lines (prompt and generation "
                         "tok/s, queues, KV cache, speculation) (default %(default)s)")

@@ -440,7 +440,9 @@ class ServerConfig:
     seconds between the throughput log's lines (0: none; vLLM's --disable-log-stats).
     """
 
-    served_model_name: str | None = None
+    # One name or several (vLLM's --served-model-name A B): requests may name any of them
+    # (or the model path); responses carry the first.
+    served_model_name: str | tuple[str, ...] | None = None
     max_queue: int = 64
     api_keys: tuple[str, ...] = ()
     enable_admin: bool = False
@@ -454,6 +456,11 @@ class ServerConfig:
     max_n: int = 16
     shutdown_timeout: float = 5.0
     log_stats_interval: float = 10.0
+
+    def model_names(self, default: str) -> tuple[str, ...]:
+        """The names this server answers to, the first the one responses carry."""
+        n = self.served_model_name
+        return (n,) if isinstance(n, str) else n if n else (default,)
 
     def __post_init__(self) -> None:
         _check_int("max_queue", self.max_queue, 0)
@@ -471,6 +478,12 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a finite number "
                                  f"{'> 0' if name == 'request_read_timeout' else '>= 0'}, "
                                  f"got {v!r}")
+        names = self.served_model_name
+        if isinstance(names, (tuple, list)):
+            if not names or any(not isinstance(n, str) or not n.strip() for n in names):
+                raise ValueError(f"served model names must be non-empty strings, got {names!r}")
+            object.__setattr__(self, "served_model_name",
+                               names[0] if len(names) == 1 else tuple(names))
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
         if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):

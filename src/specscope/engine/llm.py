@@ -43,6 +43,7 @@ from specscope.engine.tokenizer import (
     Messages,
     Tokenizer,
     check_unicode,
+    load_chat_template,
     validate_messages,
 )
 from specscope.kvcache.budget import KVLayout, activation_bytes, kv_budget
@@ -132,7 +133,8 @@ class LLM:
     model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
     (SmolLM2-135M-Instruct). dtype: auto | fp32 | bf16 | fp16. device: auto | cpu | cuda.
     quantization: none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on CPU).
-    cuda_graphs: replay plain decode steps as CUDA graphs per batch-size bucket (CUDA only).
+    cuda_graphs: replay plain decode and pure speculative steps as CUDA graphs per
+    batch-size bucket (CUDA only).
     max_num_batched_tokens / max_num_seqs: a step's token and sequence budgets (longer
     prompts are prefilled in chunks). block_size: tokens per KV block.
     gpu_memory_utilization / kv_cache_memory: the KV pools' budget (kvcache/budget.py).
@@ -141,6 +143,9 @@ class LLM:
     profile: time every phase of every step (None: on when SPECSCOPE_PROFILE=1);
     profile_interval: log a summary every N steps (default 100 when profiling).
     compile: torch.compile the target's forward (slow first steps, faster after).
+    chat_template: a Jinja chat template (or a file holding one) instead of the tokenizer's.
+    seed: the seeds of sampled requests that give none (seed, seed + 1, ... in arrival
+    order), so a run's sampled output repeats; None: unseeded.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -148,6 +153,7 @@ class LLM:
                  quantization: str = "none", cuda_graphs: bool = True, compile: bool = False,
                  spec: SpecConfig | None = None, spec_policy: SpecPolicy | None = None,
                  profile: bool | None = None, profile_interval: int | None = None,
+                 chat_template: str | None = None, seed: int | None = None,
                  **batching: Any) -> None:
         self.engine_config = EngineConfig(dtype=dtype, device=device,
                                           max_model_len=max_model_len, cache_dir=cache_dir,
@@ -159,8 +165,12 @@ class LLM:
             self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
         self.quantization = quantization
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization)
-        self._setup(loaded.model, loaded.config, loaded.path, loaded.source,
-                    Tokenizer(loaded.path, loaded.config.eos_token_ids), spec, spec_policy)
+        tokenizer = Tokenizer(loaded.path, loaded.config.eos_token_ids)
+        if chat_template is not None:
+            tokenizer.set_chat_template(load_chat_template(chat_template))
+        self._setup(loaded.model, loaded.config, loaded.path, loaded.source, tokenizer, spec,
+                    spec_policy)
+        self.seed = seed
         self._profile_from_env(profile, profile_interval)
 
     def _profile_from_env(self, profile: bool | None, interval: int | None) -> None:
@@ -182,6 +192,7 @@ class LLM:
         self.device, self.dtype, self.quantization = param.device, param.dtype, "none"
         self._setup(model, model.config, None, name, tokenizer or IdTokenizer(), spec,
                     spec_policy)
+        self.seed = None
         self._profile_from_env(None, None)
         return self
 
@@ -214,6 +225,7 @@ class LLM:
         # calibration running between steps): the next step() hands them over.
         self._undelivered: list[StreamDelta] = []
         self.last_step: StepRecord | None = None
+        self._seeds = itertools.count()  # with LLM(seed=...): the unseeded requests' seeds
         self.spec: SpecConfig | None = None
         self.draft_info: str | None = None
         self._draft: tuple[tuple, Any] | None = None  # ((draft, layer ids), loaded draft)
@@ -447,7 +459,10 @@ class LLM:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._active:
             raise ValueError(f"request id {rid!r} is already running")
-        gen = None if params.greedy else make_generator(params.seed, self.device)
+        seed = params.seed
+        if seed is None and self.seed is not None:  # --seed: every run draws the same
+            seed = self.seed + next(self._seeds)
+        gen = None if params.greedy else make_generator(seed, self.device)
         seq = Sequence(rid, list(prompt_ids), params, gen, arrival=time.perf_counter())
         self.engine.add(seq)
         self._active[rid] = _Active(seq, Request(rid, list(prompt_ids), params, self.tokenizer))

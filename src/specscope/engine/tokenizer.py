@@ -58,6 +58,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja, the HF chat-template format) instead of the model's; it is
+        compiled now, so a broken one fails at start-up, not on the first chat request."""
+        check_chat_template(template)
+        self.hf.chat_template = template
+
     def encode(self, text: str) -> list[int]:
         """Encode a raw prompt as plain text, adding the special tokens (BOS) the model expects.
 
@@ -237,6 +243,9 @@ class IdTokenizer:
     eos_token_ids: frozenset[int] = frozenset()
     has_chat_template = False
 
+    def set_chat_template(self, template: str) -> None:
+        raise ValueError("this model has no tokenizer: a chat template cannot apply")
+
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.replace("<", " ").replace(">", " ").split()]
 
@@ -290,3 +299,31 @@ class IncrementalDetokenizer:
         self.read = len(self.ids)
         self.text += delta
         return delta
+
+
+def check_chat_template(template: str) -> None:
+    """A ValueError naming the line unless `template` parses as Jinja."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e} (line {e.lineno})") from None
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file holding the template, or the template itself (vLLM's rule:
+    an existing path is read; anything else with Jinja markup is the template)."""
+    from pathlib import Path
+
+    p = Path(value).expanduser()
+    try:
+        if p.is_file():
+            return p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"could not read the chat template {value}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template "
+                     f"(no {{{{ or {{% in it)")

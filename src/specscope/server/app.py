@@ -122,7 +122,9 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
     when `llm` starts with speculation off (e.g. --auto-tune chose plain decoding).
     """
     cfg = config or ServerConfig()
-    served = cfg.served_model_name or llm.model_name
+    names = cfg.model_names(llm.model_name)
+    served = names[0]
+    created = int(time.time())  # /v1/models' `created`: when this server started
     metrics = Metrics(served)
     stats = (StatsLog(lambda: llm.engine.state(), cfg.log_stats_interval)
              if cfg.log_stats_interval > 0 else None)
@@ -168,10 +170,10 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
                                         type="server_error"))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in (served, llm.model_name):
+        if name is not None and name not in (*names, llm.model_name):
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                           f"{served!r}", type="invalid_request_error", param="model",
-                           code="model_not_found")
+                           f"{' or '.join(map(repr, names))}", type="invalid_request_error",
+                           param="model", code="model_not_found")
 
     def sampling(req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
                  prompt_field: str) -> SamplingParams:
@@ -402,8 +404,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
     @_get_and_head(app, "/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": served, "object": "model", "created": 0, "owned_by": "specscope",
-            "root": llm.model_name, "max_model_len": llm.max_model_len}]}
+            "id": n, "object": "model", "created": created, "owned_by": "specscope",
+            "root": llm.model_name, "max_model_len": llm.max_model_len} for n in names]}
 
     @_get_and_head(app, "/health")
     async def health():
