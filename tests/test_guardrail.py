@@ -233,16 +233,16 @@ def test_server_guardrail_with_an_unbeatable_plain_prediction(spec_llm, plain_re
         assert state["plain_source"] == "injected" and state["last_trigger"] is not None
         assert 0 < state["last_trigger"]["window_tok_per_s"] < 1e9
         assert "guardrail" in caplog.text and "1000000000.0 tok/s predicted" in caplog.text
-        assert 'specscope_guardrail_plain_tok_per_s{model="x",bucket="1"} 1e+09' in metrics
+        assert 'specscope:guardrail_plain_tok_per_s{bucket="1",model_name="x"} 1e+09' in metrics
         if mode == "warn":
             assert served["policy"] is None and not state["switched_off"]
             assert state["verdict"] == SLOWER
-            assert 'specscope_guardrail_slower{model="x",bucket="1"} 1' in metrics
+            assert 'specscope:guardrail_slower{bucket="1",model_name="x"} 1.0' in metrics
             assert "speculation stays on" in caplog.text
         else:
             assert served["enabled"] and served["policy"].startswith("1:off;")
             assert state["switched_off"] == [1] and state["switch_offs"] == 1
-            assert 'specscope_guardrail_switch_offs_total{model="x"} 1' in metrics
+            assert 'specscope:guardrail_switch_offs_total{model_name="x"} 1.0' in metrics
             assert "switching speculation off at batch <= 1" in caplog.text
     finally:
         srv.stop()

@@ -371,7 +371,7 @@ def test_disconnect_frees_engine(srv, llm, monkeypatch):
     resp = srv.client().completions.create(model=NAME, prompt="Count:", max_tokens=10,
                                            extra_body={"ignore_eos": True}, **GREEDY)
     assert resp.choices[0].text == want.text
-    assert "specscope_requests_cancelled_total" in httpx.get(f"{srv.url}/metrics").text
+    assert "specscope:requests_cancelled_total" in httpx.get(f"{srv.url}/metrics").text
 
 
 def test_non_streaming_disconnect_frees_engine(srv, llm, monkeypatch):
@@ -406,10 +406,16 @@ def test_speculative_usage_has_spec(tiny_model_dir, llm):
         assert spec["cycles"] >= 1 and spec["accept_length"] >= 1.0
         assert "acceptance_by_position" in spec
         text = httpx.get(f"{spec_srv.url}/metrics").text
-        assert _metric(text, "specscope_spec_cycles_total") == spec["cycles"]
-        assert _metric(text, "specscope_spec_accept_length_count") == spec["cycles"]
-        assert _metric(text, "specscope_spec_accept_length_sum") \
-            == pytest.approx(spec["accept_length"] * spec["cycles"], rel=1e-4)
+        # vLLM's counters: drafts = cycles, accepted tokens = tau - 1 summed, and by position
+        accepted = spec["accepted_per_cycle"]
+        assert _metric(text, "specscope:spec_decode_num_drafts_total") == spec["cycles"]
+        assert _metric(text, "specscope:spec_decode_num_draft_tokens_total") \
+            == 3 * spec["cycles"]
+        assert _metric(text, "specscope:spec_decode_num_accepted_tokens_total") \
+            == sum(accepted) == pytest.approx((spec["accept_length"] - 1) * spec["cycles"])
+        for pos in range(3):
+            assert _metric(text, "specscope:spec_decode_num_accepted_tokens_per_pos_total",
+                           position=str(pos)) == sum(1 for a in accepted if a > pos)
     finally:
         spec_srv.stop()
 
@@ -458,18 +464,25 @@ def test_metrics_move(srv):
     after = httpx.get(f"{srv.url}/metrics").text
     ok = dict(endpoint="/v1/completions", status="200")
     bad = dict(endpoint="/v1/completions", status="400")
-    assert _metric(after, "specscope_requests_total", **ok) \
-        == _metric(before.text, "specscope_requests_total", **ok) + 1
-    assert _metric(after, "specscope_requests_total", **bad) \
-        == _metric(before.text, "specscope_requests_total", **bad) + 1
-    assert _metric(after, "specscope_generation_tokens_total") \
-        == _metric(before.text, "specscope_generation_tokens_total") + 5
-    assert _metric(after, "specscope_prompt_tokens_total") \
-        > _metric(before.text, "specscope_prompt_tokens_total")
-    assert _metric(after, "specscope_request_latency_seconds_count") \
-        == _metric(before.text, "specscope_request_latency_seconds_count") + 1
-    for name in ("specscope_spec_cycles_total", "specscope_spec_accept_length_sum",
-                 "specscope_spec_accept_length_count", "specscope_queue_depth"):
+    req = "specscope:http_requests_total"
+    assert _metric(after, req, **ok) == _metric(before.text, req, **ok) + 1
+    assert _metric(after, req, **bad) == _metric(before.text, req, **bad) + 1
+    assert _metric(after, "specscope:generation_tokens_total") \
+        == _metric(before.text, "specscope:generation_tokens_total") + 5
+    assert _metric(after, "specscope:prompt_tokens_total") \
+        > _metric(before.text, "specscope:prompt_tokens_total")
+    for hist in ("e2e_request_latency_seconds", "time_to_first_token_seconds",
+                 "time_per_output_token_seconds"):
+        assert _metric(after, f"specscope:{hist}_count") \
+            == _metric(before.text, f"specscope:{hist}_count") + 1, hist
+    # 5 tokens: 4 gaps between outputs (plain decoding: one token per step)
+    assert _metric(after, "specscope:inter_token_latency_seconds_count") \
+        == _metric(before.text, "specscope:inter_token_latency_seconds_count") + 4
+    assert _metric(after, "specscope:request_success_total", finished_reason="length") \
+        == _metric(before.text, "specscope:request_success_total",
+                   finished_reason="length") + 1
+    for name in ("specscope:spec_decode_num_drafts", "specscope:queue_depth",
+                 "specscope:num_preemptions_total", "specscope:kv_cache_usage_perc"):
         assert name in after
     for line in after.splitlines():  # every sample line is `name{labels} value`
         if line and not line.startswith("#"):
@@ -483,21 +496,19 @@ def test_metrics_show_the_engine(srv, llm):
 
     def figures():
         text = httpx.get(f"{srv.url}/metrics").text
-        return {k: _metric(text, k) for k in (
-            "specscope_kv_cache_blocks_total", "specscope_num_requests_running",
-            "specscope_num_requests_waiting", "specscope_prefix_cache_queries_total",
-            "specscope_prefix_cache_hits_total", "specscope_kv_cache_blocks_in_use")}
+        return {k: _metric(text, "specscope:" + k) for k in (
+            "kv_cache_blocks", "num_requests_running", "num_requests_waiting",
+            "prefix_cache_queries_total", "prefix_cache_hits_total", "kv_cache_blocks_in_use")}
 
     before = figures()
     for _ in range(2):
         srv.client().completions.create(model=NAME, prompt=prompt, max_tokens=3, **GREEDY)
     after = figures()
-    assert after["specscope_kv_cache_blocks_total"] > 0
-    assert after["specscope_num_requests_running"] == after["specscope_num_requests_waiting"] == 0
-    assert after["specscope_prefix_cache_queries_total"] > before[
-        "specscope_prefix_cache_queries_total"]
-    assert after["specscope_prefix_cache_hits_total"] >= before[
-        "specscope_prefix_cache_hits_total"] + 2  # the second request's full blocks
+    assert after["kv_cache_blocks"] > 0
+    assert after["num_requests_running"] == after["num_requests_waiting"] == 0
+    assert after["prefix_cache_queries_total"] > before["prefix_cache_queries_total"]
+    # in tokens, as vLLM counts them: the second request's full blocks of 16
+    assert after["prefix_cache_hits_total"] >= before["prefix_cache_hits_total"] + 2 * 16
     _wait_idle(srv)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specscope.config import SamplingParams, ServerConfig, SpecConfig
@@ -42,6 +42,7 @@ from specscope.server.admin import add_admin_routes
 from specscope.server.guard import RequestGuard
 from specscope.server.guardrail import Guardrail
 from specscope.server.limits import PromptLimits
+from specscope.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specscope.server.metrics import CountRequests, Metrics
 from specscope.server.profile_routes import add_profile_routes
 from specscope.server.schemas import (
@@ -126,6 +127,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
     served = names[0]
     created = int(time.time())  # /v1/models' `created`: when this server started
     metrics = Metrics(served)
+    metrics.engine_state = lambda: llm.engine.state()
+    metrics.guardrail_state = guardrail.state if guardrail is not None else None
     stats = (StatsLog(lambda: llm.engine.state(), cfg.log_stats_interval)
              if cfg.log_stats_interval > 0 else None)
     worker = EngineWorker(llm, cfg.max_queue, metrics, guardrail, stats)
@@ -240,8 +243,9 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
             job.cancel.set()  # a no-op when finished; frees the engine if we were cancelled
 
     def record(out: RequestOutput, t0: float) -> None:
-        metrics.generation_done(out.metrics.prompt_tokens, out.metrics.completion_tokens,
-                                out.spec, time.perf_counter() - t0)
+        m = out.metrics
+        metrics.generation_done(m.prompt_tokens, m.completion_tokens, out.finish_reason,
+                                m.ttft_s, m.decode_s, time.perf_counter() - t0)
 
     async def generate(request: Request, ids: list[int],
                        req: ChatCompletionRequest | CompletionRequest, prompt_field: str,
@@ -417,9 +421,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
 
     @_get_and_head(app, "/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(guardrail.state() if guardrail else None,
-                                                llm.engine.state()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     add_admin_routes(app, llm, worker, guardrail, draft_spec, enabled=cfg.enable_admin)
     add_profile_routes(app, llm, worker, served)

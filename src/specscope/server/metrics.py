@@ -1,179 +1,187 @@
-"""Server counters in the Prometheus text exposition format (written by hand).
+"""The server's Prometheus metrics, on prometheus-client: one registry per app, served at
+/metrics.
 
-All names carry the `specscope_` prefix. Updated from the event loop and read by /metrics;
-a lock keeps a scrape consistent.
+Names follow vLLM's with the `specscope:` prefix where the meaning matches (a vLLM dashboard
+or `vllm bench` reads them after swapping the prefix), every series labelled with
+`model_name`; docs/metrics.md maps each to its vLLM and SGLang counterpart. Request counters
+and latency histograms are updated by the app as requests finish; the speculative counters
+and inter-token latency per engine step (engine thread); the engine's queues, KV blocks,
+prefix cache and the guardrail are read when scraped. prometheus-client is thread-safe.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from collections.abc import Callable, Iterator
 
-# Request latency histogram bucket upper bounds, seconds.
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from specscope.engine.llm import StepRecord
 
-def _labels(**kv: str) -> str:
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in kv.items())
-    return "{" + inner + "}"
-
-
-def _escape(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+P = "specscope:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# vLLM's bucket bounds (seconds), with finer ones below 10 ms: a speculative step on a GPU
+# emits a token every 2 ms.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class Metrics:
+    """The app's metrics. `sources` (set by the app): the engine's state (Engine.state)
+    and the guardrail's (Guardrail.state), read at each scrape."""
+
     def __init__(self, model: str) -> None:
         self.model = model
-        self._lock = threading.Lock()
-        self.requests: Counter[tuple[str, str]] = Counter()  # (endpoint, status code)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.spec_cycles = 0
-        self.accept_length_sum = 0.0  # tokens emitted by speculative cycles (tau summed)
-        self.accept_length_count = 0  # speculative cycles
-        self.latency_buckets = [0] * len(LATENCY_BUCKETS)
-        self.latency_sum = 0.0
-        self.latency_count = 0
-        self.cancelled = 0
-        self.queue_depth = 0  # requests waiting or running (set by the app)
+        self.registry = r = CollectorRegistry()
+        m = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(P + name, doc, [*m, *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(P + name, doc, m, buckets=buckets, registry=r)
+
+        self.http_requests = counter("http_requests", "HTTP requests by endpoint and status "
+                                     "code.", ("endpoint", "status"))
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed (prompts).")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.request_success = counter("request_success", "Finished requests by finish "
+                                       "reason.", ("finished_reason",))
+        self.cancelled = counter("requests_cancelled", "Requests whose client went away "
+                                 "before the end.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first "
+                              "token.", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Per request: decode time (first "
+                              "token to last) over the tokens after the first.", TOKEN_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's "
+                             "consecutive outputs (the tokens of one speculative step arrive "
+                             "together: one sample).", TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last "
+                             "token.", E2E_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified (one "
+                                   "per speculating sequence per step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens "
+                                         "verified (the tree's nodes past the root).")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens "
+                                     "accepted.")
+        self.spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Drafts "
+                                         "whose token at this position was accepted "
+                                         "(position 0: the first draft token).", ("position",))
+        self.queue = Gauge(P + "queue_depth", "Requests waiting or running (the server's "
+                           "queue).", m, registry=r)
+        self.engine_state: Callable[[], dict] | None = None
+        self.guardrail_state: Callable[[], dict] | None = None
+        r.register(_Scraped(self))
+
+    # -- updates ----------------------------------------------------------------------------
 
     def request_done(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self.requests[(endpoint, str(status))] += 1
+        self.http_requests.labels(self.model, endpoint, str(status)).inc()
 
     def generation_done(self, prompt_tokens: int, completion_tokens: int,
-                        spec: dict | None, latency_s: float) -> None:
-        with self._lock:
-            self.prompt_tokens += prompt_tokens
-            self.generation_tokens += completion_tokens
-            if spec:
-                cycles = int(spec.get("cycles", 0))
-                self.spec_cycles += cycles
-                per_cycle = spec.get("accepted_per_cycle")
-                if per_cycle is not None:  # exact: tau = accepted draft tokens + the bonus
-                    self.accept_length_sum += sum(per_cycle) + len(per_cycle)
-                else:
-                    self.accept_length_sum += float(spec.get("accept_length", 0.0)) * cycles
-                self.accept_length_count += cycles
-            self.latency_sum += latency_s
-            self.latency_count += 1
-            for i, bound in enumerate(LATENCY_BUCKETS):
-                if latency_s <= bound:
-                    self.latency_buckets[i] += 1
+                        finish_reason: str, ttft_s: float, decode_s: float,
+                        latency_s: float) -> None:
+        m = self.model
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(completion_tokens)
+        self.request_success.labels(m, finish_reason).inc()
+        self.ttft.labels(m).observe(ttft_s)
+        if completion_tokens > 1:
+            self.tpot.labels(m).observe(decode_s / (completion_tokens - 1))
+        self.e2e.labels(m).observe(latency_s)
 
     def cancel(self) -> None:
-        with self._lock:
-            self.cancelled += 1
+        self.cancelled.labels(self.model).inc()
 
-    def render(self, guardrail: dict | None = None, engine: dict | None = None) -> str:
-        """The exposition text; `guardrail` is Guardrail.state() when the server has one,
-        `engine` Engine.state()."""
-        m = _labels(model=self.model)
-        with self._lock:
-            out = [
-                "# HELP specscope_requests_total HTTP requests by endpoint and status code.",
-                "# TYPE specscope_requests_total counter",
-            ]
-            for (endpoint, status), n in sorted(self.requests.items()):
-                out.append(f"specscope_requests_total"
-                           f"{_labels(model=self.model, endpoint=endpoint, status=status)} {n}")
-            out += _counter("specscope_prompt_tokens_total", "Prompt tokens processed.", m,
-                            self.prompt_tokens)
-            out += _counter("specscope_generation_tokens_total", "Completion tokens generated.",
-                            m, self.generation_tokens)
-            out += _counter("specscope_spec_cycles_total", "Speculative decode cycles.", m,
-                            self.spec_cycles)
-            out += _counter("specscope_requests_cancelled_total",
-                            "Requests whose client went away before the end.", m,
-                            self.cancelled)
-            out += [
-                "# HELP specscope_spec_accept_length Tokens emitted per speculative cycle "
-                "(tau, bonus token included).",
-                "# TYPE specscope_spec_accept_length summary",
-                f"specscope_spec_accept_length_sum{m} {self.accept_length_sum:.6g}",
-                f"specscope_spec_accept_length_count{m} {self.accept_length_count}",
-                "# HELP specscope_request_latency_seconds Time from arrival to the last token.",
-                "# TYPE specscope_request_latency_seconds histogram",
-            ]
-            for bound, n in zip(LATENCY_BUCKETS, self.latency_buckets, strict=True):
-                le = _labels(model=self.model, le=f"{bound:g}")
-                out.append(f"specscope_request_latency_seconds_bucket{le} {n}")
-            inf = _labels(model=self.model, le="+Inf")
-            out += [
-                f"specscope_request_latency_seconds_bucket{inf} {self.latency_count}",
-                f"specscope_request_latency_seconds_sum{m} {self.latency_sum:.6g}",
-                f"specscope_request_latency_seconds_count{m} {self.latency_count}",
-                "# HELP specscope_queue_depth Requests waiting or running.",
-                "# TYPE specscope_queue_depth gauge",
-                f"specscope_queue_depth{m} {self.queue_depth}",
-            ]
-        if engine is not None:
-            out += _engine_lines(engine, m)
-        if guardrail is not None:
-            out += _guardrail_lines(guardrail, m)
-        return "\n".join(out) + "\n"
+    def set_queue_depth(self, n: int) -> None:
+        self.queue.labels(self.model).set(n)
+
+    def step(self, step: StepRecord) -> None:
+        """One engine step's speculative counters (vLLM's spec_decode_* per step)."""
+        if not step.accepted:
+            return
+        m = self.model
+        self.spec_drafts.labels(m).inc(len(step.accepted))
+        self.spec_draft_tokens.labels(m).inc(step.drafted)
+        self.spec_accepted.labels(m).inc(sum(step.accepted))
+        for pos in range(max(step.accepted)):
+            self.spec_accepted_pos.labels(m, str(pos)).inc(
+                sum(1 for a in step.accepted if a > pos))
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.labels(self.model).observe(seconds)
+
+    def render(self) -> bytes:
+        """The exposition text of every metric."""
+        return generate_latest(self.registry)
 
 
-def _gauge(name: str, help: str, labels: str, value: float) -> list[str]:
-    return [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name}{labels} {value:.6g}"]
+class _Scraped:
+    """The engine's queues, KV blocks, prefix cache and preemptions, and the guardrail's
+    per-bucket state, read when scraped (a custom prometheus-client collector)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        mt = self.metrics
+        if mt.engine_state is not None:
+            yield from _engine_families(mt.engine_state(), mt.model)
+        if mt.guardrail_state is not None:
+            yield from _guardrail_families(mt.guardrail_state(), mt.model)
 
 
-def _engine_lines(e: dict, m: str) -> list[str]:
-    """The batched engine's queues, KV blocks and prefix cache."""
-    usage = e["kv_blocks_in_use"] / e["kv_blocks"] if e["kv_blocks"] else 0.0
-    rate = e["prefix_hits"] / e["prefix_queries"] if e["prefix_queries"] else 0.0
-    return (_gauge("specscope_num_requests_running", "Requests in the engine's batch.", m,
-                   e["running"])
-            + _gauge("specscope_num_requests_waiting", "Requests waiting to be scheduled.", m,
-                     e["waiting"])
-            + _gauge("specscope_kv_cache_blocks_total", "KV blocks in the target's pool.", m,
-                     e["kv_blocks"])
-            + _gauge("specscope_kv_cache_blocks_in_use", "KV blocks held by requests.", m,
-                     e["kv_blocks_in_use"])
-            + _gauge("specscope_kv_cache_usage_perc", "Fraction of KV blocks in use.", m,
-                     usage)
-            + _counter("specscope_prefix_cache_queries_total",
-                       "Prompt blocks looked up in the prefix cache.", m, e["prefix_queries"])
-            + _counter("specscope_prefix_cache_hits_total",
-                       "Prompt blocks found in the prefix cache (their prefill skipped).", m,
-                       e["prefix_hits"])
-            + _gauge("specscope_prefix_cache_hit_rate", "Prefix-cache hits over queries.", m,
-                     rate)
-            + _counter("specscope_num_preemptions_total",
-                       "Requests preempted when KV blocks ran out (recomputed later).", m,
-                       e["preemptions"]))
+def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+    g.add_metric([model], value)
+    return g
 
 
-def _counter(name: str, help: str, labels: str, value: int) -> list[str]:
-    return [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name}{labels} {value}"]
+def _counter(name: str, doc: str, model: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+    c.add_metric([model], value)
+    return c
 
 
-def _guardrail_lines(g: dict, m: str) -> list[str]:
+def _engine_families(e: dict, model: str) -> Iterator[Metric]:
+    yield _gauge("num_requests_running", "Requests in the engine's batch.", model, e["running"])
+    yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", model,
+                 e["waiting"])
+    yield _gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent (blocks in use "
+                 "over the target's pool).", model,
+                 e["kv_blocks_in_use"] / e["kv_blocks"] if e["kv_blocks"] else 0.0)
+    yield _gauge("kv_cache_blocks", "KV blocks in the target's pool.", model, e["kv_blocks"])
+    yield _gauge("kv_cache_blocks_in_use", "KV blocks held by requests.", model,
+                 e["kv_blocks_in_use"])
+    yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (in "
+                   "full blocks).", model, e["prefix_queries"] * e["block_size"])
+    yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
+                   "prefill skipped).", model, e["prefix_hits"] * e["block_size"])
+    yield _counter("num_preemptions", "Requests preempted when KV blocks ran out "
+                   "(recomputed later).", model, e["preemptions"])
+
+
+def _guardrail_families(g: dict, model: str) -> Iterator[Metric]:
     """Per batch-size bucket (label `bucket`, its largest batch) the window's rate, the
     prediction and the verdict; the switch-offs in total."""
-    rows = [(m[:-1] + f',bucket="{b["bucket"]}"}}', b) for b in g["buckets"]]
-    return [
-        "# HELP specscope_guardrail_window_tok_per_s Speculative tok/s over the guardrail's "
-        "window of a batch-size bucket (0 while it is empty).",
-        "# TYPE specscope_guardrail_window_tok_per_s gauge",
-        *(f"specscope_guardrail_window_tok_per_s{lb} {b['window_tok_per_s']:.6g}"
-          for lb, b in rows),
-        "# HELP specscope_guardrail_plain_tok_per_s Predicted plain-decoding tok/s of a "
-        "batch-size bucket, which its window is compared with.",
-        "# TYPE specscope_guardrail_plain_tok_per_s gauge",
-        *(f"specscope_guardrail_plain_tok_per_s{lb} {b['plain_tok_per_s']:.6g}"
-          for lb, b in rows),
-        "# HELP specscope_guardrail_slower 1 while speculation is judged slower than plain "
-        "decoding in a batch-size bucket.",
-        "# TYPE specscope_guardrail_slower gauge",
-        *(f"specscope_guardrail_slower{lb} {int(b['verdict'] == 'slower')}" for lb, b in rows),
-        *_counter("specscope_guardrail_switch_offs_total",
-                  "Times the guardrail switched speculation off for a bucket.", m,
-                  g["switch_offs"]),
-    ]
-
-
+    rows = [("window_tok_per_s", "Speculative tok/s over the guardrail's window of a "
+             "batch-size bucket (0 while it is empty).", lambda b: b["window_tok_per_s"]),
+            ("plain_tok_per_s", "Predicted plain-decoding tok/s of a batch-size bucket, "
+             "which its window is compared with.", lambda b: b["plain_tok_per_s"]),
+            ("slower", "1 while speculation is judged slower than plain decoding in a "
+             "batch-size bucket.", lambda b: float(b["verdict"] == "slower"))]
+    for name, doc, value in rows:
+        fam = GaugeMetricFamily(P + "guardrail_" + name, doc, labels=["model_name", "bucket"])
+        for b in g["buckets"]:
+            fam.add_metric([model, str(b["bucket"])], value(b))
+        yield fam
+    yield _counter("guardrail_switch_offs", "Times the guardrail switched speculation off "
+                   "for a bucket.", model, g["switch_offs"])
 class CountRequests:
     """Pure ASGI middleware counting /v1 requests by endpoint and status code (a
     BaseHTTPMiddleware would interfere with streaming and client-disconnect detection)."""

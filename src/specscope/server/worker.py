@@ -103,6 +103,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._inflight = 0  # generation jobs queued or running
         self._running: dict[str, _Job] = {}  # request id -> its job (engine thread only)
+        self._last_out: dict[str, float] = {}  # request id -> when it last produced tokens
         self.peak_running = 0  # the most requests in the engine at once
         self._deadline: float | None = None  # monotonic; set by begin_shutdown
         self._thread = threading.Thread(target=self._loop, name="specscope-engine",
@@ -168,7 +169,7 @@ class EngineWorker:
                                f"or waiting); retry later", type="server_overloaded",
                                code="queue_full", headers={"Retry-After": "1"})
             self._inflight += 1
-            self.metrics.queue_depth = self._inflight
+            self.metrics.set_queue_depth(self._inflight)
 
         def start() -> None:
             if self._expired():
@@ -193,7 +194,7 @@ class EngineWorker:
         job.push(_END)
         with self._lock:
             self._inflight -= 1
-            self.metrics.queue_depth = self._inflight
+            self.metrics.set_queue_depth(self._inflight)
 
     def _step(self) -> None:
         """One engine step for every running request; deltas to their jobs; finished,
@@ -205,23 +206,32 @@ class EngineWorker:
             for rid, job in list(self._running.items()):
                 self.llm.abort_request(rid)
                 del self._running[rid]
+                self._last_out.pop(rid, None)
                 self._close(job, e)
             return
         self._after_step()
+        now = time.perf_counter()
         for d in deltas:
             job = self._running.get(d.request_id)
             if job is None:
                 continue
+            if d.token_ids:  # inter-token latency: the gap since this request's last output
+                last = self._last_out.get(d.request_id)
+                if last is not None:
+                    self.metrics.inter_token(now - last)
+                self._last_out[d.request_id] = now
             if not d.finished:
                 job.push(d)
                 continue
             del self._running[d.request_id]
+            self._last_out.pop(d.request_id, None)
             self._close(job, d)
         expired = self._expired()
         for rid, job in list(self._running.items()):
             if job.cancel.is_set() or expired:
                 self.llm.abort_request(rid)  # its blocks are free for the next step
                 del self._running[rid]
+                self._last_out.pop(rid, None)
                 self._close(job, shutting_down("the request was stopped before it "
                                                "finished") if expired else None)
 
@@ -229,6 +239,7 @@ class EngineWorker:
         step = self.llm.last_step
         if step is None:
             return
+        self.metrics.step(step)
         if self.stats_log is not None:
             self.stats_log.record(step)
         if self.guardrail is None:
