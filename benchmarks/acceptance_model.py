@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--draft", default="default")
     ap.add_argument("--dtype", default="bf16")
     args = ap.parse_args()
-    llm = LLM(None, dtype=args.dtype, device="cpu")
+    llm = LLM(None, dtype=args.dtype, device="cpu", spec=None)
     prompts = load_prompts(args.dataset, args.num_prompts)
     ids = [llm.encode_prompt(p) for p in prompts]
     # The engine's own greedy outputs, as the tuner measures them.

@@ -98,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     lines: list[str] = []
     t0 = time.perf_counter()
-    llm = LLM(None, dtype=args.dtype, device="cpu")
+    llm = LLM(None, dtype=args.dtype, device="cpu", spec=None)
     load_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         probe = None

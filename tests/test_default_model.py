@@ -26,7 +26,9 @@ CHAT_PROMPT = [{"role": "user",
 
 @pytest.fixture(scope="module")
 def default_llm(specscope_cache_dir: pathlib.Path, default_model_dir: pathlib.Path):
-    llm = specscope.LLM(dtype="fp32", device="cpu", cache_dir=str(specscope_cache_dir))
+    # Plain decoding, compared with HF's greedy (LLM() alone would load the shipped draft)
+    llm = specscope.LLM(dtype="fp32", device="cpu", cache_dir=str(specscope_cache_dir),
+                        spec=None)
     assert llm.model_path == default_model_dir  # the session's cached conversion
     return llm
 

@@ -148,7 +148,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
               **engine_kwargs(args),
-              compile=args.compile, profile=False)
+              compile=args.compile, profile=False, spec=None)
     configs = ([None] if not args.no_baseline else []) + specs
     if not configs:
         raise ValueError("nothing to profile: give --draft (and --spec) or drop --no-baseline")

@@ -21,6 +21,7 @@ from specscope.config import (
     MAX_TOPK,
     SpecConfig,
     SpecPolicy,
+    spec_fields_from_vllm,
 )
 
 PORT_MAX = 65535
@@ -270,11 +271,6 @@ def policy_from_args(args: argparse.Namespace, spec: SpecConfig | None) -> SpecP
     return SpecPolicy.parse(text, spec)
 
 
-# vLLM's --speculative-config keys specscope reads; the rest of vLLM's are refused by name.
-SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens",
-                           "draft_tensor_parallel_size")
-
-
 def _apply_engine_spellings(args: argparse.Namespace) -> None:
     """SGLang's --speculative-algorithm and vLLM's --speculative-config onto our flags."""
     algo = getattr(args, "speculative_algorithm", None)
@@ -291,33 +287,11 @@ def _apply_engine_spellings(args: argparse.Namespace) -> None:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {text!r}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
-    unknown = sorted(set(cfg) - set(SPECULATIVE_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"--speculative-config: unsupported key(s) {unknown}; specscope "
-                         f"reads {list(SPECULATIVE_CONFIG_KEYS)}")
-    method = str(cfg.get("method", "eagle3")).lower()
-    if method != "eagle3":
-        raise ValueError(f"--speculative-config method {cfg['method']!r}: specscope runs "
-                         f"EAGLE-3 drafts only (\"method\": \"eagle3\")")
-    tp = cfg.get("draft_tensor_parallel_size", 1)
-    if tp != 1:
-        raise ValueError(f"--speculative-config draft_tensor_parallel_size {tp!r}: only 1 "
-                         f"(the draft on one device) is supported")
-    if "model" in cfg:
-        if args.draft not in (None, cfg["model"]):
-            raise ValueError(f"two drafts given: --draft {args.draft} and --speculative-config "
-                             f"model {cfg['model']}; give one")
-        args.draft = str(cfg["model"])
-    elif args.draft is None:
-        raise ValueError("--speculative-config needs \"model\": the draft checkpoint")
-    if "num_speculative_tokens" in cfg:
-        k = cfg["num_speculative_tokens"]
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_STEPS:
-            raise ValueError(f"--speculative-config num_speculative_tokens must be an integer "
-                             f"in 1..{MAX_NUM_STEPS}, got {k!r}")
-        args.num_steps, args.topk, args.num_draft_tokens = k, 1, None
+    fields = spec_fields_from_vllm(cfg, args.draft)
+    args.draft = fields.get("draft", args.draft)
+    if "num_steps" in fields:
+        args.num_steps, args.topk, args.num_draft_tokens = (
+            fields["num_steps"], fields["topk"], fields["num_draft_tokens"])
 
 
 def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:

@@ -98,7 +98,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     prompts = doctor_prompts(args.prompts, args.num_prompts)
     llm = LLM(args.target or args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=args.quantization, cuda_graphs=args.cuda_graphs, **engine_kwargs(args))
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs, spec=None,
+              **engine_kwargs(args))
     report = doctor_report(llm, args.draft, prompts, layer_ids, args.max_new_tokens)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0 if report.healthy else 1
@@ -147,8 +148,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
               quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-                  **engine_kwargs(args),
-              compile=args.compile)
+              **engine_kwargs(args),
+              compile=args.compile, spec=None)
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, confirm=args.confirm,
                budget_seconds=args.budget_seconds, served=served,
                batch_sizes=args.batch_sizes)

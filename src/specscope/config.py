@@ -361,6 +361,45 @@ class SpecConfig:
         return tuple([(lo + hi) / 2] * k)
 
 
+# vLLM's speculative_config keys specscope reads; the rest of vLLM's are refused by name.
+VLLM_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size")
+
+
+def spec_fields_from_vllm(cfg: dict, draft: str | None = None) -> dict[str, Any]:
+    """SpecConfig fields from vLLM's speculative_config (`--speculative-config` JSON,
+    `LLM(speculative_config=...)`): method eagle3, model (the draft; `draft` is one given
+    otherwise, which must agree), num_speculative_tokens (a chain that long)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"speculative_config must be a JSON object / dict, got {cfg!r}")
+    unknown = sorted(set(cfg) - set(VLLM_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unsupported key(s) {unknown}; specscope "
+                         f"reads {list(VLLM_SPEC_KEYS)}")
+    method = str(cfg.get("method", "eagle3")).lower()
+    if method != "eagle3":
+        raise ValueError(f"speculative_config method {cfg['method']!r}: specscope runs "
+                         f"EAGLE-3 drafts only (\"method\": \"eagle3\")")
+    tp = cfg.get("draft_tensor_parallel_size", 1)
+    if tp != 1:
+        raise ValueError(f"speculative_config draft_tensor_parallel_size {tp!r}: only 1 "
+                         f"(the draft on one device) is supported")
+    out: dict[str, Any] = {}
+    if "model" in cfg:
+        if draft not in (None, cfg["model"]):
+            raise ValueError(f"two drafts given: {draft} and speculative_config model "
+                             f"{cfg['model']}; give one")
+        out["draft"] = str(cfg["model"])
+    elif draft is None:
+        raise ValueError("speculative_config needs \"model\": the draft checkpoint")
+    if "num_speculative_tokens" in cfg:
+        k = cfg["num_speculative_tokens"]
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_STEPS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer "
+                             f"in 1..{MAX_NUM_STEPS}, got {k!r}")
+        out.update(num_steps=k, topk=1, num_draft_tokens=None)
+    return out
+
+
 @dataclass(frozen=True)
 class SpecPolicy:
     """Speculation by batch size: for each batch-size bucket (the largest batch it covers),

@@ -32,6 +32,7 @@ from specscope.config import (
     SpecConfig,
     SpecPolicy,
     normalize_dtype,
+    spec_fields_from_vllm,
 )
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput
@@ -127,6 +128,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, normalize_dtype(dtype))
 
 
+def _resolve_spec(spec: SpecConfig | None | str, speculative_config: dict | None,
+                  model: str | None) -> SpecConfig | None:
+    """LLM's speculation: a SpecConfig, vLLM's speculative_config dict, or "auto" (the
+    default model with its shipped draft, as the CLI runs it; any other model plainly)."""
+    if speculative_config is not None:
+        if spec not in ("auto", None):
+            raise ValueError("give spec or speculative_config, not both")
+        return SpecConfig(**spec_fields_from_vllm(speculative_config))
+    if spec == "auto":
+        return SpecConfig(draft="default") if model is None else None
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise ValueError(f"spec must be a SpecConfig, None or 'auto', got {spec!r}")
+    return spec
+
+
 class LLM:
     """An engine for one model.
 
@@ -139,7 +155,10 @@ class LLM:
     prompts are prefilled in chunks). block_size: tokens per KV block.
     gpu_memory_utilization / kv_cache_memory: the KV pools' budget (kvcache/budget.py).
     enable_prefix_caching: reuse the KV blocks of a shared prompt prefix.
-    spec: speculative decoding with an EAGLE-3 draft (SpecConfig); None = plain decoding.
+    spec: speculative decoding with an EAGLE-3 draft (SpecConfig); None = plain decoding;
+    "auto" (the default): the default model with its shipped draft, other models plainly.
+    speculative_config: vLLM's dict instead of spec ({"method": "eagle3", "model": DRAFT,
+    "num_speculative_tokens": 5}).
     profile: time every phase of every step (None: on when SPECSCOPE_PROFILE=1);
     profile_interval: log a summary every N steps (default 100 when profiling).
     compile: torch.compile the target's forward (slow first steps, faster after).
@@ -151,7 +170,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, cache_dir: str | None = None,
                  quantization: str = "none", cuda_graphs: bool = True, compile: bool = False,
-                 spec: SpecConfig | None = None, spec_policy: SpecPolicy | None = None,
+                 spec: SpecConfig | None | str = "auto", spec_policy: SpecPolicy | None = None,
+                 speculative_config: dict | None = None,
                  profile: bool | None = None, profile_interval: int | None = None,
                  chat_template: str | None = None, seed: int | None = None,
                  **batching: Any) -> None:
@@ -165,6 +185,7 @@ class LLM:
             self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
         self.quantization = quantization
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization)
+        spec = _resolve_spec(spec, speculative_config, model)
         tokenizer = Tokenizer(loaded.path, loaded.config.eos_token_ids)
         if chat_template is not None:
             tokenizer.set_chat_template(load_chat_template(chat_template))
@@ -399,6 +420,16 @@ class LLM:
                     if rid not in done:
                         self.abort_request(rid)
         return [done[r] for r in rids]
+
+    def chat(self, messages: Messages | list[Messages],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {'role', 'content'} messages) or a
+        list of them, each through the chat template, all in one batch."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("chat() takes a conversation (a non-empty list of messages) or "
+                             "a list of conversations")
+        batch = messages if isinstance(messages[0], list) else [messages]
+        return self.generate(batch, sampling_params)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                chat: bool = False, prompt_ids: list[int] | None = None) -> Iterator[StreamDelta]:

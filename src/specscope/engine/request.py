@@ -24,8 +24,23 @@ class RequestMetrics:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, in vLLM's shape (RequestOutput.outputs[i])."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
+
+
 @dataclass
 class RequestOutput:
+    """A finished request. vLLM's shape (`outputs[0].text`) and the shortcuts `text`,
+    `token_ids` and `finish_reason` of its one completion."""
+
     request_id: str
     prompt_token_ids: list[int]
     text: str
@@ -35,6 +50,11 @@ class RequestOutput:
     # Speculative statistics (cycles, accept_length, acceptance_by_position, simulated);
     # None for plain decoding.
     spec: dict | None = None
+    finished: bool = True
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
 
 
 class Request:
