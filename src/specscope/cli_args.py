@@ -186,7 +186,7 @@ def add_batching_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=byte_size, default=None,
                    help="the KV pools' size in bytes, e.g. 4GiB (the way to size it on a "
                         "CPU; default there: 2 GiB or what max-num-seqs full contexts need)")
-    g.add_argument("--no-prefix-caching", "--disable-radix-cache",
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", "--disable-radix-cache",
                    dest="enable_prefix_caching", action="store_false",
                    help="do not reuse the KV blocks of shared prompt prefixes")
 
