@@ -33,6 +33,12 @@ def test_speculative_config_json_sets_the_draft_and_chain():
     assert (spec.draft, spec.num_steps, spec.topk, spec.num_draft_tokens) == ("random", 3, 2, 6)
 
 
+def test_prefix_caching_off_in_every_spelling():
+    for flag in ("--no-prefix-caching", "--no-enable-prefix-caching", "--disable-radix-cache"):
+        assert _serve_args(flag).enable_prefix_caching is False
+    assert _serve_args().enable_prefix_caching is True
+
+
 @pytest.mark.parametrize("flags,match", [
     (["--speculative-config", "{nope"], "not valid JSON"),
     (["--speculative-config", "[1]"], "JSON object"),
@@ -48,12 +54,6 @@ def test_speculative_config_json_sets_the_draft_and_chain():
     (["--speculative-algorithm", "NEXTN", "--draft", "random"], "EAGLE-3 drafts only"),
     (["--speculative-algorithm", "EAGLE3"], "needs the draft"),
 ])
-def test_prefix_caching_off_in_every_spelling():
-    for flag in ("--no-prefix-caching", "--no-enable-prefix-caching", "--disable-radix-cache"):
-        assert _serve_args(flag).enable_prefix_caching is False
-    assert _serve_args().enable_prefix_caching is True
-
-
 def test_bad_speculative_flags_name_the_problem(flags, match):
     with pytest.raises(ValueError, match=match):
         spec_from_args(_serve_args(*flags))
