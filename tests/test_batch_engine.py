@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from reference import solo_greedy
 
 from specscope.config import ModelConfig, SamplingParams
 from specscope.engine.engine import BatchConfig, Engine
@@ -28,15 +29,6 @@ def model():
 
 
 @torch.inference_mode()
-def _solo_greedy(model, prompt, n):
-    """The reference: a full forward per token, no cache at all."""
-    ids = list(prompt)
-    for _ in range(n):
-        h, _ = model(torch.tensor(ids)[None], torch.arange(len(ids))[None])
-        ids.append(int(model.compute_logits(h[0, -1]).argmax()))
-    return ids[len(prompt):]
-
-
 @torch.inference_mode()
 def _run(engine, arrivals):
     """arrivals: (step, Sequence). Steps until all finish; returns the steps' plans' sizes."""
@@ -71,7 +63,7 @@ def test_batched_greedy_equals_each_sequence_alone(model, num_blocks, budget):
             for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
     _run(engine, [(2 * i, s) for i, s in enumerate(seqs)])  # staggered arrivals
     for s, p, n in zip(seqs, prompts, lens, strict=True):
-        assert s.output_ids == _solo_greedy(model, p, n), s.seq_id
+        assert s.output_ids == solo_greedy(model, p, n), s.seq_id
         assert s.finish_reason == "length"
     assert engine.pool.all_free()
     if num_blocks == 9:
@@ -87,7 +79,7 @@ def test_a_shared_prefix_is_not_prefilled_again(model):
     b = Sequence("b", system + [5], SamplingParams(max_tokens=4, ignore_eos=True))
     _run(engine, [(0, b)])
     assert b.num_cached == 16
-    assert b.output_ids == _solo_greedy(model, b.prompt_ids, 4)
+    assert b.output_ids == solo_greedy(model, b.prompt_ids, 4)
     assert engine.pool.all_free()
     assert engine.pool.stats().prefix_hits >= 4
 
@@ -110,14 +102,14 @@ def test_greedy_and_seeded_sampling_share_a_batch(model):
     together = run(range(4))
     alone = run([1])
     assert together["s1"] == alone["s1"]
-    assert together["s0"] == _solo_greedy(model, prompts[0], 6)
+    assert together["s0"] == solo_greedy(model, prompts[0], 6)
     assert together["s1"] != together["s3"] or prompts[1] == prompts[3]
 
 
 def test_stops_at_eos_and_stop_ids(model):
     rng = random.Random(3)
     p = _prompts(1, rng)[0]
-    ref = _solo_greedy(model, p, 8)
+    ref = solo_greedy(model, p, 8)
     engine = Engine(model, BatchConfig(num_blocks=16, block_size=4, max_model_len=64),
                     eos_token_ids=frozenset({ref[2]}))
     s = Sequence("e", p, SamplingParams(max_tokens=8))

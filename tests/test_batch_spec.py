@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from reference import solo_greedy
 
 from specscope.config import ModelConfig, SamplingParams, SpecConfig
 from specscope.draft.eagle3 import random_draft
@@ -40,15 +41,6 @@ def draft(model):
     d = random_draft(TINY, torch.float32, "cpu", seed=1)
     d.attach_target(model)
     return d
-
-
-@torch.inference_mode()
-def _solo_greedy(model, prompt, n):
-    ids = list(prompt)
-    for _ in range(n):
-        h, _ = model(torch.tensor(ids)[None], torch.arange(len(ids))[None])
-        ids.append(int(model.compute_logits(h[0, -1]).argmax()))
-    return ids[len(prompt):]
 
 
 def _engine(model, draft, steps, topk, ndt, num_blocks=64, budget=64, sim=None, **kw):
@@ -97,7 +89,7 @@ def test_batched_speculative_greedy_equals_each_sequence_alone(model, draft, ste
     record = []
     _run(engine, [(3 * i, s) for i, s in enumerate(seqs)], record)
     for s, p, n in zip(seqs, prompts, lens, strict=True):
-        assert s.output_ids == _solo_greedy(model, p, n), s.seq_id
+        assert s.output_ids == solo_greedy(model, p, n), s.seq_id
     _assert_all_free(engine)
     spec_steps = [o for o in record if o.accepted is not None]
     assert spec_steps, "nothing speculated"
@@ -163,7 +155,7 @@ def test_batched_speculative_with_accepting_drafts(monkeypatch, model, draft, st
     sequence, different lengths side by side, all committed and extended correctly."""
     rng = random.Random(steps + 10 * topk)
     prompts, lens = _workload(rng, n=5)
-    truth = {f"s{i}": p + _solo_greedy(model, p, 40) for i, p in enumerate(prompts)}
+    truth = {f"s{i}": p + solo_greedy(model, p, 40) for i, p in enumerate(prompts)}
     engine = _engine(model, draft, steps, topk, ndt)
     _oracle(monkeypatch, engine, truth, noise, seed=steps)
     seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -192,7 +184,7 @@ def test_prefix_cache_hits_skip_the_shared_prompt(model, draft):
         s = Sequence(f"s{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
         seqs.append(s)
         _run(engine, [(0, s)])
-        assert s.output_ids == _solo_greedy(model, p, 12)
+        assert s.output_ids == solo_greedy(model, p, 12)
     assert seqs[0].num_cached == 0
     assert all(s.num_cached == 16 for s in seqs[1:])  # 4 full blocks of the shared 17
     _assert_all_free(engine)
@@ -218,7 +210,7 @@ def test_mixed_greedy_and_sampled_sequences(model, draft):
         alone = run([i])[f"s{i}"]
         assert together[f"s{i}"] == alone, i
         if params[i].greedy:
-            assert alone == _solo_greedy(model, prompts[i], lens[i])
+            assert alone == solo_greedy(model, prompts[i], lens[i])
 
 
 @pytest.mark.parametrize(("steps", "topk", "ndt"), [(4, 1, None), (3, 2, 6)])
@@ -238,7 +230,7 @@ def test_simulated_acceptance_keeps_kv_consistent(model, draft, steps, topk, ndt
             continue
         before = seen[o.seq.seq_id] + o.new_tokens[:-1]
         if o.accepted is not None and not o.finished:  # (max_tokens may cut the bonus off)
-            assert o.new_tokens[-1] == _solo_greedy(model, before, 1)[0]
+            assert o.new_tokens[-1] == solo_greedy(model, before, 1)[0]
         seen[o.seq.seq_id] = before + o.new_tokens[-1:]
     acc = [a for s in seqs for a in s.spec.accepted]
     assert sum(acc) / len(acc) > 1.0  # simulated tau ~ 3: well above the random draft's
@@ -275,7 +267,7 @@ def test_speculation_by_batch_size(model, draft, policy):
                 seen.append((running, want.num_draft_tokens))
         step += 1
     for s, p, n in zip(seqs, prompts, lens, strict=True):
-        assert s.output_ids == _solo_greedy(model, p, n), s.seq_id
+        assert s.output_ids == solo_greedy(model, p, n), s.seq_id
     assert seen, "nothing speculated"
     _assert_all_free(engine)
 
@@ -328,7 +320,7 @@ def test_graph_steps_equal_the_eager_step(model, draft, steps, topk, ndt):
             for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
     _run(engine, [(4 * i, s) for i, s in enumerate(seqs)])
     for s, p, n in zip(seqs, prompts, lens, strict=True):
-        assert s.output_ids == _solo_greedy(model, p, n + 8), s.seq_id
+        assert s.output_ids == solo_greedy(model, p, n + 8), s.seq_id
     assert counts["spec"] > 0 and counts["decode"] > 0, counts
     _assert_all_free(engine)
 
