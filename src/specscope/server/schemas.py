@@ -195,6 +195,14 @@ _NOT_YET = {
 }
 
 
+def _no_op_only(name: str, value: Any) -> Any:
+    """`value` when it is one of `name`'s no-op values (_NOT_YET), else the refusal."""
+    allowed, why = _NOT_YET[name]
+    if any(value is a or (value == a and type(value) is type(a)) for a in allowed):
+        return value
+    raise ValueError(f"{why} (got {value!r})")
+
+
 class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -234,15 +242,13 @@ class _Sampling(BaseModel):
     prompt_cache_options: Any = None
     moderation: Any = None
 
-    @model_validator(mode="before")
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "logit_bias", "min_p", "min_tokens", "response_format", "top_logprobs",
+                     "best_of", "store", "service_tier", "prompt_cache_retention",
+                     "prompt_cache_options", "moderation", mode="before")
     @classmethod
-    def _not_yet(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, (allowed, why) in _NOT_YET.items():
-                if name in data and not any(data[name] == a and type(data[name]) is type(a)
-                                            or data[name] is a for a in allowed):
-                    raise ValueError(f"{name}: {why} (got {data[name]!r})")
-        return data
+    def _sampling_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
+        return _no_op_only(info.field_name, v)
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -281,6 +287,13 @@ class ChatCompletionRequest(_Sampling):
     verbosity: Any = None
     web_search_options: Any = None
 
+    @field_validator("tools", "tool_choice", "parallel_tool_calls", "functions",
+                     "function_call", "modalities", "audio", "prediction", "reasoning_effort",
+                     "verbosity", "web_search_options", mode="before")
+    @classmethod
+    def _chat_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
+        return _no_op_only(info.field_name, v)
+
     @field_validator("logprobs")
     @classmethod
     def _chat_logprobs(cls, v: bool | None) -> bool | None:
@@ -300,6 +313,11 @@ class CompletionRequest(_Sampling):
     logprobs: StrictInt | None = None  # refused when set (_completion_logprobs)
     echo: Any = None
     suffix: Any = None
+
+    @field_validator("echo", "suffix", mode="before")
+    @classmethod
+    def _completion_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
+        return _no_op_only(info.field_name, v)
 
     @field_validator("logprobs")
     @classmethod
