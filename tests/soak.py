@@ -572,7 +572,14 @@ def sampling_cases(context: int) -> list[Case]:
         ("top_p", 0.5), ("top_k", -1), ("top_k", 0), ("top_k", 40), ("seed", 0),
         ("seed", 2**63 - 1), ("n", 1), ("stop", ["a", "b"]), ("stop", "\n"),
         ("stop", ["x"] * 16), ("stop", "x" * 256), ("stream", False), ("model", None),
-        ("model", DROP), ("logit_bias", {"1": 5}), ("user", "someone")]]
+        ("model", DROP), ("logit_bias", {}), ("presence_penalty", 0), ("logprobs", False),
+        ("user", "someone")]]
+    # Fields whose behaviour is not implemented are refused by name, never ignored.
+    cases += [bad(f"chat {k}={_short(v)} refused", CHAT, chat(**{k: v}), param=k)
+              for k, v in [("logit_bias", {"1": 5}), ("presence_penalty", 0.5),
+                           ("logprobs", True), ("response_format", {"type": "json_object"}),
+                           ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                           ("frobnicate", 1)]]
     cases += [
         ok("chat max_tokens null with max_completion_tokens", CHAT,
            chat(max_tokens=None, max_completion_tokens=2)),

@@ -53,6 +53,7 @@ from specscope.server.schemas import (
     validation_error,
 )
 from specscope.server.stats_log import StatsLog
+from specscope.server.tokenizer_routes import add_tokenizer_routes
 from specscope.server.worker import _END, EngineWorker, _Job
 
 log = logging.getLogger("specscope.server")
@@ -197,7 +198,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
                 temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_p=1.0 if req.top_p is None else float(req.top_p),
                 top_k=req.top_k or 0, seed=req.seed, stop=req.stop or (),
-                ignore_eos=req.ignore_eos)
+                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
         except (ValueError, TypeError) as e:
             raise _engine_error(e) from None
 
@@ -423,6 +424,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
     async def prometheus():
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    add_tokenizer_routes(app, llm, check_model, limits.check_chars)
     add_admin_routes(app, llm, worker, guardrail, draft_spec, enabled=cfg.enable_admin)
     add_profile_routes(app, llm, worker, served)
 

@@ -5,7 +5,8 @@ client-disconnect detection), checked in this order:
 
 1. Host: with `allowed_hosts`, the Host header must name one of them (DNS rebinding: a
    hostile page whose name resolves to 127.0.0.1 still sends its own name as Host).
-2. Authentication: with API keys, every route but /health needs `Authorization: Bearer KEY`.
+2. Authentication: with API keys, every route but /health and /ping needs
+   `Authorization: Bearer KEY`.
 3. Content type: a POST must carry `application/json`, which a browser cannot send
    cross-site without a CORS preflight this server never grants (so a hostile page cannot
    post `text/plain` "JSON" to /admin/spec).
@@ -33,7 +34,7 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-OPEN_PATHS = ("/health",)  # answered without an API key (load balancers, probes)
+OPEN_PATHS = ("/health", "/ping")  # answered without an API key (load balancers, probes)
 
 
 class _ClientGone(Exception):

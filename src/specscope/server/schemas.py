@@ -1,7 +1,10 @@
 """OpenAI request bodies (the fields specscope honours) and the error body.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; wrong types and out-of-range
-values fail validation and become 400 invalid_request_error responses.
+Every field a request sends is honoured or refused, never ignored: a field this server does
+not know is a 400 naming it, and an OpenAI field whose behaviour is not implemented (yet)
+is accepted only at its no-op value (a penalty of 0, `logprobs` off, no tools, ...) and
+refused, by name, otherwise. Wrong types and out-of-range values fail validation the same
+way: 400 invalid_request_error.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def validation_error(errors: list[dict], data: Any = _NO_DATA) -> APIError:
     first = errors[0]
     param = param_path(tuple(first.get("loc", ())), data)
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        msg = "this field is not supported by this server; remove it"
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
@@ -155,10 +160,53 @@ class ChatMessage(BaseModel):
         return out
 
 
+# OpenAI fields whose behaviour is not implemented yet: each is accepted at the value that
+# asks for nothing (what a client sending defaults sends) and refused otherwise.
+_NOT_YET = {
+    "presence_penalty": ((0, 0.0, None), "penalties are not supported yet; send 0"),
+    "frequency_penalty": ((0, 0.0, None), "penalties are not supported yet; send 0"),
+    "repetition_penalty": ((1, 1.0, None), "penalties are not supported yet; send 1"),
+    "logit_bias": (({}, None), "logit_bias is not supported yet"),
+    "min_p": ((0, 0.0, None), "min_p is not supported yet; send 0"),
+    "min_tokens": ((0, None), "min_tokens is not supported yet; send 0"),
+    "tools": (([], None), "tools are not supported yet"),
+    "functions": (([], None), "functions are not supported yet"),
+    "function_call": ((None, "none"), "function calls are not supported yet"),
+    "tool_choice": ((None, "none", "auto"), "tool calls are not supported yet"),
+    "parallel_tool_calls": ((None, True, False), "tool calls are not supported yet"),
+    "response_format": ((None, {"type": "text"}),
+                        "structured output (json_object, json_schema) is not supported yet"),
+    "top_logprobs": ((None, 0), "logprobs are not supported yet"),
+    "echo": ((None, False), "echo is not supported yet"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    "best_of": ((None, 1), "best_of is not supported yet; send 1"),
+    "store": ((None, False), "this server stores no completions; send false"),
+    "modalities": ((None, ["text"]), "this server's model produces text only"),
+    "audio": ((None,), "audio output is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "reasoning effort is not supported"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
+    "prompt_cache_retention": ((None,), "the prefix cache keeps what memory allows; "
+                               "retention cannot be set"),
+    "prompt_cache_options": ((None,), "prefix-cache options cannot be set"),
+    "moderation": ((None,), "moderation is not supported"),
+}
+
+
+def _no_op_only(name: str, value: Any) -> Any:
+    """`value` when it is one of `name`'s no-op values (_NOT_YET), else the refusal."""
+    allowed, why = _NOT_YET[name]
+    if any(value is a or (value == a and type(value) is type(a)) for a in allowed):
+        return value
+    raise ValueError(f"{why} (got {value!r})")
+
+
 class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -171,6 +219,43 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # extension (vLLM): generate exactly max_tokens tokens
+    stop_token_ids: list[StrictInt] | None = None  # extension (vLLM, SGLang)
+    # Request metadata with no effect on generation (end-user ids, a routing hint: the
+    # prefix cache is automatic).
+    user: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    prompt_cache_key: StrictStr | None = None
+    # Not implemented: refused unless at their no-op values (_NOT_YET).
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
+    top_logprobs: Any = None
+    best_of: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    moderation: Any = None
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "logit_bias", "min_p", "min_tokens", "response_format", "top_logprobs",
+                     "best_of", "store", "service_tier", "prompt_cache_retention",
+                     "prompt_cache_options", "moderation", mode="before")
+    @classmethod
+    def _sampling_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
+        return _no_op_only(info.field_name, v)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return ids
 
     @field_validator("stop")
     @classmethod
@@ -189,6 +274,32 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None  # refused when true (_chat_logprobs)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+    @field_validator("tools", "tool_choice", "parallel_tool_calls", "functions",
+                     "function_call", "modalities", "audio", "prediction", "reasoning_effort",
+                     "verbosity", "web_search_options", mode="before")
+    @classmethod
+    def _chat_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
+        return _no_op_only(info.field_name, v)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _chat_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported yet; send false")
+        return v
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -199,6 +310,21 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # A string, a one-element list of strings, or a list of token ids.
     prompt: str | list[str] | list[StrictInt]
+    logprobs: StrictInt | None = None  # refused when set (_completion_logprobs)
+    echo: Any = None
+    suffix: Any = None
+
+    @field_validator("echo", "suffix", mode="before")
+    @classmethod
+    def _completion_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
+        return _no_op_only(info.field_name, v)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _completion_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("logprobs are not supported yet; leave it out")
+        return v
 
     @field_validator("prompt")
     @classmethod
