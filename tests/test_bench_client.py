@@ -50,7 +50,11 @@ def test_run_bench(result):
     assert 0 < result["total_completion_tokens"] <= 6 * 8
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
         _sane(result[key])
-    assert result["accept_length"] is None
+    assert result["accept_length"] is None and result["spec_metrics"] is None  # no draft
+    # prompt tokens from each response's usage: every request reported them
+    lens = result["per_request"]["input_lens"]
+    assert len(lens) == 6 and all(n > 0 for n in lens)
+    assert result["total_input_tokens"] == sum(lens)
     assert result["config"]["model"] == "tiny"  # looked up from /v1/models
     assert result["config"]["concurrency"] == 3
     json.loads(json.dumps(result))
@@ -71,7 +75,12 @@ def test_accept_length_from_spec_server(tiny_model_dir):
         running.stop()
     assert res["completed"] == 3 and res["errors"] == 0, res["error_messages"]
     assert res["accept_length"] is not None and res["accept_length"] >= 1.0
-    assert res["spec_requests"] == 3
+    assert res["spec_requests"] == 3 and res["accept_length_source"] == "responses"
+    # the same run seen through the server's own /metrics counters (specscope: prefix)
+    spec = res["spec_metrics"]
+    assert spec is not None and spec["prefix"] == "specscope:" and spec["drafts"] > 0
+    assert res["metrics_accept_length"] == pytest.approx(1 + spec["accepted_tokens"]
+                                                         / spec["drafts"])
 
 
 def test_unreachable_server_counts_errors():

@@ -196,6 +196,96 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return main_bench(args)
 
 
+def _add_bench_dataset_args(b: argparse.ArgumentParser) -> None:
+    from specscope.bench.client import range_ratio_arg
+
+    b.add_argument("--dataset", "--dataset-name", dest="dataset", default="mt_bench",
+                   help="mt_bench | humaneval | gsm8k | sharegpt (with --dataset-path) | "
+                        "random | a JSONL file of prompts/messages")
+    b.add_argument("--dataset-path", default=None, metavar="FILE",
+                   help="the ShareGPT JSON array or JSONL for --dataset sharegpt")
+    b.add_argument("--num-prompts", type=positive_int, default=80,
+                   help="requests to send; more than the dataset holds is an error")
+    b.add_argument("--sharegpt-output-len", type=positive_int, default=None, metavar="N",
+                   help="sharegpt: max_tokens of every request (default: --max-tokens if "
+                        "given, else each first answer's length, 1.3 tokens per word)")
+    b.add_argument("--random-input-len", type=positive_int, default=None, metavar="N",
+                   help="random: prompt length in tokens, about one word each (default 1024)")
+    b.add_argument("--random-output-len", type=positive_int, default=None, metavar="N",
+                   help="random: output tokens per request, sent with ignore_eos "
+                        "(default 128)")
+    b.add_argument("--random-range-ratio", type=range_ratio_arg, default=None,
+                   metavar="R", help="random: lengths uniform in [L*(1-R), L*(1+R)], "
+                                     "0 <= R < 1 (default 0: exactly L)")
+
+
+def _add_bench_request_args(b: argparse.ArgumentParser) -> None:
+    """The load and the request fields (vLLM's flags), and the goodput SLOs."""
+    # (imported here, like cmd_bench's import: no other command needs the bench module)
+    from specscope.bench.client import (
+        burstiness_arg,
+        goodput_arg,
+        max_concurrency_arg,
+        request_rate_arg,
+    )
+
+    b.add_argument("--request-rate", type=request_rate_arg, default=float("inf"),
+                   metavar="R", help="requests per second, arrivals a Poisson process "
+                                     "(default inf: all requests at once)")
+    b.add_argument("--burstiness", type=burstiness_arg, default=1.0,
+                   help="shape of the gamma-distributed gaps between arrivals at a finite "
+                        "--request-rate: 1.0 = Poisson (default), < 1 burstier, > 1 more even")
+    b.add_argument("--seed", type=int, default=0,
+                   help="seed of the arrival gaps and the random dataset, for reproducible "
+                        "runs (default 0)")
+    b.add_argument("--max-concurrency", "--concurrency", dest="max_concurrency",
+                   type=max_concurrency_arg, default=None, metavar="N",
+                   help="cap on requests in flight (--concurrency is the old name); default: "
+                        "1 when --request-rate is inf (one at a time), else no cap")
+    b.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="max_tokens of each request (default 256; sharegpt: see "
+                        "--sharegpt-output-len; not for random)")
+    b.add_argument("--ignore-eos", action="store_true",
+                   help='send "ignore_eos": true (specscope, vLLM and SGLang accept it), so '
+                        "every request produces max_tokens tokens (always on for random)")
+    b.add_argument("--temperature", type=non_negative_float, default=0.0)
+    b.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="per-request timeout (s)")
+    b.add_argument("--goodput", nargs="+", type=goodput_arg, default=None,
+                   metavar="KEY:MS", help="SLOs for request_goodput (requests/s meeting all "
+                                          "of them), KEY one of ttft, tpot, e2el, e.g. "
+                                          "--goodput ttft:500 tpot:50")
+
+
+def _add_bench_output_args(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--save-result", action="store_true",
+                   help="write the result as vLLM's flat JSON (see --result-dir)")
+    b.add_argument("--result-dir", default=None, metavar="DIR",
+                   help="directory for --save-result (default .; implies --save-result)")
+    b.add_argument("--result-filename", default=None, metavar="NAME",
+                   help="file name for --save-result (default openai-{rate}qps"
+                        "[-concurrency{N}]-{model}-{date}.json; implies --save-result)")
+    b.add_argument("--out", default=None,
+                   help="write specscope's nested result JSON here (--compare: {a, b})")
+    b.add_argument("--compare", default=None, metavar="URL2",
+                   help="also run the same prompts against URL2 and print B/A ratios")
+    b.add_argument("--compare-model", default=None,
+                   help="model id for --compare (default: URL2's first /v1/models id)")
+    b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (specscope, "
+                                     "SGLang, vLLM): throughput, TTFT/TPOT/ITL, accept length")
+    b.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    b.add_argument("--model", default=None,
+                   help="model id to send (default: the first id from GET /v1/models)")
+    _add_bench_dataset_args(b)
+    _add_bench_request_args(b)
+    _add_bench_output_args(b)
+    b.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="specscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -238,41 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also log a summary every N cycles")
     p.set_defaults(func=cmd_profile, max_tokens=128)
 
-    b = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (specscope, "
-                                     "SGLang, vLLM): throughput, TTFT/TPOT/ITL, accept length")
-    b.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    b.add_argument("--model", default=None,
-                   help="model id to send (default: the first id from GET /v1/models)")
-    b.add_argument("--dataset", default="mt_bench",
-                   help="mt_bench | humaneval | gsm8k | a JSONL file of prompts/messages")
-    b.add_argument("--num-prompts", type=positive_int, default=80)
-    # (imported here, like cmd_bench's import: no other command needs the bench module)
-    from specscope.bench.client import burstiness_arg, max_concurrency_arg, request_rate_arg
-
-    b.add_argument("--request-rate", type=request_rate_arg, default=float("inf"),
-                   metavar="R", help="requests per second, arrivals a Poisson process "
-                                     "(default inf: all requests at once)")
-    b.add_argument("--burstiness", type=burstiness_arg, default=1.0,
-                   help="shape of the gamma-distributed gaps between arrivals at a finite "
-                        "--request-rate: 1.0 = Poisson (default), < 1 burstier, > 1 more even")
-    b.add_argument("--seed", type=int, default=0,
-                   help="seed of the arrival gaps, for reproducible runs (default 0)")
-    b.add_argument("--max-concurrency", "--concurrency", dest="max_concurrency",
-                   type=max_concurrency_arg, default=None, metavar="N",
-                   help="cap on requests in flight (--concurrency is the old name); default: "
-                        "1 when --request-rate is inf (one at a time), else no cap")
-    b.add_argument("--max-tokens", type=positive_int, default=256)
-    b.add_argument("--temperature", type=non_negative_float, default=0.0)
-    b.add_argument("--timeout", type=positive_float, default=600.0,
-                   help="per-request timeout (s)")
-    b.add_argument("--out", default=None, help="write the result as JSON here")
-    b.add_argument("--compare", default=None, metavar="URL2",
-                   help="also run the same prompts against URL2 and print B/A ratios")
-    b.add_argument("--compare-model", default=None,
-                   help="model id for --compare (default: URL2's first /v1/models id)")
-    b.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    b.set_defaults(func=cmd_bench)
-
+    _add_bench_command(sub)
     add_serve_command(sub)
     add_draft_commands(sub, add_model_args)
     return parser
