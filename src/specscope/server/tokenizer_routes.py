@@ -81,6 +81,10 @@ def add_tokenizer_routes(app: FastAPI, llm: LLM, check_model: Callable[[str | No
     async def version():
         return {"version": __version__}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping():
+        return {"status": "ok"}
+
+    @app.post("/ping")
+    async def ping_post():
         return {"status": "ok"}
