@@ -225,6 +225,15 @@ def test_converters_round_trip_bit_exactly(tmp_path):
         assert orig[k].dtype == back[k].dtype and torch.equal(orig[k], back[k]), k
     sp_cfg = json.loads((a / "config.json").read_text())
     assert sp_cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # input-to-layer
+    # speculators names the target it belongs to (vLLM reads it): the draft's training target
+    src_prov = json.loads((src / "config.json").read_text())["specscope_provenance"]
+    verifier = sp_cfg["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == src_prov["target"] and verifier["name_or_path"]
+    assert verifier["architectures"] == ["LlamaForCausalLM"]
+    assert (b / "model.safetensors").exists() and not (b / "pytorch_model.bin").exists()
+    named = convert_draft(src, tmp_path / "sp2", "speculators", target_name="org/target")
+    assert json.loads((named / "config.json").read_text())["speculators_config"][
+        "verifier"]["name_or_path"] == "org/target"
     sg_cfg = json.loads((c / "config.json").read_text())
     assert sg_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     prov = sg_cfg["specscope_provenance"]

@@ -255,8 +255,8 @@ def test_roundtrip(tmp_path, target, fmt, variant):
     ids = None if fmt == "eagle" else IDS  # EAGLE's taps are hard-wired to the default
     draft = make_draft(target, layer_ids=ids, **over)
     out = save_draft(draft, draft.config, tmp_path / fmt, fmt)
-    weights = {"eagle": "pytorch_model.bin"}.get(fmt, "model.safetensors")
-    assert (out / weights).exists()
+    assert (out / "model.safetensors").exists()  # every format: no pickle is written
+    assert not (out / "pytorch_model.bin").exists()
     loaded = load_draft(out, target.config, dtype=torch.float32, device="cpu")
     assert loaded.source_format == fmt
     provenance = ("source_format", "layer_ids_source", "layer_ids_convention")
@@ -273,13 +273,15 @@ def test_roundtrip(tmp_path, target, fmt, variant):
         assert torch.equal(a, b)
 
 
-def test_eagle_format_from_safetensors_and_bf16(tmp_path, target):
-    """Official EAGLE drafts also ship as model.safetensors; any dtype loads."""
+def test_eagle_format_from_pytorch_model_bin_and_bf16(tmp_path, target):
+    """Official EAGLE drafts ship as pytorch_model.bin (we write model.safetensors): both
+    load; any dtype loads."""
+    from safetensors.torch import load_file
+
     draft = make_draft(target, layer_ids=None)
     d = save_draft(draft, draft.config, tmp_path / "eagle", "eagle")
-    state = torch.load(d / "pytorch_model.bin", weights_only=True)
-    save_file(state, str(d / "model.safetensors"))
-    (d / "pytorch_model.bin").unlink()
+    torch.save(load_file(str(d / "model.safetensors")), d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
     loaded = load_draft(d, target.config, dtype=torch.bfloat16)
     assert loaded.source_format == "eagle"
     assert loaded.model.fc.weight.dtype == torch.bfloat16

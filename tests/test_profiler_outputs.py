@@ -289,3 +289,31 @@ def test_write_report_is_atomic(tmp_path):
         write_report(bad, records, path)  # fails while rendering: old file stays whole
     parse(path.read_text())
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
+
+
+def test_report_names_the_run_and_what_tok_s_counts(tmp_path):
+    records = make_records(5)
+    meta = {"model": "SmolLM2-135M", "dtype": "bfloat16", "device": "cpu",
+            "dataset": "mt_bench", "num_prompts": 3, "date": "2026-12-01T20:00:00+00:00"}
+    text = write_report(summarise(records), records, tmp_path / "r.html", meta=meta).read_text()
+    parse(text)
+    for part in ("model: SmolLM2-135M", "dtype: bfloat16", "device: cpu", "dataset: mt_bench",
+                 "date: 2026-12-01T20:00:00+00:00", "prefill excluded"):
+        assert part in text, part
+
+
+def test_outputs_get_the_mode_of_any_new_file(tmp_path):
+    """Atomic writes go through a private temp file; the result still has the mode every
+    other output of the run gets (0666 less the umask), not 0600."""
+    import os
+
+    from specscope.bench.client import write_json
+    from specscope.profiler.trace import current_umask
+
+    want = 0o666 & ~current_umask()
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    report = write_report([], [], tmp_path / "r.html")
+    write_json(tmp_path / "b.json", {"a": 1})
+    for p in (plain, report, tmp_path / "b.json"):
+        assert os.stat(p).st_mode & 0o777 == want, p

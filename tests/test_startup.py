@@ -80,8 +80,7 @@ TINY = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=5
 
 @pytest.fixture(scope="module")
 def draft_dirs(tmp_path_factory) -> dict[str, Path]:
-    """A small valid draft in the sglang (safetensors) and eagle (pytorch_model.bin)
-    formats."""
+    """A small valid draft in the sglang and eagle formats."""
     root = tmp_path_factory.mktemp("drafts")
     d = random_draft(TINY, torch.float32, "cpu", draft_vocab_size=64, seed=0)
     return {fmt: save_draft(d, d.config, root / fmt, fmt) for fmt in ("sglang", "eagle")}
@@ -298,7 +297,12 @@ def test_every_safetensors_file_of_a_draft_is_checked(draft_dirs, broken_draft):
 
 
 def test_a_truncated_pytorch_model_bin_draft(draft_dirs, tmp_path):
+    from safetensors.torch import load_file
+
     d = shutil.copytree(draft_dirs["eagle"], tmp_path / "eagle")
+    # The official EAGLE drafts' file (specscope writes model.safetensors)
+    torch.save(load_file(str(d / "model.safetensors")), d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
     assert check_draft_files(d) == d
     truncate(d / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pytorch_model.bin is truncated or corrupt"):

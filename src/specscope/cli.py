@@ -5,6 +5,7 @@ cli_draft.py, the parser and the flags they share in cli_args.py."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
@@ -134,7 +135,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from specscope.engine.llm import LLM
     from specscope.profiler import format_summary
     from specscope.profiler.report import write_report
-    from specscope.profiler.trace import write_chrome_trace
+    from specscope.profiler.trace import write_chrome_trace, write_text_atomic
 
     params = _sampling(args)
     check_engine_args(args)
@@ -177,14 +178,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
         tau = f"{s['accept_length']:.2f}" if s["accept_length"] else "1.00"
         print(f"{s['config']:<44} {s['tok_per_s']:>8.1f} {s['tok_per_s'] / base:>7.2f}x "
               f"{tau:>10} {s['attributed']:>9.1%}")
-    meta = {"model": llm.model_name, "dtype": str(llm.dtype), "device": str(llm.device),
-            "dataset": args.dataset, "num_prompts": len(prompts),
+    meta = {"model": llm.model_name, "dtype": str(llm.dtype).removeprefix("torch."),
+            "device": str(llm.device), "dataset": args.dataset, "num_prompts": len(prompts),
             "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "draft": llm.draft_info}
-    (out_dir / "profile.json").write_text(json.dumps({"meta": meta, "summaries": summaries},
-                                                     indent=1))
+            "draft": llm.draft_info,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    write_text_atomic(out_dir / "profile.json",
+                      json.dumps({"meta": meta, "summaries": summaries}, indent=1))
     write_chrome_trace(records, out_dir / "trace.json", last=args.trace_cycles)
-    write_report(summaries, records, out_dir / "report.html")
+    write_report(summaries, records, out_dir / "report.html", meta=meta)
     print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'trace.json'} (open in "
           f"ui.perfetto.dev), {out_dir / 'report.html'}")
     return 0

@@ -115,7 +115,7 @@ def cmd_convert_draft(args: argparse.Namespace) -> int:
 
         target_config = read_config(resolve_model_dir(args.target, args.cache_dir))
     out = convert_draft(args.input, args.output, args.to, target_config=target_config,
-                        num_target_layers=args.target_layers)
+                        num_target_layers=args.target_layers, target_name=args.target)
     print(f"wrote {out} ({args.to} format)")
     return 0
 

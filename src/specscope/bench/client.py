@@ -39,7 +39,6 @@ import json
 import math
 import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -746,19 +745,9 @@ def compare(a: dict, b: dict) -> str:
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
     """Write `obj` as JSON atomically (a temp file in the same directory, then a
     rename), so a reader never sees a half-written result, even after a crash."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=indent)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the name points at it
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from specscope.profiler.trace import write_text_atomic
+
+    write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
 
 # -- --save-result: vLLM's flat result ---------------------------------------------------

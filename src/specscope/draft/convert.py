@@ -31,8 +31,10 @@ def _target_stub(fields: dict[str, Any], num_layers: int) -> ModelConfig:
 
 def convert_draft(src: str | Path, out: str | Path, to: str, *,
                   target_config: ModelConfig | None = None,
-                  num_target_layers: int | None = None) -> Path:
-    """Write the draft at `src` to `out` in format `to`; returns `out`.
+                  num_target_layers: int | None = None, target_name: str | None = None
+                  ) -> Path:
+    """Write the draft at `src` to `out` in format `to`; returns `out`. target_name: the
+    target's name or path (speculators' verifier), default the draft's provenance.
 
     The target's layer count fixes the meaning of the ids (the official EAGLE format has none;
     speculators' are input-to-layer). It comes from `target_config`, `num_target_layers`,
@@ -63,4 +65,8 @@ def convert_draft(src: str | Path, out: str | Path, to: str, *,
     prov["converted_from"] = {"format": fmt, "path": str(d)}
     prov["aux_layer_ids"] = list(loaded.config.aux_layer_ids)
     prov["aux_layer_ids_convention"] = "output-of-layer"
+    if target_name is not None:
+        prov["target"] = target_name
+    if target_config is not None:
+        prov["target_architecture"] = target_config.architecture
     return save_draft(loaded.model, loaded.config, out, to, provenance=prov)

@@ -267,9 +267,12 @@ def _layer_dict(cfg: DraftConfig) -> dict[str, Any]:
     }
 
 
-def config_dict(cfg: DraftConfig, fmt: str, dtype: str = "float32") -> dict[str, Any]:
+def config_dict(cfg: DraftConfig, fmt: str, dtype: str = "float32",
+                verifier: tuple[str | None, str | None] = (None, None)) -> dict[str, Any]:
     """The config.json format `fmt` writes for `cfg`, its layer ids in that format's
-    convention. Raises for what the format cannot express."""
+    convention. verifier: the target's (name or path, architecture), which speculators
+    records so vLLM can find the target a draft belongs to. Raises for what the format
+    cannot express."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown draft format {fmt!r}; choose one of {', '.join(FORMATS)}")
     L = cfg.target_num_layers
@@ -283,7 +286,8 @@ def config_dict(cfg: DraftConfig, fmt: str, dtype: str = "float32") -> dict[str,
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-                "verifier": {"name_or_path": None, "architectures": []},
+                "verifier": {"name_or_path": verifier[0],
+                             "architectures": [verifier[1]] if verifier[1] else []},
             },
             "transformer_layer_config": {**_layer_dict(cfg), "torch_dtype": dtype},
             "draft_vocab_size": cfg.draft_vocab_size,
@@ -324,16 +328,18 @@ def config_dict(cfg: DraftConfig, fmt: str, dtype: str = "float32") -> dict[str,
 
 
 def save_draft(model: Eagle3Draft, config: DraftConfig, out_dir: str | Path, fmt: str,
-               provenance: dict[str, Any] | None = None, dtype: torch.dtype | None = None
-               ) -> Path:
+               provenance: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+               verifier: tuple[str | None, str | None] | None = None) -> Path:
     """Write `model` as a draft checkpoint of format `fmt` (config.json + weights) to out_dir.
 
-    Weights: model.safetensors (sglang, speculators) or pytorch_model.bin (eagle), in `dtype`
-    (default: the model's). d2t/t2d are always written except by speculators when the draft
-    vocabulary is the whole target vocabulary (speculators then has no maps). Borrowed target
-    weights are not written. `provenance` goes into config.json as `specscope_provenance`.
-    The directory is written under a temporary name and renamed into place, so out_dir is
-    either the previous checkpoint or the whole new one, never a mix.
+    Weights: model.safetensors in every format (the official EAGLE drafts' pytorch_model.bin is
+    read too, but a pickle is not written), in `dtype` (default: the model's). verifier: the
+    target's (name or path, architecture), default from the provenance block. d2t/t2d are always
+    written except by speculators when the draft vocabulary is the whole target vocabulary
+    (speculators then has no maps). Borrowed target weights are not written. `provenance` goes
+    into config.json as `specscope_provenance`. The directory is written under a temporary name
+    and renamed into place, so out_dir is either the previous checkpoint or the whole new one,
+    never a mix.
     """
     if config != model.config:
         raise ValueError("save_draft: config differs from model.config")
@@ -342,7 +348,10 @@ def save_draft(model: Eagle3Draft, config: DraftConfig, out_dir: str | Path, fmt
         state = {k: v.to(dtype) for k, v in state.items()}
     dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.") if state \
         else _dtype_name(model)
-    cfg_json = config_dict(config, fmt, dtype_name)
+    if verifier is None:
+        prov = provenance or {}
+        verifier = (prov.get("target"), prov.get("target_architecture"))
+    cfg_json = config_dict(config, fmt, dtype_name, verifier)
     if provenance:
         cfg_json["specscope_provenance"] = provenance
     out = Path(out_dir)
@@ -355,12 +364,9 @@ def save_draft(model: Eagle3Draft, config: DraftConfig, out_dir: str | Path, fmt
         tensors["d2t"] = model.d2t.detach().cpu().clone()
         tensors["t2d"] = model.t2d.detach().cpu().clone()
     (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-    if fmt == "eagle":
-        torch.save({k: v.clone() for k, v in tensors.items()}, tmp / "pytorch_model.bin")
-    else:
-        # safetensors refuses tensors that share storage (fused rows are views): copy them.
-        save_file({k: v.clone() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+    # safetensors refuses tensors that share storage (fused rows are views): copy them.
+    save_file({k: v.clone() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
     for f in tmp.iterdir():
         with f.open("rb") as fh:
             os.fsync(fh.fileno())

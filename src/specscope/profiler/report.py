@@ -258,8 +258,17 @@ def _phase_table(s: dict) -> str:
             f"{s['cycles_per_s']:.1f} cycles/s · {_pct(s['attributed'])} attributed</p></div>")
 
 
+def _meta_line(meta: dict | None) -> str:
+    """Model, dtype, device, dataset and date of the run, and what tok/s counts."""
+    keys = ("model", "dtype", "device", "dataset", "num_prompts", "max_tokens", "date")
+    parts = [f"{k.replace('_', ' ')}: {escape(str(meta[k]))}" for k in keys
+             if meta and meta.get(k) is not None]
+    parts.append("tok/s: decode tokens over decode-cycle time (prefill excluded)")
+    return f'<div class="sub">{" · ".join(parts)}</div>'
+
+
 def render_report(summaries: list[dict], records: list[CycleRecord],
-                  title: str = "specscope profile") -> str:
+                  title: str = "specscope profile", meta: dict | None = None) -> str:
     """The report as an HTML string (see `write_report`)."""
     configs = [s["config"] for s in summaries]
     configs += list(dict.fromkeys(r.config for r in records if r.config not in configs))
@@ -282,7 +291,8 @@ def render_report(summaries: list[dict], records: list[CycleRecord],
     tables = "".join(_phase_table(s) for s in summaries)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
-            f"<h1>{escape(title)}</h1><div class=\"sub\">{len(summaries)} configurations · "
+            f"<h1>{escape(title)}</h1>{_meta_line(meta)}"
+            f"<div class=\"sub\">{len(summaries)} configurations · "
             f"{len(records)} cycles recorded · baseline: "
             f"{escape(summaries[0]['config']) if summaries else '—'}</div>{html_cards}"
             f'<section class="card"><h2>Phases per configuration</h2>'
@@ -290,6 +300,7 @@ def render_report(summaries: list[dict], records: list[CycleRecord],
 
 
 def write_report(summaries: list[dict], records: list[CycleRecord], path: str | os.PathLike,
-                 title: str = "specscope profile") -> Path:
-    """Write the HTML report to `path` atomically; returns the path."""
-    return write_text_atomic(path, render_report(summaries, records, title))
+                 title: str = "specscope profile", meta: dict | None = None) -> Path:
+    """Write the HTML report to `path` atomically; returns the path. meta: the run's model,
+    dtype, device, dataset, date (profile.json's meta), named under the title."""
+    return write_text_atomic(path, render_report(summaries, records, title, meta))

@@ -110,6 +110,12 @@ def chrome_trace(records: list[CycleRecord], last: int | None = None) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` via a temp file in the same folder and os.replace.
 
@@ -120,6 +126,9 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp's file is private (0600); the result gets the mode of any file written
+        # here (0666 less the umask), as the run's other outputs do.
+        os.chmod(tmp, 0o666 & ~current_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
