@@ -1,6 +1,6 @@
 """Engine-measured accept length of a draft on a few prompts (CPU, fp32, greedy chain).
 
-    python recipes/default_draft/engine_acceptance.py [--draft default] [--shared ../shared/data]
+    python recipes/default_draft/engine_acceptance.py [--draft default] --data-dir DATA
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from specscope import LLM, SamplingParams, SpecConfig
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", default="default")
-    ap.add_argument("--shared", default="../shared/data")
+    ap.add_argument("--data-dir", dest="shared", required=True,
+                    help="the directory holding the source JSONL files (not in this repo)")
     ap.add_argument("--num-steps", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()

@@ -1,8 +1,8 @@
 """Training prompts for the default draft (SmolLM2-135M-Instruct): the recipe, reproducible.
 
 Sources (training files only; never an evaluation file):
-  - ../shared/data/gsm8k_train.jsonl: every question (7,473 grade-school maths problems);
-  - ../shared/data/self_instruct_seed_tasks.jsonl: every instruction with its instance
+  - DATA/gsm8k_train.jsonl: every question (7,473 grade-school maths problems);
+  - DATA/self_instruct_seed_tasks.jsonl: every instruction with its instance
     input (175), plus each instruction alone;
   - prompts generated here from templates x word lists written for this recipe, covering the
     kinds of requests a chat model gets (writing, role-play, reasoning, maths, coding,
@@ -11,7 +11,7 @@ Sources (training files only; never an evaluation file):
 Answers are not taken from anywhere: `specscope train-draft` regenerates every answer with
 the target itself. Usage:
 
-    python recipes/default_draft/make_prompts.py --shared ../shared/data --out prompts.jsonl
+    python recipes/default_draft/make_prompts.py --data-dir DATA --out prompts.jsonl
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def template_prompts(rng: random.Random, n: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shared", default="../shared/data")
+    ap.add_argument("--data-dir", dest="shared", required=True,
+                    help="the directory holding the source JSONL files (not in this repo)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--templates", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
