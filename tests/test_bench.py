@@ -26,12 +26,9 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from specscope.bench.client import (  # noqa: E402
-    arrival_offsets,
-    format_table,
-    main_bench,
-    run_bench,
-)
+from specscope.bench.client import main_bench, run_bench  # noqa: E402
+from specscope.bench.load import arrival_offsets  # noqa: E402
+from specscope.bench.results import format_table  # noqa: E402
 from specscope.cli import build_parser  # noqa: E402
 from specscope.server.background import BackgroundServer  # noqa: E402
 

@@ -14,7 +14,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
 
-from specscope.bench.client import compare, format_table, main_bench, run_bench  # noqa: E402
+from specscope.bench.client import main_bench, run_bench  # noqa: E402
+from specscope.bench.results import compare, format_table  # noqa: E402
 from specscope.config import ServerConfig  # noqa: E402
 from specscope.engine.llm import LLM  # noqa: E402
 from specscope.server import create_app  # noqa: E402

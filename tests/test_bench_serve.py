@@ -22,24 +22,22 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from specscope.bench.client import (  # noqa: E402
-    RequestResult,
-    format_table,
-    goodput_dict,
-    main_bench,
-    metrics_accept_length,
-    parse_prometheus,
-    run_bench,
-    summarize,
-    vllm_record,
-    write_json,
-)
+from specscope.bench.client import main_bench, run_bench  # noqa: E402
 from specscope.bench.datasets import (  # noqa: E402
     WORDS,
     _uniform_lens,
     load_samples,
     random_samples,
 )
+from specscope.bench.results import (  # noqa: E402
+    RequestResult,
+    format_table,
+    goodput_dict,
+    summarize,
+    vllm_record,
+    write_json,
+)
+from specscope.bench.server_metrics import metrics_accept_length, parse_prometheus  # noqa: E402
 from specscope.cli import build_parser, main  # noqa: E402
 from specscope.server.background import BackgroundServer  # noqa: E402
 

@@ -307,7 +307,7 @@ def test_outputs_get_the_mode_of_any_new_file(tmp_path):
     other output of the run gets (0666 less the umask), not 0600."""
     import os
 
-    from specscope.bench.client import write_json
+    from specscope.bench.results import write_json
     from specscope.profiler.trace import current_umask
 
     want = 0o666 & ~current_umask()

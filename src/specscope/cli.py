@@ -199,7 +199,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_bench_dataset_args(b: argparse.ArgumentParser) -> None:
-    from specscope.bench.client import range_ratio_arg
+    from specscope.bench.load import range_ratio_arg
 
     b.add_argument("--dataset", "--dataset-name", dest="dataset", default="mt_bench",
                    help="mt_bench | humaneval | gsm8k | sharegpt (with --dataset-path) | "
@@ -224,12 +224,8 @@ def _add_bench_dataset_args(b: argparse.ArgumentParser) -> None:
 def _add_bench_request_args(b: argparse.ArgumentParser) -> None:
     """The load and the request fields (vLLM's flags), and the goodput SLOs."""
     # (imported here, like cmd_bench's import: no other command needs the bench module)
-    from specscope.bench.client import (
-        burstiness_arg,
-        goodput_arg,
-        max_concurrency_arg,
-        request_rate_arg,
-    )
+    from specscope.bench.load import burstiness_arg, max_concurrency_arg, request_rate_arg
+    from specscope.bench.results import goodput_arg
 
     b.add_argument("--request-rate", type=request_rate_arg, default=float("inf"),
                    metavar="R", help="requests per second, arrivals a Poisson process "
