@@ -79,6 +79,39 @@ class CompletionRunner:
                  limits: PromptLimits) -> None:
         self.llm, self.worker, self.metrics, self.limits = llm, worker, metrics, limits
 
+    def encode_chat(self, raw: bytes, check_model: Callable[[str | None], None]
+                    ) -> tuple[ChatCompletionRequest, list[int]]:
+        """Parse, check and tokenize a chat request (on a worker thread)."""
+        req: ChatCompletionRequest = parse_json(raw, ChatCompletionRequest)
+        check_model(req.model)
+        messages = [m.for_template() for m in req.messages]
+        self.limits.check_chars(sum(len(m["content"]) for m in messages), "messages",
+                                len(messages))
+        try:
+            return req, self.llm.encode_prompt(messages, chat=True)
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e, "messages") from None
+
+    def encode_completion(self, raw: bytes, check_model: Callable[[str | None], None]
+                          ) -> tuple[CompletionRequest, list[int]]:
+        """Parse, check and tokenize a completion request (on a worker thread)."""
+        req: CompletionRequest = parse_json(raw, CompletionRequest)
+        check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            V = self.llm.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < V]
+            if bad:
+                raise APIError(400, f"prompt holds token ids outside [0, {V}): {bad[:8]}",
+                               param="prompt")
+            return req, list(prompt)
+        text = prompt[0] if isinstance(prompt, list) else prompt
+        self.limits.check_chars(len(text), "prompt")
+        try:
+            return req, self.llm.encode_prompt(text)
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e, "prompt") from None
+
     def sampling(self, req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
                  prompt_field: str) -> SamplingParams:
         """The request's SamplingParams, its prompt and limits checked."""
@@ -244,36 +277,6 @@ def add_completion_routes(app: FastAPI, runner: CompletionRunner,
     chat-template rendering and tokenization run on a thread, never on the event loop: a
     large prompt must not stall other streams or /health."""
 
-    def encode_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
-        """Parse and tokenize a chat request (on a worker thread: see prepare)."""
-        req: ChatCompletionRequest = parse_json(raw, ChatCompletionRequest)
-        check_model(req.model)
-        messages = [m.for_template() for m in req.messages]
-        runner.limits.check_chars(sum(len(m["content"]) for m in messages), "messages",
-                           len(messages))
-        try:
-            return req, runner.llm.encode_prompt(messages, chat=True)
-        except (ValueError, TypeError) as e:
-            raise _engine_error(e, "messages") from None
-
-    def encode_completion(raw: bytes) -> tuple[CompletionRequest, list[int]]:
-        req: CompletionRequest = parse_json(raw, CompletionRequest)
-        check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], int):
-            V = runner.llm.model_config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < V]
-            if bad:
-                raise APIError(400, f"prompt holds token ids outside [0, {V}): {bad[:8]}",
-                               param="prompt")
-            return req, list(prompt)
-        text = prompt[0] if isinstance(prompt, list) else prompt
-        runner.limits.check_chars(len(text), "prompt")
-        try:
-            return req, runner.llm.encode_prompt(text)
-        except (ValueError, TypeError) as e:
-            raise _engine_error(e, "prompt") from None
-
     async def prepare(request: Request, encode: Callable[[bytes], Any]) -> Any:
         """JSON parsing, validation, chat-template rendering and tokenization run on a
         thread, never on the event loop: a large prompt must not stall other streams or
@@ -283,7 +286,7 @@ def add_completion_routes(app: FastAPI, runner: CompletionRunner,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req, ids = await prepare(request, encode_chat)
+        req, ids = await prepare(request, lambda raw: runner.encode_chat(raw, check_model))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         sent_role = False
 
@@ -310,7 +313,8 @@ def add_completion_routes(app: FastAPI, runner: CompletionRunner,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req, ids = await prepare(request, encode_completion)
+        req, ids = await prepare(request,
+                                 lambda raw: runner.encode_completion(raw, check_model))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str | None, finish: str | None) -> dict:
