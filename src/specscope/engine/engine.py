@@ -381,8 +381,8 @@ class Engine:
         return self._commit_paths(tree, path, a, bonus, taps[0], tables, n)
 
     def _commit_paths(self, tree: DraftTree, path: torch.Tensor, a: torch.Tensor,
-                      bonus: torch.Tensor, taps: torch.Tensor, tables: torch.Tensor,
-                      n: torch.Tensor) -> _Verdicts:
+                      bonus: torch.Tensor, taps: torch.Tensor, tables: torch.Tensor | None,
+                      n: torch.Tensor | None) -> _Verdicts:
         """Move every accepted path into place (a chain's nodes already are) and gather
         the path's taps [S, k + 1, n_taps] and the emitted tokens. taps [S * N, n_taps]."""
         S, N, k = tree.tokens.shape[0], tree.size, self.spec.num_steps
@@ -462,8 +462,11 @@ class Engine:
         logits = self.model.compute_logits(hidden).view(S, N, -1)
         path, a, bonus = self._accept(seqs, tree, logits)
         self._mark(Phase.KV_COMMIT)
-        n = upload([s.num_computed for s in seqs], torch.long, self.device)
-        return self._commit_paths(tree, path, a, bonus, taps, self._tables(seqs, 0), n)
+        tables = n = None  # a chain's accepted nodes already sit in place: nothing to upload
+        if not tree.chain:
+            tables = self._tables(seqs, 0)
+            n = upload([s.num_computed for s in seqs], torch.long, self.device)
+        return self._commit_paths(tree, path, a, bonus, taps, tables, n)
 
     def _accept(self, seqs: list[Sequence], tree: DraftTree, logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -477,7 +480,9 @@ class Engine:
             end = path.gather(1, a[:, None])[:, 0]
             for r, seq in enumerate(seqs):
                 if not seq.params.greedy:
-                    p = processed_logits(logits[r, end[r]][None], seq.params).softmax(-1)[0]
+                    # index_select: indexing by a 0-d device tensor reads it to the host
+                    row = logits[r].index_select(0, end[r:r + 1])  # [1, V]
+                    p = processed_logits(row, seq.params).softmax(-1)[0]
                     race = torch.empty_like(p).exponential_(generator=seq.generator)
                     bonus[r] = (p / race.clamp_min_(torch.finfo(p.dtype).tiny)).argmax(-1)
             return path, a, bonus

@@ -242,12 +242,10 @@ class _Sampling(BaseModel):
     prompt_cache_options: Any = None
     moderation: Any = None
 
-    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "logit_bias", "min_p", "min_tokens", "response_format", "top_logprobs",
-                     "best_of", "store", "service_tier", "prompt_cache_retention",
-                     "prompt_cache_options", "moderation", mode="before")
+    # Every _NOT_YET field, declared here or on the chat or completion request.
+    @field_validator(*_NOT_YET, mode="before", check_fields=False)
     @classmethod
-    def _sampling_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
+    def _not_yet(cls, v: Any, info: ValidationInfo) -> Any:
         return _no_op_only(info.field_name, v)
 
     @field_validator("stop_token_ids")
@@ -287,13 +285,6 @@ class ChatCompletionRequest(_Sampling):
     verbosity: Any = None
     web_search_options: Any = None
 
-    @field_validator("tools", "tool_choice", "parallel_tool_calls", "functions",
-                     "function_call", "modalities", "audio", "prediction", "reasoning_effort",
-                     "verbosity", "web_search_options", mode="before")
-    @classmethod
-    def _chat_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
-        return _no_op_only(info.field_name, v)
-
     @field_validator("logprobs")
     @classmethod
     def _chat_logprobs(cls, v: bool | None) -> bool | None:
@@ -313,11 +304,6 @@ class CompletionRequest(_Sampling):
     logprobs: StrictInt | None = None  # refused when set (_completion_logprobs)
     echo: Any = None
     suffix: Any = None
-
-    @field_validator("echo", "suffix", mode="before")
-    @classmethod
-    def _completion_not_yet(cls, v: Any, info: ValidationInfo) -> Any:
-        return _no_op_only(info.field_name, v)
 
     @field_validator("logprobs")
     @classmethod
