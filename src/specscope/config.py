@@ -38,6 +38,57 @@ def normalize_dtype(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A Mixture-of-Experts MLP: which layers are sparse and how tokens are routed.
+
+    Routing: scores = softmax or sigmoid of the router logits; with n_group > 1 the experts
+    are split into n_group groups and only the topk_group best groups (by the sum of their
+    two best scores, DeepSeek-V3) are eligible; the top_k eligible experts are picked (by
+    score plus the correction bias when there is one) and weighted by their scores,
+    renormalised over the k when norm_topk_prob, times routed_scaling_factor.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int  # one routed expert's MLP width
+    sparse_layers: tuple[bool, ...]  # per decoder layer: MoE (True) or a dense MLP
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0  # the shared expert MLP's whole width
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"model config: num_experts_per_tok ({self.top_k}) must be in "
+                             f"1..num_experts ({self.num_experts})")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"model config: unsupported router scoring {self.scoring!r} "
+                             f"(field scoring_func); supported: softmax, sigmoid")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"model config: n_group ({self.n_group}) must divide n_routed_"
+                             f"experts ({self.num_experts}) and topk_group "
+                             f"({self.topk_group}) be in 1..n_group")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): queries through an optional
+    low-rank q_lora_rank, keys and values from one compressed latent of kv_lora_rank plus a
+    shared rope key of qk_rope_head_dim."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The architecture of a target model, parsed from a HF ``config.json``."""
 
@@ -64,6 +115,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # Set by the MoE and MLA families (models/moe.py, models/deepseek.py); None: dense.
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -83,7 +137,9 @@ class ModelConfig:
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], name: str = "") -> ModelConfig:
-        """Build from a HF config dict; unsupported architectures fail listing the supported."""
+        """A dense Llama-family config from a HF config dict (targets, and drafts' decoder
+        layers); unsupported architectures fail listing the supported. Targets of every
+        family load through models/registry.py, which calls this for the dense ones."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -92,36 +148,9 @@ class ModelConfig:
                 f"unsupported architecture {found} in {name or 'config.json'}; specscope "
                 f"supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
         family = SUPPORTED_ARCHITECTURES[arch]
-        if "text_config" in cfg and "hidden_size" not in cfg:
-            cfg = {**cfg["text_config"], "architectures": archs}
-
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise ValueError(f"config.json of {name or 'model'} lacks required field {key!r}")
-            return cfg[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = cfg.get("head_dim") or hidden // heads
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and isinstance(cfg.get("rope_parameters"), dict):
-            # transformers >= 5 writes rope_parameters = {rope_type, rope_theta, ...}
-            rp = cfg["rope_parameters"]
-            rope_scaling = rp if rp.get("rope_type", "default") != "default" else None
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            rope_theta = cfg["rope_parameters"].get("rope_theta")
-        if rope_scaling is not None:
-            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
-            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rtype == "default":
-                rope_scaling = None
-            elif rtype not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"{name or 'config.json'}: unsupported rope_scaling type "
-                                 f"{rtype!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        cfg = text_config(cfg)
+        common = hf_common_fields(cfg, name)
         attn_bias = bool(cfg.get("attention_bias", False))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window")
         if family == "qwen2" or family == "qwen3":
             # Qwen configs carry sliding_window but only use it with use_sliding_window.
@@ -129,28 +158,15 @@ class ModelConfig:
         return ModelConfig(
             architecture=arch,
             family=family,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            intermediate_size=int(hf_need(cfg, "intermediate_size", name)),
             # HF: Llama and Qwen3 put attention_bias on q/k/v/o; Qwen2 always biases q/k/v
             # and never o; Mistral never biases (it ignores attention_bias).
             qkv_bias=family == "qwen2" or (family in ("llama", "qwen3") and attn_bias),
             o_bias=family in ("llama", "qwen3") and attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
-            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             sliding_window=int(sliding) if sliding else None,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=name,
+            **common,
         )
 
     def weight_bytes(self, bytes_per_param: int) -> int:
@@ -160,6 +176,72 @@ class ModelConfig:
         mlp = 3 * h * i
         per_layer = attn + mlp + 2 * h
         return (self.num_layers * per_layer + self.vocab_size * h + h) * bytes_per_param
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a multimodal wrapper (`text_config`), else cfg."""
+    if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
+        return {**cfg["text_config"], "architectures": cfg.get("architectures") or []}
+    return cfg
+
+
+def hf_need(cfg: dict[str, Any], key: str, name: str = "") -> Any:
+    """A required field of a HF config, or an error naming it."""
+    if cfg.get(key) is None:
+        raise ValueError(f"config.json of {name or 'model'} lacks required field {key!r}")
+    return cfg[key]
+
+
+def hf_rope(cfg: dict[str, Any], name: str = "",
+            supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
+            ) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from either HF spelling; an unsupported rope type
+    fails naming it."""
+    rope_scaling = cfg.get("rope_scaling")
+    params = cfg.get("rope_parameters")
+    if rope_scaling is None and isinstance(params, dict):
+        # transformers >= 5 writes rope_parameters = {rope_type, rope_theta, ...}
+        rope_scaling = params if params.get("rope_type", "default") != "default" else None
+    rope_theta = cfg.get("rope_theta")
+    if rope_theta is None and isinstance(params, dict):
+        rope_theta = params.get("rope_theta")
+    if rope_scaling is not None:
+        rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+        rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rtype == "default":
+            rope_scaling = None
+        elif rtype not in supported:
+            raise ValueError(f"{name or 'config.json'}: unsupported rope_scaling type "
+                             f"{rtype!r} (field rope_scaling.rope_type); supported: "
+                             f"{', '.join(supported)}")
+    return float(rope_theta if rope_theta is not None else 10000.0), rope_scaling
+
+
+def hf_common_fields(cfg: dict[str, Any], name: str = "",
+                     rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way from a HF config."""
+    hidden = int(hf_need(cfg, "hidden_size", name))
+    heads = int(hf_need(cfg, "num_attention_heads", name))
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope_theta, rope_scaling = hf_rope(cfg, name, rope_types)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return dict(
+        vocab_size=int(hf_need(cfg, "vocab_size", name)),
+        hidden_size=hidden,
+        num_layers=int(hf_need(cfg, "num_hidden_layers", name)),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        name=name,
+    )
 
 
 @dataclass(frozen=True)

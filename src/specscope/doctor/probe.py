@@ -28,7 +28,7 @@ import torch
 
 from specscope.config import SamplingParams
 from specscope.draft.eagle3 import OUTPUT_OF_LAYER, Eagle3Draft, default_layer_ids
-from specscope.models.llama import CausalLM
+from specscope.models.registry import TargetModel
 from specscope.train.regenerate import BatchGenerator
 from specscope.train.ttt import TTTBatch, acceptance, predicted_accept_length, ttt_loss
 
@@ -68,7 +68,7 @@ class ProbeData:
 
 
 @torch.inference_mode()
-def target_probe_data(target: CausalLM, prompts: list[list[int]], max_new_tokens: int = 64,
+def target_probe_data(target: TargetModel, prompts: list[list[int]], max_new_tokens: int = 64,
                       answers: list[list[int]] | None = None) -> ProbeData:
     """Greedy answers of the target to `prompts`, and its activations over them.
 
@@ -85,7 +85,7 @@ def target_probe_data(target: CausalLM, prompts: list[list[int]], max_new_tokens
         raise ValueError(f"{len(answers)} answers for {len(prompts)} prompts")
     seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
     T = max(len(s) for s in seqs)
-    dev = target.model.embed_tokens.weight.device
+    dev = target.device
     ids = torch.zeros(len(seqs), T, dtype=torch.int64)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)
     for b, (p, s) in enumerate(zip(prompts, seqs, strict=True)):

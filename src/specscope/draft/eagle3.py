@@ -39,13 +39,13 @@ from specscope.kvcache.paged import BatchMeta, PagedKV
 from specscope.models.llama import (
     MLP,
     Attention,
-    CausalLM,
     DecoderLayer,
     ForwardContext,
     RMSNorm,
     decoder_layer_layout,
     forward_context,
 )
+from specscope.models.registry import TargetModel
 from specscope.models.rope import rope_tables
 
 OUTPUT_OF_LAYER = "output-of-layer"
@@ -195,7 +195,7 @@ class Eagle3Draft(nn.Module):
 
     # -- wiring -----------------------------------------------------------------------------
 
-    def attach_target(self, target: CausalLM) -> None:
+    def attach_target(self, target: TargetModel) -> None:
         """Borrow the target's embedding (unless the draft has its own) and lm_head (when the
         draft has none), after checking that the draft was built for this target."""
         cfg, tc = self.config, target.config
@@ -211,7 +211,7 @@ class Eagle3Draft(nn.Module):
             raise ValueError("draft does not fit this target: " + "; ".join(errors))
         # detach(): the same storage as a plain tensor (a Parameter would be registered).
         self._target_embed = None if cfg.own_embed_tokens else \
-            target.model.embed_tokens.weight.detach()
+            target.embed_tokens.weight.detach()
         self._target_head = None if cfg.has_lm_head else target.lm_head.weight.detach()
 
     def init_rope(self, max_len: int) -> None:

@@ -98,8 +98,7 @@ class BatchGraphs:
                                  device=device)
         self.dtables = torch.full((B, max_blocks), draft_scratch, dtype=torch.long,
                                   device=device)
-        self.taps = torch.zeros(B, tap_width, dtype=model.model.embed_tokens.weight.dtype,
-                                device=device)
+        self.taps = torch.zeros(B, tap_width, dtype=model.dtype, device=device)
         self.cap = Capturer(device, capture)
         self.graphs: dict[int, tuple[Callable, list]] = {}
 

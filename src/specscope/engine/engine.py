@@ -34,7 +34,6 @@ from specscope.engine.sequence import Sequence, SpecState
 from specscope.kvcache.block_pool import BlockPool
 from specscope.kvcache.paged import (
     BatchMeta,
-    PagedKV,
     accepted_path_slots,
     block_tables,
     tree_meta,
@@ -120,15 +119,14 @@ class Engine:
             raise ValueError("speculative decoding needs both a draft and its SpecConfig")
         if policy is not None and spec is None:
             raise ValueError("a speculation policy needs a draft and its SpecConfig")
-        mc = model.config
-        dev = model.model.embed_tokens.weight.device
-        dtype = model.model.embed_tokens.weight.dtype
+        dev = model.device
+        dtype = model.dtype
         self.model, self.config, self.device, self.dtype = model, config, dev, dtype
         self.eos = eos_token_ids
         bs, nb = config.block_size, config.num_blocks
         self.pool = BlockPool(nb, bs, config.enable_prefix_caching)
         # One block past the pool's: the scratch block CUDA-graph padding rows write into.
-        self.kv = PagedKV(mc.num_layers, nb + 1, bs, mc.num_kv_heads, mc.head_dim, dtype, dev)
+        self.kv = model.paged_kv(nb + 1, bs, dtype, dev)
         pools = [Pool(self.pool)]
         # spec: the configuration of the step being run (a policy picks one per step by
         # batch size; None: plain steps, the draft still kept up to date).

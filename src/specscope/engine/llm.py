@@ -48,9 +48,9 @@ from specscope.engine.tokenizer import (
     validate_messages,
 )
 from specscope.kvcache.budget import KVLayout, activation_bytes, kv_budget
-from specscope.models.llama import CausalLM
 from specscope.models.loader import load_model
 from specscope.models.packed import pack_linears
+from specscope.models.registry import TargetModel
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import make_generator
 
@@ -202,7 +202,7 @@ class LLM:
             self.enable_profiling(True, interval if interval is not None else 100)
 
     @classmethod
-    def from_model(cls, model: CausalLM, *, tokenizer: Tokenizer | IdTokenizer | None = None,
+    def from_model(cls, model: TargetModel, *, tokenizer: Tokenizer | IdTokenizer | None = None,
                    spec: SpecConfig | None = None, spec_policy: SpecPolicy | None = None,
                    name: str = "in-memory", **engine: Any) -> LLM:
         """An engine around an already built model (e.g. random weights of a real shape for
@@ -217,7 +217,7 @@ class LLM:
         self._profile_from_env(None, None)
         return self
 
-    def _setup(self, model: CausalLM, config: ModelConfig, path, name: str, tokenizer,
+    def _setup(self, model: TargetModel, config: ModelConfig, path, name: str, tokenizer,
                spec: SpecConfig | None, policy: SpecPolicy | None = None) -> None:
         self.model_config = config
         self.model_path = path
@@ -291,7 +291,7 @@ class LLM:
     def _build_engine(self, draft: Eagle3Draft | None, spec: SpecConfig | None,
                       policy: SpecPolicy | None) -> Engine:
         ec, mc = self.engine_config, self.model_config
-        layouts = [KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)]
+        layouts = [self.model.kv_layout(self.dtype)]
         if draft is not None:
             dc = draft.config
             layouts.append(KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype))

@@ -11,7 +11,7 @@ import torch
 from specscope.config import SpecConfig
 from specscope.draft.eagle3 import Eagle3Draft, random_draft
 from specscope.draft.loader import load_draft
-from specscope.models.llama import CausalLM
+from specscope.models.registry import TargetModel
 
 log = logging.getLogger("specscope.spec")
 
@@ -60,7 +60,7 @@ def acceptance_by_position(accepted: list[int], depth: int) -> tuple[list[float]
     return cond, per
 
 
-def load_spec_draft(spec: SpecConfig, target: CausalLM, dtype: torch.dtype,
+def load_spec_draft(spec: SpecConfig, target: TargetModel, dtype: torch.dtype,
                     device: torch.device) -> tuple[Eagle3Draft, str]:
     """The draft named by spec.draft: a checkpoint directory, or "random" (an EAGLE-3-shaped
     random-weight draft for the target, for benchmarking with simulated acceptance)."""

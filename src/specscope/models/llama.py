@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specscope.config import ModelConfig
+from specscope.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specscope.kvcache import KVCache, attention, causal_mask, write_kv
 from specscope.kvcache.attention import fold_mask
+from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend
+from specscope.models.registry import Family
 from specscope.models.rope import apply_rope, rope_tables
 
 
@@ -138,12 +140,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU MLP with gate and up fused into one matmul (width: cfg's, or `intermediate`)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
-                                      bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate = i = intermediate or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -151,12 +154,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Pre-norm attention then MLP, each added to the residual stream. A family passes its
+    own attention or MLP module (MoE, MLA): anything with the same call signature."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attn if attn is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -167,25 +174,67 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """HF's `model.` prefix: embeddings, decoder layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """A decoder-only target model. See the module docstring for the family it covers."""
+    """A decoder-only target model (models/registry.py's TargetModel). See the module
+    docstring for the family it covers; other families subclass it, replacing a layer's
+    attention or MLP (`attention_for`, `mlp_for`) and their checkpoint names
+    (`layer_layout`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, [DecoderLayer(cfg, self.attention_for(i), self.mlp_for(i))
+                                    for i in range(cfg.num_layers)])
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tap_layer_ids: tuple[int, ...] = ()
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attention_for(self, layer: int) -> nn.Module:
+        """Decoder layer `layer`'s attention module."""
+        return Attention(self.config)
+
+    def mlp_for(self, layer: int) -> nn.Module:
+        """Decoder layer `layer`'s MLP module."""
+        return MLP(self.config)
+
+    # -- what the engine, the draft and the trainer use -------------------------------------
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """What the paged cache stores per token: K and V of every KV head, every layer."""
+        cfg = self.config
+        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    def paged_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> PagedKV:
+        """The paged cache this model attends over, in its layout."""
+        cfg = self.config
+        return PagedKV(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                       cfg.head_dim, dtype, device)
 
     # -- configuration --------------------------------------------------------------------
 
@@ -205,9 +254,15 @@ class CausalLM(nn.Module):
         cfg = self.config
         dev = self.model.embed_tokens.weight.device
         dtype = self.model.embed_tokens.weight.dtype
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, max_len, dev)
+        cos, sin = rope_tables(self.rope_dim, cfg.rope_theta, cfg.rope_scaling_dict, max_len,
+                               dev)
         # HF casts cos/sin to the activation dtype before rotating; so do we.
         self._rope = (cos.to(dtype), sin.to(dtype))
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated width of a query/key head."""
+        return self.config.head_dim
 
     def ensure_rope(self, length: int) -> None:
         """Rope tables covering positions [0, length) at least (rebuilt only if shorter)."""
@@ -261,14 +316,13 @@ class CausalLM(nn.Module):
     # -- checkpoint mapping ---------------------------------------------------------------
 
     def checkpoint_layout(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-        """HF tensor name -> (our parameter name, first row in it, expected HF shape).
+        """HF tensor name -> (our parameter name, where it lands, expected HF shape).
 
         q/k/v land in rows of qkv_proj and gate/up in rows of gate_up_proj; every other
-        tensor maps one-to-one (row 0, full shape).
+        tensor maps one-to-one (row 0, full shape). See registry.Placement.
         """
         cfg = self.config
-        h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        h = cfg.hidden_size
         out: dict[str, tuple[str, int, tuple[int, ...]]] = {
             "model.embed_tokens.weight": ("model.embed_tokens.weight", 0, (cfg.vocab_size, h)),
             "model.norm.weight": ("model.norm.weight", 0, (h,)),
@@ -276,11 +330,18 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = ("lm_head.weight", 0, (cfg.vocab_size, h))
         for n in range(cfg.num_layers):
-            out.update(decoder_layer_layout(
-                f"model.layers.{n}.", hidden=h, in_width=h, q=q, kv=kv, head_dim=d,
-                intermediate=i, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
-                qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias))
+            out.update(self.layer_layout(n))
         return out
+
+    def layer_layout(self, n: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+        """Checkpoint layout of decoder layer n."""
+        cfg = self.config
+        d = cfg.head_dim
+        return decoder_layer_layout(
+            f"model.layers.{n}.", hidden=cfg.hidden_size, in_width=cfg.hidden_size,
+            q=cfg.num_heads * d, kv=cfg.num_kv_heads * d, head_dim=d,
+            intermediate=cfg.intermediate_size, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+            qk_norm=cfg.qk_norm, mlp_bias=cfg.mlp_bias)
 
 
 def decoder_layer_layout(p: str, *, hidden: int, in_width: int, q: int, kv: int,
@@ -307,11 +368,28 @@ def decoder_layer_layout(p: str, *, hidden: int, in_width: int, q: int, kv: int,
     if qk_norm:
         out[a + "q_norm.weight"] = (a + "q_norm.weight", 0, (head_dim,))
         out[a + "k_norm.weight"] = (a + "k_norm.weight", 0, (head_dim,))
-    out[m + "gate_proj.weight"] = (m + "gate_up_proj.weight", 0, (i, h))
-    out[m + "up_proj.weight"] = (m + "gate_up_proj.weight", i, (i, h))
-    out[m + "down_proj.weight"] = (m + "down_proj.weight", 0, (h, i))
-    if mlp_bias:
-        out[m + "gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
-        out[m + "up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
-        out[m + "down_proj.bias"] = (m + "down_proj.bias", 0, (h,))
+    out.update(mlp_layout(m, hidden=h, intermediate=i, bias=mlp_bias))
     return out
+
+
+def mlp_layout(m: str, *, hidden: int, intermediate: int, bias: bool = False,
+               hf: str | None = None) -> dict[str, tuple[str, int, tuple]]:
+    """A gated MLP's checkpoint layout: HF's gate/up/down under `hf` (default m) onto our
+    fused gate_up_proj and down_proj under m."""
+    h, i, src = hidden, intermediate, hf if hf is not None else m
+    out: dict[str, tuple[str, int, tuple]] = {
+        src + "gate_proj.weight": (m + "gate_up_proj.weight", 0, (i, h)),
+        src + "up_proj.weight": (m + "gate_up_proj.weight", i, (i, h)),
+        src + "down_proj.weight": (m + "down_proj.weight", 0, (h, i)),
+    }
+    if bias:
+        out[src + "gate_proj.bias"] = (m + "gate_up_proj.bias", 0, (i,))
+        out[src + "up_proj.bias"] = (m + "gate_up_proj.bias", i, (i,))
+        out[src + "down_proj.bias"] = (m + "down_proj.bias", 0, (h,))
+    return out
+
+
+FAMILIES = (Family("llama", tuple(SUPPORTED_ARCHITECTURES),
+                   {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"},
+                   ModelConfig.from_hf, CausalLM),)

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from specscope.config import ModelConfig
-from specscope.models.llama import CausalLM
+from specscope.models.registry import TargetModel, build_model, config_from_hf
 from specscope.models.safetensors_check import check_safetensors
 
 log = logging.getLogger("specscope.loader")
@@ -30,7 +30,7 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", 
 
 @dataclass
 class LoadedModel:
-    model: CausalLM
+    model: TargetModel
     config: ModelConfig
     path: Path  # HF-style directory holding config.json, weights and tokenizer files
     source: str  # what the user asked for
@@ -114,7 +114,7 @@ def read_config(model_dir: Path) -> ModelConfig:
             base = raw.get("eos_token_id")
             base = base if isinstance(base, list) else ([] if base is None else [base])
             raw["eos_token_id"] = list(dict.fromkeys([*base, *extra]))
-    return ModelConfig.from_hf(raw, name=str(model_dir))
+    return config_from_hf(raw, name=str(model_dir))
 
 
 def weight_files(model_dir: Path, label: str = "model checkpoint") -> dict[str, Path]:
@@ -168,7 +168,7 @@ def name_list(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def load_weights(model: CausalLM, files: dict[str, Path]) -> None:
+def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
     """Copy checkpoint tensors into `model` (already allocated), checking names and shapes."""
     layout = model.checkpoint_layout()
     present = set(files)
@@ -201,6 +201,8 @@ def load_weights(model: CausalLM, files: dict[str, Path]) -> None:
                         bad_shapes.append(f"{name} has shape {list(shape)}, expected {list(want)}")
                         continue
                     dst = params[target]
+                    if isinstance(row, tuple):  # leading indices (an expert), then the row
+                        dst, row = dst[row[:-1]], row[-1]
                     dst[row:row + shape[0]].copy_(f.get_tensor(name))
     if bad_shapes:
         raise ValueError(f"checkpoint tensor shapes do not fit {model.config.architecture}: "
@@ -228,11 +230,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
     model_dir = resolve_model_dir(model, cache_dir)
     cfg = read_config(model_dir)
     files = weight_files(model_dir)
-    with torch.device("meta"):
-        m = CausalLM(cfg)
-    m = m.to(dtype=dtype).to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty may untie; re-tie before loading
-        m.lm_head.weight = m.model.embed_tokens.weight
+    m = allocate(cfg, dtype, device)
     load_weights(m, files)
     if quantization == "int4-gguf":
         from specscope.models.quant import quantize_from_gguf
@@ -249,15 +247,22 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
                        source=str(model) if model is not None else "default")
 
 
+def allocate(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> TargetModel:
+    """cfg's family's module with uninitialised weights of `dtype` on `device` (built on the
+    meta device first, so nothing is allocated twice)."""
+    with torch.device("meta"):
+        m = build_model(cfg)
+    m = m.to(dtype=dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty may untie; re-tie
+        m.lm_head.weight = m.embed_tokens.weight
+    return m
+
+
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-                 seed: int = 0) -> CausalLM:
+                 seed: int = 0) -> TargetModel:
     """A random-weight model of a real shape, built on the device (for benchmarks)."""
     torch.manual_seed(seed)
-    with torch.device("meta"):
-        m = CausalLM(cfg)
-    m = m.to(dtype=dtype).to_empty(device=device)
-    if cfg.tie_word_embeddings:
-        m.lm_head.weight = m.model.embed_tokens.weight
+    m = allocate(cfg, dtype, device)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name:

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 from specscope.engine.tokenizer import Tokenizer
-from specscope.models.llama import CausalLM
+from specscope.models.registry import TargetModel
 from specscope.train.config import TrainConfig
 from specscope.train.parallel import Ranks, barrier, shard
 from specscope.train.regenerate import read_regenerated, regenerate
@@ -19,7 +19,7 @@ from specscope.train.self_prompts import read_prompts, self_prompts, write_promp
 log = logging.getLogger("specscope.train")
 
 
-def _self_prompts_file(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, path: Path,
+def _self_prompts_file(target: TargetModel, tokenizer: Tokenizer, cfg: TrainConfig, path: Path,
                        openers: list[str] | None, n: int, seed: int) -> list[str]:
     """`n` self-written prompts: read back when a whole file of them exists (a resumed
     run must see the same data), else sampled from the target and written atomically."""
@@ -48,7 +48,7 @@ def _rank_seed(cfg: TrainConfig, ranks: Ranks) -> int:
     return cfg.seed + 100_003 * ranks.rank
 
 
-def run_self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, out: Path,
+def run_self_prompts(target: TargetModel, tokenizer: Tokenizer, cfg: TrainConfig, out: Path,
                      openers: list[str] | None, ranks: Ranks) -> list[str]:
     """The run's self-written prompts. Data-parallel, each rank writes its share (its own
     seed and file) and all ranks read every share back, in rank order, without duplicates."""
@@ -69,7 +69,7 @@ def run_self_prompts(target: CausalLM, tokenizer: Tokenizer, cfg: TrainConfig, o
     return prompts
 
 
-def run_regenerate(target: CausalLM, tokenizer: Tokenizer, convs: list, cfg: TrainConfig,
+def run_regenerate(target: TargetModel, tokenizer: Tokenizer, convs: list, cfg: TrainConfig,
                    out: Path, ranks: Ranks) -> list:
     """The conversations answered by the target. Data-parallel, rank r answers conversations
     r, r + world, … into its own resumable file; all ranks then read every file back and

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from specscope.draft.eagle3 import Eagle3Draft
-from specscope.models.llama import CausalLM
+from specscope.models.registry import TargetModel
 from specscope.train.config import TrainConfig
 from specscope.train.data import Example, token_batches
 from specscope.train.tap_cache import target_batch
@@ -21,7 +21,7 @@ from specscope.train.ttt import (
 )
 
 
-def evaluate(draft: Eagle3Draft, target: CausalLM, examples: list[Example],
+def evaluate(draft: Eagle3Draft, target: TargetModel, examples: list[Example],
              cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     """Held-out loss, top-1 agreement and acceptance by position (engine definitions)."""
     if not examples:

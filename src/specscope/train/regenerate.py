@@ -27,7 +27,7 @@ import torch
 from specscope.config import SamplingParams
 from specscope.engine.engine import BatchConfig, Engine
 from specscope.engine.sequence import Sequence
-from specscope.models.llama import CausalLM
+from specscope.models.registry import TargetModel
 from specscope.sampling import make_generator
 from specscope.train.data import Messages
 
@@ -40,9 +40,9 @@ class BatchGenerator:
     continued until an EOS id or max_new_tokens. Prompts sharing a prefix (a system prompt)
     prefill it once, through the prefix cache."""
 
-    def __init__(self, model: CausalLM, batch: int, capacity: int, *,
+    def __init__(self, model: TargetModel, batch: int, capacity: int, *,
                  graphs: bool | None = None) -> None:
-        dev = model.model.embed_tokens.weight.device
+        dev = model.device
         bs = 16
         self.batch, self.capacity, self.device = batch, capacity, dev
         cfg = BatchConfig(num_blocks=batch * -(-(capacity + 1) // bs) + 1, block_size=bs,
@@ -78,7 +78,7 @@ class BatchGenerator:
                 else s.output_ids for s in seqs]
 
 
-def generate_batch(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
+def generate_batch(model: TargetModel, prompts: list[list[int]], max_new_tokens: int,
                    params: SamplingParams, eos_ids: frozenset[int] | set[int],
                    generator: torch.Generator | None) -> list[list[int]]:
     """One-off batched generation (a BatchGenerator sized to these prompts)."""
@@ -117,7 +117,7 @@ def _user_rounds(conv: Messages) -> tuple[list[dict[str, Any]], int]:
     return kept, sum(1 for m in kept if m["role"] == "user")
 
 
-def regenerate(model: CausalLM, tokenizer: Any, conversations: list[Messages], out_path: Path,
+def regenerate(model: TargetModel, tokenizer: Any, conversations: list[Messages], out_path: Path,
                *, batch_size: int = 64, max_new_tokens: int = 512, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, max_prompt_len: int = 2048,
                chunk: int | None = None, progress: bool = True) -> list[Messages]:
@@ -133,7 +133,7 @@ def regenerate(model: CausalLM, tokenizer: Any, conversations: list[Messages], o
         log.info("regenerate: resuming, %d of %d conversations already in %s", len(done),
                  len(conversations), out_path)
     chunk = chunk or batch_size * 8
-    dev = model.model.embed_tokens.weight.device
+    dev = model.device
     todo_all = list(range(len(conversations)))
     generator: BatchGenerator | None = None  # built on first use: one cache for all batches
     skipped = 0

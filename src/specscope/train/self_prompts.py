@@ -28,7 +28,7 @@ from typing import Any
 
 from specscope.bench.datasets import jsonl_objects
 from specscope.config import SamplingParams
-from specscope.models.llama import CausalLM
+from specscope.models.registry import TargetModel
 from specscope.sampling import make_generator
 from specscope.train.regenerate import BatchGenerator
 
@@ -54,7 +54,7 @@ def _key(text: str) -> str:
     return re.sub(r"\s+", " ", text.lower()).strip()[:80]
 
 
-def self_prompts(model: CausalLM, tokenizer: Any, n: int, *, temperature: float = 0.9,
+def self_prompts(model: TargetModel, tokenizer: Any, n: int, *, temperature: float = 0.9,
                  top_p: float = 0.95, max_new_tokens: int = 160, batch_size: int = 256,
                  seed: int = 0, min_chars: int = 16, max_chars: int = 1500,
                  openers: list[str] | None = None, progress: bool = True) -> list[str]:
@@ -73,7 +73,7 @@ def self_prompts(model: CausalLM, tokenizer: Any, n: int, *, temperature: float 
         raise ValueError("the tokenizer has no end-of-turn token; self-prompting cannot tell "
                          "a finished request from a cut one")
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens)
-    dev = model.model.embed_tokens.weight.device
+    dev = model.device
     # The opener's tokens as the template would tokenise them after the user header.
     starts = [list(tokenizer.hf(o, add_special_tokens=False)["input_ids"]) for o in openers] \
         or [[]]

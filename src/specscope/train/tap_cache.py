@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specscope.models.llama import CausalLM
+from specscope.models.registry import TargetModel
 from specscope.train.data import Example, collate
 from specscope.train.ttt import TTTBatch
 
@@ -53,7 +53,7 @@ class TapCache:
         os.replace(tmp, p)
 
 
-def target_batch(target: CausalLM, examples: list[Example], draft_ids: torch.Tensor,
+def target_batch(target: TargetModel, examples: list[Example], draft_ids: torch.Tensor,
                  device: torch.device, indices: list[int] | None = None,
                  cache: TapCache | None = None) -> TTTBatch:
     """Run the target over a padded batch (or read it from the tap cache): taps, its

@@ -37,8 +37,8 @@ from specscope.draft.loader import load_draft
 from specscope.draft.vocab import frequent_vocab, vocab_coverage, vocab_maps
 from specscope.engine.llm import resolve_device
 from specscope.engine.tokenizer import Tokenizer
-from specscope.models.llama import CausalLM
 from specscope.models.loader import load_model
+from specscope.models.registry import TargetModel
 from specscope.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -81,7 +81,7 @@ from specscope.train.ttt import (
 log = logging.getLogger("specscope.train")
 
 
-def new_draft(target: CausalLM, layer_ids: tuple[int, ...], vocab_ids: torch.Tensor,
+def new_draft(target: TargetModel, layer_ids: tuple[int, ...], vocab_ids: torch.Tensor,
               num_layers: int, seed: int) -> Eagle3Draft:
     """A fresh draft for `target`: decoder weights N(0, 0.02), norms 1, lm_head = the
     target's lm_head rows of the draft vocabulary, final norm = the target's (a draft that
@@ -99,7 +99,7 @@ def new_draft(target: CausalLM, layer_ids: tuple[int, ...], vocab_ids: torch.Ten
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
         draft.lm_head.weight.copy_(target.lm_head.weight.detach()[vocab_ids].float().cpu())
-        draft.norm.weight.copy_(target.model.norm.weight.detach().float().cpu())
+        draft.norm.weight.copy_(target.final_norm.weight.detach().float().cpu())
     return draft.requires_grad_(True).train()
 
 
