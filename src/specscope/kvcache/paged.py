@@ -88,6 +88,9 @@ class PagedKV:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        # The block CUDA-graph padding rows write (the engine sets it): its tokens are not
+        # counted in per-token statistics (models/llama.py ForwardContext.live_tokens).
+        self.scratch_block: int | None = None
 
     @property
     def nbytes(self) -> int:
