@@ -170,8 +170,8 @@ def name_list(names: list[str], limit: int = 12) -> str:
 
 def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
     """Copy checkpoint tensors into `model` (already allocated), checking names and shapes."""
-    layout = model.checkpoint_layout()
     present = set(files)
+    layout = model.checkpoint_layout_for(present)
     tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
     ignored = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
     if tied_head:  # tied models sometimes still save the (identical) head; HF ignores it
