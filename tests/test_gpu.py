@@ -82,19 +82,19 @@ def test_cuda_decode_step_has_no_host_sync_but_its_read():
     reads = []
     real = Engine._read
 
-    def read(sampled, verdicts):
+    def read(self, sampled, verdicts):
         torch.cuda.set_sync_debug_mode("default")
         reads.append(1)
-        return real(sampled, verdicts)
+        return real(self, sampled, verdicts)
 
-    Engine._read = staticmethod(read)
+    Engine._read = read
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         llm.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        Engine._read = staticmethod(real)
+        Engine._read = real
     assert reads == [1]
 
 
@@ -276,21 +276,21 @@ def test_cuda_spec_graph_step_has_no_host_sync_but_its_read():
     calls, reads = [], []
     real_read, real_graph = Engine._read, Engine._graph_spec
 
-    def read(sampled, verdicts):
+    def read(self, sampled, verdicts):
         torch.cuda.set_sync_debug_mode("default")
         reads.append(1)
-        return real_read(sampled, verdicts)
+        return real_read(self, sampled, verdicts)
 
     def graph(self, items):
         calls.append(1)
         return real_graph(self, items)
 
-    Engine._read, Engine._graph_spec = staticmethod(read), graph
+    Engine._read, Engine._graph_spec = read, graph
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         llm.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        Engine._read, Engine._graph_spec = staticmethod(real_read), real_graph
+        Engine._read, Engine._graph_spec = real_read, real_graph
     assert reads == [1] and calls == [1]

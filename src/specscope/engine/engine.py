@@ -17,7 +17,8 @@
    taps become the next extend's pending pairs.
 
 The step's one device->host read is `_read`: the sampled tokens, the accepted lengths and
-the emitted tokens, in one tensor. Everything per request lives in its `Sequence`.
+the emitted tokens, in one tensor (with a MoE target, also each MoE layer's count of distinct
+experts the forward activated). Everything per request lives in its `Sequence`.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class StepStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     verify_tokens: int = 0
+    # MoE targets: distinct experts the step's target forward activated, mean over the MoE
+    # layers (read with the step's one device->host read); None for a dense target.
+    experts_active: float | None = None
 
 
 @dataclass
@@ -127,6 +131,9 @@ class Engine:
         self.pool = BlockPool(nb, bs, config.enable_prefix_caching)
         # One block past the pool's: the scratch block CUDA-graph padding rows write into.
         self.kv = model.paged_kv(nb + 1, bs, dtype, dev)
+        self.kv.scratch_block = nb
+        # MoE targets: the per-layer distinct-expert counts of the last forward (device).
+        self._experts = getattr(model, "expert_activity", None)
         pools = [Pool(self.pool)]
         # spec: the configuration of the step being run (a policy picks one per step by
         # batch size; None: plain steps, the draft still kept up to date).
@@ -519,15 +526,25 @@ class Engine:
         rows = logits.gather(1, end[..., None].expand(-1, 1, logits.shape[-1]))[:, 0]
         return path, a, rows.argmax(-1)
 
-    @staticmethod
-    def _read(sampled: torch.Tensor, verdicts: _Verdicts | None
+    def _read(self, sampled: torch.Tensor, verdicts: _Verdicts | None
               ) -> tuple[list[int], list[list[int]]]:
         """The step's one device->host read: the sampled tokens, then each speculating
-        sequence's accepted length and emitted tokens."""
+        sequence's accepted length and emitted tokens, then (MoE) each MoE layer's distinct
+        experts, whose mean goes to last_stats.experts_active."""
+        parts = [sampled]
+        if verdicts is not None:
+            parts += [verdicts.accepted, verdicts.emitted.reshape(-1)]
+        experts = self._experts() if self._experts is not None else None
+        if experts is not None:
+            parts.append(experts)
+        flat = torch.cat(parts).tolist() if len(parts) > 1 else sampled.tolist()
+        if experts is not None:
+            n = experts.shape[0]
+            flat, layers = flat[:-n], flat[-n:]
+            self.last_stats.experts_active = sum(layers) / n
         if verdicts is None:
-            return sampled.tolist(), []
+            return flat, []
         S = verdicts.accepted.shape[0]
-        flat = torch.cat([sampled, verdicts.accepted, verdicts.emitted.reshape(-1)]).tolist()
         P = sampled.shape[0]
         counts, rest = flat[P:P + S], flat[P + S:]
         width = verdicts.emitted.shape[1]

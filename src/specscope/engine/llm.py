@@ -544,7 +544,8 @@ class LLM:
                                batch=st.num_seqs, speculating=st.num_speculating,
                                prefill_tokens=st.prefill_tokens,
                                decode_tokens=st.decode_tokens,
-                               verify_tokens=st.verify_tokens, accepted_all=tuple(spec))
+                               verify_tokens=st.verify_tokens, accepted_all=tuple(spec),
+                               experts_active=st.experts_active)
         return deltas
 
     def _delta(self, o: StepOutput) -> StreamDelta | None:

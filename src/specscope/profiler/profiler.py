@@ -65,8 +65,14 @@ class Totals:
     wall_ms: float = 0.0
     phase_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     accepted: Counter = field(default_factory=Counter)  # accepted draft tokens -> cycles
+    # MoE: "verify" (cycles that speculated) / "decode" -> [sum of experts_active, cycles]
+    experts: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, r: CycleRecord) -> None:
+        if r.experts_active is not None:
+            acc = self.experts.setdefault("verify" if r.speculating else "decode", [0.0, 0])
+            acc[0] += r.experts_active
+            acc[1] += 1
         self.cycles += 1
         self.tokens += r.tokens
         self.wall_ms += r.wall_ms
@@ -193,7 +199,7 @@ class Profiler:
     def end_cycle(self, tokens: int, accepted: int | None = None, **step: Any) -> None:
         """Close the cycle: tokens emitted, accepted draft tokens (one sequence), and the
         step's batch fields (CycleRecord: batch, speculating, prefill_tokens,
-        decode_tokens, verify_tokens, accepted_all)."""
+        decode_tokens, verify_tokens, accepted_all, experts_active)."""
         c = self._cycle
         if c is None:
             return
@@ -310,8 +316,14 @@ def _by_mode(recs: list[CycleRecord], totals: ConfigTotals) -> dict[str, dict]:
         mine = [r for r in recs if r.mode == mode]
         out[mode] = {"cycles": t.cycles, "tokens": t.tokens, "wall_ms": t.wall_ms,
                      "cycle_ms": t.wall_ms / t.cycles, "phases": _phase_rows(mine, t),
-                     "percentile_cycles": len(mine)}
+                     "percentile_cycles": len(mine), "experts": experts_of(t)}
     return out
+
+
+def experts_of(t: Totals) -> dict[str, float]:
+    """MoE: mean distinct experts per MoE layer of the verify cycles and of the plain
+    decode cycles ({} for a dense target)."""
+    return {kind: total / n for kind, (total, n) in t.experts.items() if n}
 
 
 def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]],
@@ -349,7 +361,7 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
         by_batch[b] = {"cycles": bt.cycles, "tokens": bt.tokens,
                        "cycle_ms": bt.wall_ms / bt.cycles if bt.cycles else 0.0,
                        "tok_per_s": bt.tokens / bt.wall_ms * 1e3 if bt.wall_ms else 0.0,
-                       "phases": _phase_rows(mine, bt)}
+                       "phases": _phase_rows(mine, bt), "experts": experts_of(bt)}
     return {
         "config": config, "cycles": t.cycles, "tokens": t.tokens, "wall_ms": wall,
         "tok_per_s": t.tokens / wall * 1e3 if wall else 0.0,
@@ -361,6 +373,8 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
         "accept_length": (sum(a * c for a, c in acc.items()) / n_acc + 1.0) if n_acc else None,
         "acceptance_by_position": by_pos, "acceptance_per_draft_by_position": per_draft,
         "simulated": simulated, "phases": phases,
+        # MoE targets: mean distinct experts per MoE layer, verify and decode cycles apart.
+        "experts": experts_of(t),
         "modes": modes, "by_batch": by_batch,
         "attributed": 1.0 - (phases.get("other", {}).get("share", 0.0) if wall else 0.0),
         "request_phases_ms": {name: sum(xs) / len(xs) for name, xs in loose.items() if xs},
@@ -395,7 +409,7 @@ def format_summary(s: dict) -> str:
         if len(modes) > 1 or mode == "segments":
             lines.append(f"  {MODE_TITLES[mode]}: {m['cycles']} cycles"
                          + (f", {m['cycle_ms']:.3f} ms each" if "cycle_ms" in m else ""))
-        lines.extend(_phase_table(m))
+        lines.extend(_phase_table(m, m.get("experts", s.get("experts")) or {}))
     by_batch = s.get("by_batch") or {}
     if len(by_batch) > 1 or any(b > 1 for b in by_batch):
         lines.append(f"  {'batch <=':>9} {'cycles':>7} {'ms each':>9} {'tok/s':>9}   "
@@ -404,17 +418,26 @@ def format_summary(s: dict) -> str:
             top = sorted(m["phases"].items(), key=lambda kv: -kv[1]["mean_ms"])[:3]
             lines.append(f"  {b:>9} {m['cycles']:>7} {m['cycle_ms']:>9.3f} "
                          f"{m['tok_per_s']:>9.1f}   " + ", ".join(
-                             f"{name} {p['mean_ms']:.2f}" for name, p in top))
+                             f"{name} {p['mean_ms']:.2f}" for name, p in top)
+                         + "".join(f", {kind} experts/layer {x:.1f}"
+                                   for kind, x in (m.get("experts") or {}).items()))
     return "\n".join(lines)
 
 
-def _phase_table(m: dict) -> list[str]:
+# The phase rows a MoE cycle's expert count belongs beside (the target forward's).
+EXPERT_ROWS = {"verify": "verify", "verify_commit": "verify", "decode": "decode"}
+
+
+def _phase_table(m: dict, experts: dict[str, float]) -> list[str]:
     window = m.get("percentile_cycles", m["cycles"])
     lines = [f"  {'phase':<16} {'mean ms':>9} {'p50':>8} {'p90':>8} {'share':>7}"
+             + (f" {'experts/layer':>14}" if experts else "")
              + (f"   (p50/p90: the last {window} cycles)" if window < m["cycles"] else "")]
     for name, p in sorted(m["phases"].items(), key=_phase_order):
+        x = experts.get(EXPERT_ROWS.get(name, ""))
         lines.append(f"  {name:<16} {p['mean_ms']:>9.3f} {p['p50_ms']:>8.3f} "
-                     f"{p['p90_ms']:>8.3f} {p['share']:>6.1%}")
+                     f"{p['p90_ms']:>8.3f} {p['share']:>6.1%}"
+                     + (f" {x:>14.1f}" if x is not None else ""))
     return lines
 
 

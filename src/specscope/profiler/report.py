@@ -16,7 +16,7 @@ from html import escape
 from pathlib import Path
 
 from specscope.profiler.phases import Phase
-from specscope.profiler.profiler import MODE_TITLES
+from specscope.profiler.profiler import EXPERT_ROWS, MODE_TITLES
 from specscope.profiler.trace import CycleRecord, write_text_atomic
 
 TIMELINE_CYCLES = 30
@@ -121,8 +121,15 @@ def _nice_step(span: float, ticks: int = 6) -> float:
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
 
 
+def _experts_cell(s: dict) -> str:
+    """MoE: mean distinct experts per layer, verify and decode cycles."""
+    e = s.get("experts") or {}
+    return " · ".join(f"{kind} {x:.1f}" for kind, x in e.items()) or "—"
+
+
 def _headline(summaries: list[dict]) -> str:
     base = summaries[0]["tok_per_s"] if summaries else 0.0
+    moe = any(s.get("experts") for s in summaries)
     rows = []
     for s in summaries:
         speed = f"{s['tok_per_s'] / base:.2f}×" if base else "—"
@@ -130,9 +137,11 @@ def _headline(summaries: list[dict]) -> str:
         rows.append(
             f"<tr><td>{escape(s['config'])}{_badge(s)}</td><td>{s['tok_per_s']:.1f}</td>"
             f"<td><b>{speed}</b></td><td>{tau}</td><td>{s['cycles']}</td>"
-            f"<td>{s['tokens']}</td><td>{_pct(s['attributed'])}</td></tr>")
+            f"<td>{s['tokens']}</td><td>{_pct(s['attributed'])}</td>"
+            + (f"<td>{_experts_cell(s)}</td>" if moe else "") + "</tr>")
     return ("<table><tr><th>configuration</th><th>tok/s</th><th>speedup</th>"
-            "<th>accept length τ</th><th>cycles</th><th>tokens</th><th>attributed</th></tr>"
+            "<th>accept length τ</th><th>cycles</th><th>tokens</th><th>attributed</th>"
+            + ("<th>experts / MoE layer</th>" if moe else "") + "</tr>"
             + "".join(rows) + "</table>")
 
 
@@ -230,29 +239,44 @@ def _acceptance(summaries: list[dict], key: str = "acceptance_by_position") -> s
                                                          body)
 
 
-def _rows(phases: dict) -> str:
+def _rows(phases: dict, experts: dict[str, float] | None = None) -> str:
+    """Phase rows; with a MoE target's `experts`, the experts per layer beside the target
+    forward's rows (verify, verify_commit, decode)."""
+    def cell(n: str) -> str:
+        if not experts:
+            return ""
+        x = experts.get(EXPERT_ROWS.get(n, ""))
+        return f"<td>{'—' if x is None else f'{x:.1f}'}</td>"
+
     return "".join(
         f"<tr><td>{_swatch(n)}</td><td>{_ms(p['mean_ms'])}</td><td>{_ms(p['p50_ms'])}</td>"
-        f"<td>{_ms(p['p90_ms'])}</td><td>{_pct(p['share'])}</td></tr>"
+        f"<td>{_ms(p['p90_ms'])}</td><td>{_pct(p['share'])}</td>{cell(n)}</tr>"
         for n, p in sorted(phases.items(), key=lambda kv: _phase_key(kv[0])))
 
 
 def _phase_table(s: dict) -> str:
     """One table per timing mode (graph replays by segment, eager cycles by phase), each
     with its cycle count, as format_summary prints them."""
-    head = ("<tr><th>phase</th><th>mean ms</th><th>p50 ms</th><th>p90 ms</th>"
-            "<th>share</th></tr>")
+    def head(experts: dict | None) -> str:
+        return ("<tr><th>phase</th><th>mean ms</th><th>p50 ms</th><th>p90 ms</th>"
+                "<th>share</th>" + ("<th>experts / layer</th>" if experts else "") + "</tr>")
+
     modes = s.get("modes") or {"phases": {"cycles": s["cycles"], "phases": s["phases"]}}
+
+    def table(m: dict) -> str:
+        e = m.get("experts", s.get("experts"))
+        return f"<table>{head(e)}{_rows(m['phases'], e)}</table>"
+
     tables = "".join(
         (f'<p class="muted">{escape(MODE_TITLES[mode])}: {m["cycles"]} cycles</p>'
          if len(modes) > 1 or mode == "segments" else "")
-        + f"<table>{head}{_rows(m['phases'])}</table>" for mode, m in modes.items())
+        + table(m) for mode, m in modes.items())
     by_batch = s.get("by_batch") or {}
     if len(by_batch) > 1 or any(b > 1 for b in by_batch):
         tables += "".join(
             f'<p class="muted">batch size &le; {b}: {m["cycles"]} steps, '
             f'{m["cycle_ms"]:.3f} ms each, {m["tok_per_s"]:.1f} tok/s</p>'
-            f"<table>{head}{_rows(m['phases'])}</table>" for b, m in by_batch.items())
+            + table(m) for b, m in by_batch.items())
     return (f'<div><h2>{escape(s["config"])}{_badge(s)}</h2>{tables}'
             f'<p class="muted">{s["cycles"]} cycles · {s["wall_ms"]:.1f} ms wall · '
             f"{s['cycles_per_s']:.1f} cycles/s · {_pct(s['attributed'])} attributed</p></div>")

@@ -39,6 +39,9 @@ class CycleRecord:
     decode_tokens: int = 0
     verify_tokens: int = 0
     accepted_all: tuple[int, ...] = ()
+    # MoE targets: distinct experts the step's target forward activated, mean over the MoE
+    # layers (None: a dense target).
+    experts_active: float | None = None
 
     @property
     def mode(self) -> str:
@@ -97,7 +100,8 @@ def chrome_trace(records: list[CycleRecord], last: int | None = None) -> dict:
                          "speculating": r.speculating, "prefill_tokens": r.prefill_tokens,
                          "decode_tokens": r.decode_tokens,
                          "verify_tokens": r.verify_tokens,
-                         "accepted_all": list(r.accepted_all)},
+                         "accepted_all": list(r.accepted_all),
+                         "experts_active": r.experts_active},
             })
             for name, start_ms, dur_ms in r.phases:
                 lane.append({

@@ -68,7 +68,8 @@ def batched_run(llm: Any, spec: SpecConfig | None, prompts: list[Any], batch: in
     b = s["by_batch"].get(batch_bucket(batch))
     if b is None:
         raise RuntimeError(f"no step ran at batch {batch}: raise max_tokens or --max-num-seqs")
-    return {"phases": b["phases"], "modes": {}}, b["tok_per_s"]
+    return {"phases": b["phases"], "modes": {}, "experts": b.get("experts", {})}, \
+        b["tok_per_s"]
 
 
 def fit_batch(llm: Any, draft: str, prompts: list[Any], batch: int, params: SamplingParams,
@@ -81,7 +82,14 @@ def fit_batch(llm: Any, draft: str, prompts: list[Any], batch: int, params: Samp
         s, _ = batched_run(llm, spec_for(cfg, draft, base), prompts, batch, params,
                            warmup_tokens)
         cals.append(calibration_from_summary(s, *cfg))
-    return fit_cost_model(cals, plain_ms_from_summary(plain)), plain_tps
+    return fit_cost_model(cals, plain_ms_from_summary(plain), moe_shape(llm), batch), plain_tps
+
+
+def moe_shape(llm: Any) -> tuple[int, int] | None:
+    """(num_experts, top_k) of a MoE target, for the cost model's expert term; None when
+    dense."""
+    moe = getattr(getattr(getattr(llm, "model", None), "config", None), "moe", None)
+    return None if moe is None else (moe.num_experts, moe.top_k)
 
 
 def best_at(cost: CostModel, batch: int, taus: dict[Config, float], margin: float

@@ -10,7 +10,15 @@ k > 1 (an EAGLE-2 tree) and 0 for a chain:
              + tree * (c_tree_verify + d_tree_verify * s) tree mask, tree accept, KV commit
     other  = other                                        host work between the segments
 
-and a plain decoding step costs `plain`. Why the tree terms: at batch 1 on a GPU a 135M
+and a plain decoding step costs `plain`. On a MoE target the verify line has one more term,
+
+             + b_expert * X(B * n)                        the distinct experts it activates
+
+where X(t) is the expected number of distinct experts per MoE layer that t tokens activate
+(B sequences' trees of n tokens each, one forward), under the routing measured in the
+calibration (`ExpertModel`): a verify at batch 1 on a GPU streams each activated expert's
+weights once per layer, so more draft tokens cost what their new experts cost, which grows
+more slowly than n as tokens share experts. Why the tree terms: at batch 1 on a GPU a 135M
 target's verify is launch-bound, flat in n (2.47 ms + 0.010 ms per token on the H200), and a
 tree adds work a chain never does, whatever its width: the ancestor mask (one pass per
 depth), the general accept walk, the move of the accepted path's KV in every layer, and, in
@@ -39,7 +47,8 @@ VERIFY_PHASES = ("verify_commit", "verify", "accept", "kv_commit")
 
 @dataclass(frozen=True)
 class Calibration:
-    """One measured configuration: mean ms per cycle of each cost term."""
+    """One measured configuration: mean ms per cycle of each cost term; on a MoE target the
+    mean distinct experts per MoE layer its verify cycles activated."""
 
     num_steps: int
     topk: int
@@ -47,6 +56,49 @@ class Calibration:
     draft_ms: float
     verify_ms: float
     other_ms: float
+    experts: float | None = None
+
+
+@dataclass(frozen=True)
+class ExpertModel:
+    """Expected distinct experts per MoE layer that t routed tokens activate.
+
+    A token picks top_k of E experts; were picks uniform and independent, an expert would
+    be missed by one token with probability 1 - k/E and X(t) = E (1 - (1 - k/E)^t). Real
+    routing is skewed (and consecutive tokens of one text pick alike), so fewer experts
+    are reached: the same curve with E replaced by an effective count E_eff fitted to the
+    measured (t, X) points, then capped at E and at k t.
+    """
+
+    num_experts: int
+    top_k: int
+    effective: float  # E_eff
+
+    def distinct(self, tokens: float) -> float:
+        if tokens <= 0:
+            return 0.0
+        e, k = self.effective, self.top_k
+        x = e * (1.0 - (1.0 - k / e) ** tokens)
+        return min(float(self.num_experts), x, float(k) * tokens)
+
+
+def fit_expert_model(points: list[tuple[float, float]], num_experts: int, top_k: int
+                     ) -> ExpertModel:
+    """E_eff minimising the squared relative error of X over the measured (tokens,
+    distinct experts) points, searched over [k, 16 E] on a log grid (one parameter: a grid
+    of 2000 is exact enough and cannot fail to converge). No points: uniform routing."""
+    pts = [(t, x) for t, x in points if t > 0 and x > 0]
+    if not pts:
+        return ExpertModel(num_experts, top_k, float(num_experts))
+    lo, hi = float(top_k), 16.0 * num_experts
+    best, best_err = float(num_experts), float("inf")
+    for j in range(2001):
+        e = lo * (hi / lo) ** (j / 2000)
+        m = ExpertModel(num_experts, top_k, e)
+        err = sum((m.distinct(t) / x - 1.0) ** 2 for t, x in pts)
+        if err < best_err:
+            best, best_err = e, err
+    return ExpertModel(num_experts, top_k, best)
 
 
 DRAFT_TERMS = ("a_draft", "b_step", "c_tree", "e_tree", "b_row")
@@ -78,14 +130,28 @@ class CostModel:
     plain: float  # ms per plain decoding step
     # Calibration point -> (measured, fitted) ms of each term: how well the lines fit.
     residuals: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
+    # MoE targets: ms per distinct expert per layer a verify activates, the routing's
+    # expert model, and the sequences per step the costs were measured at (a verify of n
+    # tokens each routes batch * n tokens).
+    b_expert: float = 0.0
+    experts: ExpertModel | None = None
+    batch: int = 1
 
     def draft_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         x = draft_columns(num_steps, topk, num_draft_tokens)
         return sum(c * getattr(self, t) for c, t in zip(x, DRAFT_TERMS, strict=True))
 
+    def experts_for(self, num_draft_tokens: int) -> float | None:
+        """Expected distinct experts per MoE layer of one verify (None: a dense target)."""
+        if self.experts is None:
+            return None
+        return self.experts.distinct(self.batch * num_draft_tokens)
+
     def verify_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         x = verify_columns(num_steps, topk, num_draft_tokens)
-        return sum(c * getattr(self, t) for c, t in zip(x, VERIFY_TERMS, strict=True))
+        ms = sum(c * getattr(self, t) for c, t in zip(x, VERIFY_TERMS, strict=True))
+        experts = self.experts_for(num_draft_tokens)
+        return ms if experts is None else ms + self.b_expert * experts
 
     def cycle_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         cfg = (num_steps, topk, num_draft_tokens)
@@ -98,8 +164,13 @@ class CostModel:
     def plain_tok_per_s(self) -> float:
         return 1e3 / self.plain
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 5) for k, v in asdict(self).items() if k != "residuals"}
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: round(v, 5) for k, v in asdict(self).items()
+                               if isinstance(v, float)}
+        if self.experts is not None:
+            out["effective_experts"] = round(self.experts.effective, 2)
+            out["batch"] = self.batch
+        return out
 
     def worst_residual(self) -> float:
         """The largest |measured / fitted - 1| over the calibration points and terms."""
@@ -123,12 +194,20 @@ def calibration_from_summary(summary: dict[str, Any], num_steps: int, topk: int,
     draft, verify = total(DRAFT_PHASES), total(VERIFY_PHASES)
     other = sum(p["mean_ms"] for name, p in phases.items()
                 if base(name) not in DRAFT_PHASES + VERIFY_PHASES + ("prefill",))
-    return Calibration(num_steps, topk, num_draft_tokens, draft, verify, other)
+    experts = steady_experts(summary).get("verify")
+    return Calibration(num_steps, topk, num_draft_tokens, draft, verify, other, experts)
 
 
 def steady_phases(summary: dict[str, Any]) -> dict[str, Any]:
     seg = summary.get("modes", {}).get("segments")
     return seg["phases"] if seg else summary["phases"]
+
+
+def steady_experts(summary: dict[str, Any]) -> dict[str, float]:
+    """MoE: mean distinct experts per layer ("verify", "decode") of the same cycles as
+    steady_phases ({} for a dense target)."""
+    seg = summary.get("modes", {}).get("segments")
+    return (seg.get("experts") if seg else summary.get("experts")) or {}
 
 
 def plain_ms_from_summary(summary: dict[str, Any]) -> float:
@@ -175,6 +254,7 @@ def _check_identified(name: str, terms: tuple[str, ...], rows: list[list[float]]
 
 def _fit_line(name: str, terms: tuple[str, ...], columns, cals: list[Calibration],
               attr: str) -> tuple[list[float], list[dict[str, Any]]]:
+    """One line's non-negative fit; columns(s, k, n) -> its design row."""
     rows = [columns(c.num_steps, c.topk, c.num_draft_tokens) for c in cals]
     _check_identified(name, terms, rows, cals)
     y = [getattr(c, attr) for c in cals]
@@ -185,14 +265,29 @@ def _fit_line(name: str, terms: tuple[str, ...], columns, cals: list[Calibration
     return coef, resid
 
 
-def fit_cost_model(cals: list[Calibration], plain_ms: float) -> CostModel:
+def fit_cost_model(cals: list[Calibration], plain_ms: float,
+                   moe: tuple[int, int] | None = None, batch: int = 1) -> CostModel:
     """Non-negative least-squares fit of the cycle terms (module docstring), with each
-    calibration point's residual kept. Raises, naming what is missing, when the calibration cannot
-    identify every term (e.g. no tree, or trees of one depth only)."""
+    calibration point's residual kept. Raises, naming what is missing, when the calibration
+    cannot identify every term (e.g. no tree, or trees of one depth only).
+
+    moe: (num_experts, top_k) of a MoE target whose calibrations measured their experts:
+    the expert model is fitted to them (each verify routed batch * n tokens) and the verify
+    line gets its b_expert term."""
     d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, cals, "draft_ms")
-    v, v_res = _fit_line("verify", VERIFY_TERMS, verify_columns, cals, "verify_ms")
+    experts = None
+    v_terms, v_columns = VERIFY_TERMS, verify_columns
+    if moe is not None and cals and all(c.experts is not None for c in cals):
+        experts = fit_expert_model([(batch * c.num_draft_tokens, c.experts) for c in cals],
+                                   *moe)
+        v_terms = VERIFY_TERMS + ("b_expert",)
+
+        def v_columns(s: int, k: int, n: int) -> list[float]:
+            return verify_columns(s, k, n) + [experts.distinct(batch * n)]
+    v, v_res = _fit_line("verify", v_terms, v_columns, cals, "verify_ms")
     # One mean over every calibration point: the host's time between segments is a tenth
     # of a millisecond that moves by as much from run to run, and no shape explains it.
-    terms = dict(zip(DRAFT_TERMS + VERIFY_TERMS, d + v, strict=True))
+    terms = dict(zip(DRAFT_TERMS + v_terms, d + v, strict=True))
     return CostModel(**terms, other=sum(c.other_ms for c in cals) / len(cals), plain=plain_ms,
-                     residuals={"draft": d_res, "verify": v_res})
+                     residuals={"draft": d_res, "verify": v_res}, experts=experts,
+                     batch=batch)

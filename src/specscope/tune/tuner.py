@@ -24,7 +24,7 @@ from typing import Any
 
 from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.tune.acceptance import AcceptanceModel, draft_scores, measure_acceptance
-from specscope.tune.batch_policy import BucketRow, fit_policy
+from specscope.tune.batch_policy import BucketRow, fit_policy, moe_shape
 from specscope.tune.cost import (
     CostModel,
     calibration_from_summary,
@@ -275,7 +275,7 @@ def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | 
         m, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
         cals.append(calibration_from_summary(s, *cfg))
         run_s.append(f"{cfg} {m.seconds:.1f}")
-    return fit_cost_model(cals, plain_ms_from_summary(plain_summary)), run_s
+    return fit_cost_model(cals, plain_ms_from_summary(plain_summary), moe_shape(llm)), run_s
 
 
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
