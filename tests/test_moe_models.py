@@ -236,3 +236,20 @@ def test_speculative_greedy_equals_plain(saved, family, steps, topk, ndt):
     for s, p, n in zip(seqs, prompts, lens, strict=True):
         assert s.output_ids == solo_greedy(model, p, n), s.seq_id
     assert engine.pool.all_free() and engine.draft_pool.all_free()
+
+
+def test_moe_families_are_registered_by_architecture_and_model_type():
+    from specscope.models.registry import build_model, config_from_hf, supported_architectures
+
+    tiny = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2,
+                moe_intermediate_size=8, shared_expert_intermediate_size=8)
+    for arch, mt, experts in (("MixtralForCausalLM", "mixtral", "num_local_experts"),
+                              ("Qwen2MoeForCausalLM", "qwen2_moe", "num_experts"),
+                              ("Qwen3MoeForCausalLM", "qwen3_moe", "num_experts")):
+        assert arch in supported_architectures()
+        cfg = config_from_hf({**tiny, experts: 4, "model_type": mt})
+        assert cfg.architecture == arch and cfg.moe.num_experts == 4
+        with torch.device("meta"):
+            model = build_model(cfg)
+        assert isinstance(model.model.layers[0].mlp, SparseMoe)
