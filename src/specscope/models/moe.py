@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specscope.config import ModelConfig, MoEConfig
-from specscope.models.llama import MLP, CausalLM, mlp_layout
+from specscope.models.llama import MLP, CausalLM, ForwardContext, mlp_layout
 from specscope.models.moe_experts import expert_counts, run_experts
 
 # -- routing ------------------------------------------------------------------------------
@@ -133,7 +133,8 @@ class SparseMoe(nn.Module):
                                    if moe.shared_expert_gate else None)
         self.register_buffer("active", torch.zeros((), dtype=torch.long), persistent=False)
 
-    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
         ids, weights = self.gate(flat)  # [N, k] each
