@@ -46,6 +46,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                          moe_intermediate_size=16, intermediate_size=40,
                                          head_dim=16, norm_topk_prob=True,
                                          decoder_sparse_step=2)),
+    "qwen3_moe_sw": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=16, intermediate_size=40,
+                                            use_sliding_window=True, sliding_window=5)),
     "qwen3_moe_bias": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=8,
                                               moe_intermediate_size=16, intermediate_size=40,
                                               attention_bias=True, norm_topk_prob=False)),
@@ -123,8 +126,8 @@ def test_config_fields_reach_the_model(saved):
     assert q3.config.qk_norm and q3.config.head_dim == 16 and q3.config.moe.norm_topk_prob
     _, _, mx = saved("mixtral")
     assert mx.config.moe.num_experts == 8 and mx.config.moe.top_k == 2
-    _, _, sw = saved("mixtral_sw")
-    assert sw.config.sliding_window == 5
+    for name in ("mixtral_sw", "qwen3_moe_sw"):  # 19-token parity: the window mattered
+        assert saved(name)[2].config.sliding_window == 5
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
