@@ -7,6 +7,7 @@ with a message naming the field, instead of deep inside a forward pass.
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,39 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a request's output, vLLM's StructuredOutputsParams: exactly one of
+    json (a JSON schema: a dict, or its JSON text), json_object (any JSON object), regex,
+    choice (exactly one of these strings) or grammar (Lark, or llama.cpp's GBNF). Enforced
+    token by token by the `structured` extra (llguidance; engine/grammar.py)."""
+
+    json: str | dict | None = None  # kept as JSON text, so the params stay hashable
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # key order kept: it is the properties' output order
+            object.__setattr__(self, "json", _json.dumps(self.json))
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"choice must be a list of strings, got {self.choice!r}")
+            if not self.choice:
+                raise ValueError("choice must hold at least one string")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{name} must be a string, got {type(v).__name__}")
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n)
+                 is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, json_object, "
+                             f"regex, choice, grammar; got {given or 'none'}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Mirrors the OpenAI / vLLM fields of the same names.
 
@@ -179,6 +213,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # Keep stop strings out of the returned text (OpenAI behaviour).
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (engine/grammar.py).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -209,6 +245,9 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got {so!r}")
 
     @property
     def greedy(self) -> bool:

@@ -36,6 +36,7 @@ from specscope.config import (
 )
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput
+from specscope.engine.grammar import GrammarCompiler
 from specscope.engine.request import Request, RequestOutput
 from specscope.engine.sequence import Sequence
 from specscope.engine.speculative import SpecStats, load_spec_draft
@@ -223,6 +224,7 @@ class LLM:
         self.model_path = path
         self.model_name = name
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size)  # structured output
         self.model = model
         ctx = config.max_position_embeddings
         if self.engine_config.max_model_len is not None:
@@ -495,6 +497,8 @@ class LLM:
             seed = self.seed + next(self._seeds)
         gen = None if params.greedy else make_generator(seed, self.device)
         seq = Sequence(rid, list(prompt_ids), params, gen, arrival=time.perf_counter())
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.compile(params.structured_outputs)
         self.engine.add(seq)
         self._active[rid] = _Active(seq, Request(rid, list(prompt_ids), params, self.tokenizer))
         return rid
