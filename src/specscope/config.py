@@ -170,14 +170,14 @@ class StructuredOutputs:
     choice (exactly one of these strings) or grammar (Lark, or llama.cpp's GBNF). Enforced
     token by token by the `structured` extra (llguidance; engine/grammar.py)."""
 
-    json: str | dict | None = None  # kept as JSON text, so the params stay hashable
+    json: str | dict | bool | None = None  # kept as JSON text, so the params stay hashable
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):  # key order kept: it is the properties' output order
+        if isinstance(self.json, (dict, bool)):  # key order kept: the properties' output order
             object.__setattr__(self, "json", _json.dumps(self.json))
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
@@ -504,6 +504,11 @@ class SpecPolicy:
         return cls(tuple(entries))
 
 
+# Tool-call formats the server parses (server/tools.py): Hermes / Qwen
+# `<tool_call>{...}</tool_call>`, and Llama 3.1's JSON `{"name": ..., "parameters": ...}`.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """What `specscope serve` allows: access rules and per-request limits (the CLI's defaults).
@@ -516,6 +521,10 @@ class ServerConfig:
     how many stop strings a request may give and how long each may be. max_n: the largest
     `n`. shutdown_timeout: seconds running requests get after SIGTERM. log_stats_interval:
     seconds between the throughput log's lines (0: none; vLLM's --disable-log-stats).
+    enable_auto_tool_choice, tool_call_parser: vLLM's flags of the same names: with both,
+    tool_choice "auto" parses tool calls out of the answer in the parser's format
+    (TOOL_CALL_PARSERS); without, "auto" is refused (tool_choice "required" or a named
+    function needs neither: its output is constrained by a grammar).
     """
 
     # One name or several (vLLM's --served-model-name A B): requests may name any of them
@@ -534,6 +543,8 @@ class ServerConfig:
     max_n: int = 16
     shutdown_timeout: float = 5.0
     log_stats_interval: float = 10.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def model_names(self, default: str) -> tuple[str, ...]:
         """The names this server answers to, the first the one responses carry."""
@@ -562,6 +573,13 @@ class ServerConfig:
                 raise ValueError(f"served model names must be non-empty strings, got {names!r}")
             object.__setattr__(self, "served_model_name",
                                names[0] if len(names) == 1 else tuple(names))
+        if self.tool_call_parser is not None and \
+                self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser "
+                             f"({' or '.join(TOOL_CALL_PARSERS)}): --tool-call-parser NAME")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
         if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):

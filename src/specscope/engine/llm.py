@@ -348,19 +348,22 @@ class LLM:
 
     # -- prompts ----------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """Token ids for a raw prompt, or for chat messages through the chat template.
+    def encode_prompt(self, prompt: Prompt, chat: bool = False,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids for a raw prompt, or for chat messages through the chat template (with
+        the tools offered, OpenAI's shape: {"type": "function", "function": {...}}).
 
         Text never yields control tokens (see Tokenizer); send token ids (`stream(...,
         prompt_ids=...)`) to use them on purpose."""
         if isinstance(prompt, str):
             check_unicode(prompt, "prompt")
             if chat:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                          tools=tools)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list):
             validate_messages(prompt)
-            ids = self.tokenizer.apply_chat_template(prompt)
+            ids = self.tokenizer.apply_chat_template(prompt, tools=tools)
         else:
             raise TypeError(f"a prompt must be a string or a list of chat messages, "
                             f"got {type(prompt).__name__}")
@@ -394,7 +397,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | None = None, *,
-                 chat: bool = False) -> list[RequestOutput]:
+                 chat: bool = False, tools: list[dict[str, Any]] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for each prompt (a string, or a list of {'role', 'content'} messages), all
         prompts in one batch.
 
@@ -403,7 +407,7 @@ class LLM:
         """
         params = sampling_params or SamplingParams()
         batch = self._as_list(prompts)
-        encoded = [self.encode_prompt(p, chat) for p in batch]  # all errors before any work
+        encoded = [self.encode_prompt(p, chat, tools) for p in batch]  # errors before any work
         for ids in encoded:
             self._check_length(len(ids), params)
         with self._exclusive():
@@ -424,14 +428,16 @@ class LLM:
         return [done[r] for r in rids]
 
     def chat(self, messages: Messages | list[Messages],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None, *,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {'role', 'content'} messages) or a
-        list of them, each through the chat template, all in one batch."""
+        list of them, each through the chat template (offered `tools`, OpenAI's shape), all
+        in one batch."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("chat() takes a conversation (a non-empty list of messages) or "
                              "a list of conversations")
         batch = messages if isinstance(messages[0], list) else [messages]
-        return self.generate(batch, sampling_params)
+        return self.generate(batch, sampling_params, tools=tools)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                chat: bool = False, prompt_ids: list[int] | None = None) -> Iterator[StreamDelta]:
