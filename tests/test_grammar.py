@@ -258,3 +258,36 @@ def test_default_model_json_object_plain_and_speculative():
         assert isinstance(json.loads(sampled.text), dict)
     else:  # cut by max_tokens: still a prefix the grammar allowed
         assert sampled.text.startswith("{")
+
+
+def _spy(engine, counts):
+    engine._make_graphs(capture=False)  # the graph steps' static functions, run eagerly
+    for name in ("_graph_spec", "_graph_decode"):
+        real = getattr(engine, name)
+
+        def counted(*a, _real=real, _name=name):
+            counts[_name] += 1
+            return _real(*a)
+        setattr(engine, name, counted)
+
+
+def test_graph_steps_mask_plain_decode_and_leave_constrained_speculation_eager(tiny):
+    """A plain decode graph step keeps constrained sequences (the mask applies to its output
+    logits); the pure speculative graph step never takes them (its masks need host reads
+    between draft steps)."""
+    params = SamplingParams(max_tokens=40, structured_outputs=StructuredOutputs(json=SCHEMA))
+    ref = tiny.generate(PROMPTS, params)
+    try:
+        for spec in (None, SpecConfig(draft="random", num_steps=3)):
+            tiny.set_spec(spec)
+            counts = {"_graph_spec": 0, "_graph_decode": 0}
+            _spy(tiny.engine, counts)
+            out = tiny.generate(PROMPTS, params)
+            assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+            assert counts["_graph_spec"] == 0
+            if spec is None:
+                assert counts["_graph_decode"] > 0
+        tiny.generate(PROMPTS, SamplingParams(max_tokens=12))  # free: the graph step runs
+        assert counts["_graph_spec"] > 0
+    finally:
+        tiny.set_spec(None)
