@@ -36,7 +36,7 @@ from specscope.config import (
 )
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput
-from specscope.engine.grammar import GrammarCompiler
+from specscope.engine.grammar import Grammar, GrammarCompiler
 from specscope.engine.request import Request, RequestOutput
 from specscope.engine.sequence import Sequence
 from specscope.engine.speculative import SpecStats, load_spec_draft
@@ -410,6 +410,8 @@ class LLM:
         encoded = [self.encode_prompt(p, chat, tools) for p in batch]  # errors before any work
         for ids in encoded:
             self._check_length(len(ids), params)
+        if params.structured_outputs is not None:  # a bad grammar fails before any request
+            self.grammars.check(params.structured_outputs)
         with self._exclusive():
             rids = [self.add_request(ids, params) for ids in encoded]
             done: dict[str, RequestOutput] = {}
@@ -492,8 +494,10 @@ class LLM:
     # -- the request-level API (the server's) ------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Queue a request for the next steps; returns its id. Checked like `stream`."""
+                    request_id: str | None = None, grammar: Grammar | None = None) -> str:
+        """Queue a request for the next steps; returns its id. Checked like `stream`.
+        grammar: params.structured_outputs already compiled (`self.grammars.compile`), so
+        that a server compiles it off its engine thread; else it is compiled here."""
         self._check_length(len(prompt_ids), params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._active:
@@ -504,7 +508,7 @@ class LLM:
         gen = None if params.greedy else make_generator(seed, self.device)
         seq = Sequence(rid, list(prompt_ids), params, gen, arrival=time.perf_counter())
         if params.structured_outputs is not None:
-            seq.grammar = self.grammars.compile(params.structured_outputs)
+            seq.grammar = grammar or self.grammars.compile(params.structured_outputs)
         self.engine.add(seq)
         self._active[rid] = _Active(seq, Request(rid, list(prompt_ids), params, self.tokenizer))
         return rid

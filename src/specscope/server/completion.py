@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specscope.config import SamplingParams, StructuredOutputs
+from specscope.engine.grammar import Grammar
 from specscope.engine.llm import LLM, StreamDelta
 from specscope.engine.request import RequestOutput
 from specscope.server.limits import PromptLimits
@@ -94,7 +95,6 @@ class CompletionRunner:
             ids = self.llm.encode_prompt(messages, chat=True, tools=req.template_tools())
         except (ValueError, TypeError) as e:
             raise _engine_error(e, "messages") from None
-        self.check_constraint(req)
         return req, ids
 
     def tool_calls(self, req: ChatCompletionRequest) -> ToolCalls | None:
@@ -126,14 +126,16 @@ class CompletionRunner:
                 found = ("tool_choice", forced)
         return found
 
-    def check_constraint(self, req: ChatCompletionRequest | CompletionRequest) -> None:
-        """A 400 naming the field whose schema or grammar cannot be enforced (or the
-        extra to install)."""
+    def grammar(self, req: ChatCompletionRequest | CompletionRequest) -> Grammar | None:
+        """The request's grammar state (None: unconstrained), or a 400 naming the field
+        whose schema or grammar cannot be enforced (or the extra to install). Compiling a
+        large schema can take a while: it runs on a thread, not the event loop or the
+        engine's."""
         found = self.constraint(req)
         if found is None:
-            return
+            return None
         try:
-            self.llm.grammars.check(found[1])
+            return self.llm.grammars.compile(found[1])
         except ValueError as e:
             field = "tools" if found[0] == "tool_choice" else found[0]
             raise APIError(400, f"{field}: {e}", param=field) from None
@@ -150,7 +152,6 @@ class CompletionRunner:
             if bad:
                 raise APIError(400, f"prompt holds token ids outside [0, {V}): {bad[:8]}",
                                param="prompt")
-            self.check_constraint(req)
             return req, list(prompt)
         text = prompt[0] if isinstance(prompt, list) else prompt
         self.limits.check_chars(len(text), "prompt")
@@ -158,7 +159,6 @@ class CompletionRunner:
             ids = self.llm.encode_prompt(text)
         except (ValueError, TypeError) as e:
             raise _engine_error(e, "prompt") from None
-        self.check_constraint(req)
         return req, ids
 
     def sampling(self, req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
@@ -245,7 +245,9 @@ class CompletionRunner:
         builds the non-streaming body; a stream's tool calls go through `tools`)."""
         t0 = time.perf_counter()
         params = self.sampling(req, len(ids), prompt_field)
-        job = self.worker.submit_generation(ids, params)
+        grammar = await asyncio.to_thread(self.grammar, req) \
+            if params.structured_outputs is not None else None
+        job = self.worker.submit_generation(ids, params, grammar)
         # Streams notice a departed client when a chunk fails to send; until the first
         # chunk (queued, prefill) and for whole non-streaming requests, a watcher polls.
         watcher = asyncio.create_task(self._watch(request, job))

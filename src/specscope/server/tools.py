@@ -142,7 +142,7 @@ class ToolCalls:
 
     def __init__(self, choice: Any, parser: str | None, parallel: bool) -> None:
         self.choice, self.parser, self.parallel = choice, parser, parallel
-        self.forced = choice not in ("auto",)
+        self.forced = choice != "auto"
         self._text = ""
         self._sent = 0  # characters streamed as content
 
