@@ -252,3 +252,23 @@ def test_control_tokens_in_tools_stay_text(llm):
     clean = llm.encode_prompt(chat, chat=True, tools=tool("xy"))
     assert evil.count(im_end) == clean.count(im_end)
     assert "<|im_end|>" in llm.tokenizer.decode(evil, skip_special_tokens=True)
+
+
+def test_response_format_over_http(srv):
+    """json_schema output fits its schema on both routes, whole and streamed."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "unit", "schema": UNIT}}
+    r = _chat(srv, response_format=fmt)
+    out = r.json()["choices"][0]
+    assert out["finish_reason"] == "stop" and json.loads(out["message"]["content"])["unit"] \
+        in ("c", "f")
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "Unit:", "max_tokens": 20, "response_format": fmt})
+    assert json.loads(r.json()["choices"][0]["text"])["unit"] in ("c", "f")
+    text = ""
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "max_tokens": 20, "stream": True, "response_format": fmt,
+            "messages": [{"role": "user", "content": "Unit?"}]}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+    assert json.loads(text)["unit"] in ("c", "f")
