@@ -162,7 +162,6 @@ class ToolCalls:
         self._text += delta
         if self.forced:
             return ""
-        hold = len(self._text)
         if self.parser == "hermes":
             at = self._text.find(HERMES_START, self._sent)
             if at >= 0:
@@ -174,8 +173,8 @@ class ToolCalls:
             head = self._text.lstrip()
             may_call = head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
             hold = 0 if may_call else len(self._text)
-        out, self._sent = self._text[self._sent:max(hold, self._sent)], max(hold, self._sent)
-        return out
+        start, self._sent = self._sent, max(hold, self._sent)  # text once sent stays sent
+        return self._text[start:self._sent]
 
     def finish(self) -> tuple[str, list[dict]]:
         """At the end of a stream: the held text (content when it held no call) and the
