@@ -174,6 +174,10 @@ def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
     present = set(files)
     tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
     ignored = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
+    L, extra = model.config.num_layers, model.config.unused_checkpoint_layers
+    if extra:  # e.g. DeepSeek-V3's multi-token-prediction layers, which decoding never runs
+        unused = tuple(f"model.layers.{i}." for i in range(L, L + extra))
+        ignored |= {n for n in present if n.startswith(unused)}
     if tied_head:  # tied models sometimes still save the (identical) head; HF ignores it
         ignored.add("lm_head.weight")
     missing = sorted(set(layout) - present)

@@ -84,7 +84,7 @@ class Family:
 
 
 # Modules that define families, each with a FAMILIES tuple; imported on first use.
-_FAMILY_MODULES = ("specscope.models.llama",)
+_FAMILY_MODULES = ("specscope.models.llama", "specscope.models.deepseek")
 _families: list[Family] | None = None
 
 
