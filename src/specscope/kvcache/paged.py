@@ -109,6 +109,9 @@ class PagedKV:
             self._stores = list(self.k)  # the views own nothing: never write or move them
         self.latent_values = latent_values
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        # The block CUDA-graph padding rows write (the engine sets it): its tokens are not
+        # counted in per-token statistics (models/llama.py ForwardContext.live_tokens).
+        self.scratch_block: int | None = None
 
     @classmethod
     def from_layout(cls, layout: KVLayout, num_blocks: int, block_size: int,
