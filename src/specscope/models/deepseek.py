@@ -27,6 +27,7 @@ from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import PagedKV
 from specscope.models.llama import MLP, CausalLM, mlp_layout
 from specscope.models.mla import MLAttention
+from specscope.models.moe import SparseMoe, moe_layout
 from specscope.models.registry import Family
 from specscope.models.rope import COMPUTED_ROPE_TYPES
 
@@ -138,7 +139,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         moe = self.config.moe
         if moe is None or not moe.sparse_layers[layer]:
             return MLP(self.config)
-        return sparse_block(self.config)
+        return SparseMoe(self.config)
 
     @property
     def rope_dim(self) -> int:
@@ -189,7 +190,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         if moe is None or not moe.sparse_layers[n]:
             out.update(mlp_layout(p + "mlp.", hidden=h, intermediate=cfg.intermediate_size))
         else:
-            out.update(sparse_block_layout(cfg, p + "mlp."))
+            out.update(moe_layout(p + "mlp.", hidden=h, moe=moe, shared="shared_experts."))
         return out
 
 
@@ -197,10 +198,3 @@ FAMILIES = (Family("deepseek_v3", (ARCHITECTURE,),
                    {"deepseek_v3": ARCHITECTURE, "kimi_k2": ARCHITECTURE},
                    parse_config, DeepseekV3ForCausalLM),)
 
-
-def sparse_block(cfg: ModelConfig) -> nn.Module:
-    raise NotImplementedError("DeepSeek MoE layers: pending models/moe.py")
-
-
-def sparse_block_layout(cfg: ModelConfig, m: str) -> dict[str, tuple[str, Any, tuple[int, ...]]]:
-    raise NotImplementedError("DeepSeek MoE layers: pending models/moe.py")
