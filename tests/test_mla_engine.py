@@ -180,10 +180,19 @@ def test_speculative_prefix_hits_and_graph_steps(model, draft):
     system = [rng.randrange(V) for _ in range(17)]
     engine = _spec_engine(model, draft, 3, 2, 5)
     engine._make_graphs(capture=False)
+    counts = {"_graph_spec": 0, "_graph_decode": 0}
+    for name in counts:
+        real = getattr(engine, name)
+
+        def counted(*a, _real=real, _name=name):
+            counts[_name] += 1
+            return _real(*a)
+        setattr(engine, name, counted)
     for i, k in enumerate((3, 6)):
         p = system + [rng.randrange(V) for _ in range(k)]
         s = Sequence(f"s{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
         _run(engine, [(0, s)])
         assert s.output_ids == solo_greedy(model, p, 12)
         assert s.num_cached == (0 if i == 0 else 16)
+    assert counts["_graph_spec"] > 0, counts
     assert engine.pool.all_free() and engine.draft_pool.all_free()
