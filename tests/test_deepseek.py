@@ -152,12 +152,15 @@ def test_yarn_is_not_a_no_op(saved):
     assert max_diff(full_logits(plain.eval(), ids), ref) > 1e-3
 
 
-def test_sharded_checkpoint_loads_and_matches(tmp_path):
+@pytest.mark.parametrize("original", [True, False])
+def test_sharded_checkpoint_loads_and_matches(tmp_path, original):
+    """Sharded; experts per expert (the hub's form) or fused (transformers' in-memory
+    form, save_original_format=False)."""
     hf = build_hf(seed=9)
-    hf.save_pretrained(tmp_path, max_shard_size="20KB")
-    shards = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())
-                 ["weight_map"].values())
-    assert len(shards) >= 2
+    hf.save_pretrained(tmp_path, max_shard_size="20KB", save_original_format=original)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) >= 2
+    assert ("model.layers.1.mlp.experts.gate_up_proj" in index) != original
     model = load_model(tmp_path).model
     ids = ids_(seed=3)
     with torch.no_grad():

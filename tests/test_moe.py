@@ -14,13 +14,8 @@ import pytest
 import torch
 
 from specscope.config import ModelConfig, MoEConfig
-from specscope.models.moe import (
-    SparseMoe,
-    expert_counts,
-    experts_dense,
-    experts_looped,
-    route,
-)
+from specscope.models.moe import SparseMoe, route
+from specscope.models.moe_experts import expert_counts, experts_dense, experts_looped
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -25,9 +25,9 @@ from torch import nn
 from specscope.config import MLAConfig, ModelConfig, MoEConfig, hf_common_fields, hf_need
 from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import PagedKV
-from specscope.models.llama import MLP, CausalLM, mlp_layout
+from specscope.models.llama import mlp_layout
 from specscope.models.mla import MLAttention
-from specscope.models.moe import SparseMoe, moe_layout
+from specscope.models.moe import MoeCausalLM, hf_check_activation, moe_layout
 from specscope.models.registry import Family
 from specscope.models.rope import COMPUTED_ROPE_TYPES
 
@@ -74,11 +74,9 @@ def _mla_config(cfg: dict[str, Any], name: str) -> MLAConfig:
         rope_interleave=bool(cfg.get("rope_interleave", True)))
 
 
-def _moe_config(cfg: dict[str, Any], num_layers: int, name: str) -> MoEConfig | None:
+def _moe_config(cfg: dict[str, Any], num_layers: int, name: str) -> MoEConfig:
     """The sparse layers and their routing, with HF DeepseekV3Config's defaults."""
-    experts = cfg.get("n_routed_experts")
-    if not experts:
-        return None
+    experts = int(hf_need(cfg, "n_routed_experts", name))
     if int(cfg.get("moe_layer_freq") or 1) != 1:
         # DeepSeek's own code skips layers by moe_layer_freq, HF's does not: no reference.
         raise _fail(name, "moe_layer_freq", cfg["moe_layer_freq"], "1")
@@ -92,7 +90,7 @@ def _moe_config(cfg: dict[str, Any], num_layers: int, name: str) -> MoEConfig | 
     shared = int(cfg.get("n_shared_experts") or 0)
     width = int(hf_need(cfg, "moe_intermediate_size", name))
     return MoEConfig(
-        num_experts=int(experts), top_k=int(cfg.get("num_experts_per_tok") or 8),
+        num_experts=experts, top_k=int(cfg.get("num_experts_per_tok") or 8),
         expert_intermediate_size=width,
         sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
         scoring=scoring, norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
@@ -110,6 +108,7 @@ def parse_config(cfg: dict[str, Any], name: str = "") -> ModelConfig:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise _fail(name, "quantization_config", method, "none: load a bf16 (dequantized) "
                     "checkpoint")
+    hf_check_activation(cfg, name)
     common = hf_common_fields(cfg, name, COMPUTED_ROPE_TYPES)
     scaling = _yarn_defaults(cfg, common["rope_scaling"] and dict(common["rope_scaling"]))
     mla = _mla_config(cfg, name)
@@ -129,17 +128,13 @@ def parse_config(cfg: dict[str, Any], name: str = "") -> ModelConfig:
         unused_checkpoint_layers=int(cfg.get("num_nextn_predict_layers") or 0), **common)
 
 
-class DeepseekV3ForCausalLM(CausalLM):
-    """DeepSeek-V3 / Kimi-K2 as a TargetModel (see the module docstring)."""
+class DeepseekV3ForCausalLM(MoeCausalLM):
+    """DeepSeek-V3 / Kimi-K2 as a TargetModel (see the module docstring): MoeCausalLM's
+    layers (a SparseMoe where sparse, else the dense MLP; experts per expert or fused in
+    the checkpoint) with MLA's attention and latent cache."""
 
     def attention_for(self, layer: int) -> nn.Module:
         return MLAttention(self.config)
-
-    def mlp_for(self, layer: int) -> nn.Module:
-        moe = self.config.moe
-        if moe is None or not moe.sparse_layers[layer]:
-            return MLP(self.config)
-        return SparseMoe(self.config)
 
     @property
     def rope_dim(self) -> int:
@@ -156,9 +151,11 @@ class DeepseekV3ForCausalLM(CausalLM):
                  device: torch.device | str) -> PagedKV:
         return PagedKV.from_layout(self.kv_layout(dtype), num_blocks, block_size, device)
 
-    def layer_layout(self, n: int) -> dict[str, tuple[str, Any, tuple[int, ...]]]:
+    def layer_layout(self, n: int, fused: bool = False
+                     ) -> dict[str, tuple[str, Any, tuple[int, ...]]]:
         """HF names of decoder layer n: MLA's projections (q_a_proj or q_proj, and
-        kv_a_proj_with_mqa, onto rows of a_proj), and a dense MLP or the MoE block's."""
+        kv_a_proj_with_mqa, onto rows of a_proj), and a dense MLP or the MoE block's (its
+        experts fused: transformers' in-memory form, see MoeCausalLM)."""
         cfg, m = self.config, self.config.mla
         h, H, p = cfg.hidden_size, cfg.num_heads, f"model.layers.{n}."
         a = p + "self_attn."
@@ -186,11 +183,11 @@ class DeepseekV3ForCausalLM(CausalLM):
             out[a + "q_a_proj.bias"] = (a + "a_proj.bias", 0, (q_rows,))
             out[a + "kv_a_proj_with_mqa.bias"] = (a + "a_proj.bias", q_rows, (kv_rows,))
             out[a + "o_proj.bias"] = (a + "o_proj.bias", 0, (h,))
-        moe = cfg.moe
-        if moe is None or not moe.sparse_layers[n]:
-            out.update(mlp_layout(p + "mlp.", hidden=h, intermediate=cfg.intermediate_size))
+        if cfg.moe.sparse_layers[n]:
+            out.update(moe_layout(p + "mlp.", hidden=h, moe=cfg.moe, shared="shared_experts.",
+                                  fused=fused))
         else:
-            out.update(moe_layout(p + "mlp.", hidden=h, moe=moe, shared="shared_experts."))
+            out.update(mlp_layout(p + "mlp.", hidden=h, intermediate=cfg.intermediate_size))
         return out
 
 

@@ -351,6 +351,12 @@ class CausalLM(nn.Module):
             out.update(self.layer_layout(n))
         return out
 
+    def checkpoint_layout_for(self, names: set[str]) -> dict[str, tuple[str, int, tuple]]:
+        """The layout for a checkpoint holding tensors `names`: where a family accepts
+        more than one form of a tensor (MoE experts per expert or fused), the form the
+        checkpoint has. One form here."""
+        return self.checkpoint_layout()
+
     def layer_layout(self, n: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
         """Checkpoint layout of decoder layer n."""
         cfg = self.config

@@ -188,9 +188,9 @@ def wrapped_names(files: dict[str, Path], layout: dict) -> dict[str, str]:
 
 def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
     """Copy checkpoint tensors into `model` (already allocated), checking names and shapes."""
-    layout = model.checkpoint_layout()
-    stored = wrapped_names(files, layout)
+    stored = wrapped_names(files, model.checkpoint_layout())
     present = set(stored)
+    layout = model.checkpoint_layout_for(present)
     tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
     ignored = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
     L, extra = model.config.num_layers, model.config.unused_checkpoint_layers

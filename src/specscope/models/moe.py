@@ -21,13 +21,13 @@ See docs/moe.md.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specscope.config import ModelConfig, MoEConfig
+from specscope.models.llama import MLP, CausalLM, mlp_layout
+from specscope.models.moe_experts import expert_counts, run_experts
 
 # -- routing ------------------------------------------------------------------------------
 
@@ -74,85 +74,6 @@ def route(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None
     if moe.routed_scaling_factor != 1.0:
         weights = weights * moe.routed_scaling_factor
     return ids, weights
-
-
-def expert_counts(ids: torch.Tensor, num_experts: int,
-                  live: torch.Tensor | None = None) -> torch.Tensor:
-    """Token-expert pairs per expert [E] int64 from ids [N, k] (only tokens where live [N]
-    is True). A scatter-add, not bincount: bincount sizes its output from the data, a host
-    sync on CUDA."""
-    ones = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids).long()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
-    return counts.scatter_add_(0, ids.reshape(-1), ones.reshape(-1))
-
-
-# -- expert execution ---------------------------------------------------------------------
-
-
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert's SwiGLU: x [n, H], gate_up [2I, H] (gate rows then up rows), down [H, I]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
-
-
-def experts_looped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The per-expert path (CPU, and the tests' reference): each expert runs on the tokens
-    routed to it, weighted, summed per token in expert order.
-
-    x [N, H], ids/weights [N, k], gate_up [E, 2I, H], down [E, H, I] -> [N, H]. Reads the
-    per-expert counts to the host to slice the sorted pairs: on the CPU the host is the
-    device, so that costs nothing; CUDA runs the grouped kernel instead.
-    """
-    N, k = ids.shape
-    E = gate_up.shape[0]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within
-    counts = expert_counts(ids, E).tolist()
-    out = torch.zeros_like(x)
-    w = weights.reshape(-1)
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            pairs = order[start:start + c]
-            tok = pairs // k
-            y = expert_mlp(x[tok], gate_up[e], down[e]) * w[pairs, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        start += c
-    return out
-
-
-def experts_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Every expert over every token, each output scaled by the token's routing weight for
-    that expert (0 where not picked): E times the work, but static shapes and no host read
-    at all. The oracle the dispatch is tested against; CUDA's fallback without Triton."""
-    E = gate_up.shape[0]
-    dense = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device)
-    dense.scatter_(1, ids, weights)  # [N, E]
-    out = torch.zeros_like(x)
-    for e in range(E):
-        out += (expert_mlp(x, gate_up[e], down[e]) * dense[:, e:e + 1]).to(out.dtype)
-    return out
-
-
-@cache
-def _grouped_backend():
-    """The Triton grouped expert GEMM (models/moe_triton.py), or None without Triton."""
-    try:
-        from specscope.models.moe_triton import experts_grouped
-    except ImportError:
-        return None
-    return experts_grouped
-
-
-def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The experts' output [N, H]: the Triton grouped GEMM on CUDA, else the looped path."""
-    if x.is_cuda:
-        fast = _grouped_backend()
-        return (fast or experts_dense)(x, ids, weights, gate_up, down)
-    return experts_looped(x, ids, weights, gate_up, down)
 
 
 # -- the block ----------------------------------------------------------------------------
@@ -202,8 +123,6 @@ class SparseMoe(nn.Module):
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None) -> None:
         super().__init__()
-        from specscope.models.llama import MLP  # llama imports the registry; no cycle at use
-
         self.moe = moe = moe or cfg.moe
         h = cfg.hidden_size
         self.gate = Router(h, moe)
@@ -233,16 +152,17 @@ class SparseMoe(nn.Module):
 
 def moe_layout(m: str, *, hidden: int, moe: MoEConfig, router: str = "gate.",
                expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-               shared: str | None = "shared_expert.", hf: str | None = None
+               shared: str = "shared_expert.", hf: str | None = None, fused: bool = False
                ) -> dict[str, tuple[str, int | tuple[int, ...], tuple[int, ...]]]:
     """A SparseMoe's checkpoint layout: HF names under `hf` (default m) onto our parameters
     under m. Per-expert tensors `experts.{e}.{gate,up,down}` (names in `expert`: Mixtral's
     w1, w3, w2) land in expert e's rows of the stacked parameters ((expert, row)
     placements); the router under `router`; the shared expert (HF prefix `shared`, e.g.
     DeepSeek's "shared_experts.") onto our shared_expert; its gate onto shared_expert_gate.
+    fused: the experts as transformers holds them in memory (and writes them with
+    save_pretrained(save_original_format=False)): experts.gate_up_proj [E, 2I, H] and
+    experts.down_proj [E, H, I], each one tensor.
     """
-    from specscope.models.llama import mlp_layout
-
     src = hf if hf is not None else m
     E, i, h = moe.num_experts, moe.expert_intermediate_size, hidden
     g, u, d = expert
@@ -251,7 +171,10 @@ def moe_layout(m: str, *, hidden: int, moe: MoEConfig, router: str = "gate.",
     if moe.correction_bias:
         out[src + router + "e_score_correction_bias"] = (
             m + "gate.e_score_correction_bias", 0, (E,))
-    for e in range(E):
+    if fused:
+        out[src + "experts.gate_up_proj"] = (m + "experts.gate_up_proj", 0, (E, 2 * i, h))
+        out[src + "experts.down_proj"] = (m + "experts.down_proj", 0, (E, h, i))
+    for e in range(0 if fused else E):
         p = f"{src}experts.{e}."
         out[p + f"{g}.weight"] = (m + "experts.gate_up_proj", (e, 0), (i, h))
         out[p + f"{u}.weight"] = (m + "experts.gate_up_proj", (e, i), (i, h))
@@ -262,3 +185,76 @@ def moe_layout(m: str, *, hidden: int, moe: MoEConfig, router: str = "gate.",
     if moe.shared_expert_gate:
         out[src + "shared_expert_gate.weight"] = (m + "shared_expert_gate.weight", 0, (1, h))
     return out
+
+
+class MoeCausalLM(CausalLM):
+    """The base of the MoE families: decoder layer i's MLP is a SparseMoe where
+    cfg.moe.sparse_layers[i], else the dense MLP of cfg.intermediate_size.
+
+    Checkpoints hold a sparse layer's experts one tensor per expert (the hub's, and what
+    transformers' save_pretrained writes) or fused as transformers holds them in memory
+    (save_original_format=False); `checkpoint_layout_for` picks per layer the form the
+    checkpoint has, so loading stays strict either way.
+    """
+
+    # HF names of a sparse layer's MLP under "model.layers.{n}.", and of an expert's
+    # gate, up and down matrices (Mixtral: "block_sparse_moe.", ("w1", "w3", "w2")).
+    hf_moe_prefix = "mlp."
+    hf_expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def mlp_for(self, layer: int) -> nn.Module:
+        if self.config.moe.sparse_layers[layer]:
+            return SparseMoe(self.config)
+        return MLP(self.config)
+
+    def layer_layout(self, n: int, fused: bool = False
+                     ) -> dict[str, tuple[str, int | tuple[int, ...], tuple[int, ...]]]:
+        out = super().layer_layout(n)
+        if not self.config.moe.sparse_layers[n]:
+            return out
+        p = f"model.layers.{n}."
+        out = {k: v for k, v in out.items() if not k.startswith(p + "mlp.")}
+        # The fused form uses transformers' module names, which are ours ("mlp.").
+        hf = p + ("mlp." if fused else self.hf_moe_prefix)
+        out.update(moe_layout(p + "mlp.", hidden=self.config.hidden_size,
+                              moe=self.config.moe, expert=self.hf_expert_names, hf=hf,
+                              fused=fused))
+        return out
+
+    def checkpoint_layout_for(self, names: set[str]
+                              ) -> dict[str, tuple[str, int | tuple[int, ...], tuple]]:
+        out = self.checkpoint_layout()
+        for n, sparse in enumerate(self.config.moe.sparse_layers):
+            if sparse and f"model.layers.{n}.mlp.experts.gate_up_proj" in names:
+                for k in self.layer_layout(n):
+                    del out[k]
+                out.update(self.layer_layout(n, fused=True))
+        return out
+
+    def moe_blocks(self) -> list[SparseMoe]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoe)]
+
+    def expert_activity(self) -> torch.Tensor:
+        """Distinct experts each sparse layer activated in the last forward [L_moe] int64,
+        on the device (read with the engine's step read, never here)."""
+        return torch.stack([b.active for b in self.moe_blocks()])
+
+
+# -- reading HF configs -------------------------------------------------------------------
+
+
+def hf_check_activation(cfg: dict, name: str = "") -> None:
+    """The experts are SwiGLU: any other hidden_act fails at load, naming the field."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{name or 'config.json'}: unsupported hidden_act {act!r} (field "
+                         f"hidden_act); the MoE families support silu")
+
+
+def hf_sparse_layers(cfg: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
+    """Qwen-MoE's rule for which layers are sparse: not in mlp_only_layers, and every
+    decoder_sparse_step-th layer (1-based), when there are experts at all."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
+                 for i in range(num_layers))
