@@ -42,6 +42,7 @@ CASES: dict[str, dict[str, Any]] = {
     "yarn": {"rope_parameters": YARN},
     "dense_first_two": {"first_k_dense_replace": 2, "n_group": 2, "topk_group": 1},
     "rotate_half": {"rope_interleave": False},
+    "attention_bias": {"attention_bias": True},  # q_a_proj, kv_a_proj_with_mqa, o_proj
     "unnormed": {"norm_topk_prob": False, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
                  "n_group": 1, "topk_group": 1},
 }
