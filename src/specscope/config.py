@@ -87,6 +87,20 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+    # DeepSeek's checkpoints store each rotary pair's two channels side by side (HF's
+    # rope_interleave, true unless a config says otherwise); False: rotate-half, as Llama.
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model config: {f} must be positive, got {getattr(self, f)}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model config: qk_rope_head_dim must be even for RoPE, got "
+                             f"{self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"model config: q_lora_rank must be positive or null, got "
+                             f"{self.q_lora_rank}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +133,9 @@ class ModelConfig:
     # Set by the MoE and MLA families (models/moe.py, models/deepseek.py); None: dense.
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    # Trailing decoder layers a checkpoint holds that the model never runs (DeepSeek-V3's
+    # multi-token-prediction modules, num_nextn_predict_layers): the loader skips them.
+    unused_checkpoint_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
