@@ -25,23 +25,9 @@ import statistics
 import time
 
 import torch
+from shapes import SHAPES  # noqa: E402  (benchmarks/ is not a package)
 
 PROMPT = "The history of the printing press begins"
-SHAPES = {
-    "tiny": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 128,
-        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 4096,
-    },
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "max_position_embeddings": 131072, "tie_word_embeddings": False,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    },
-}
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -138,12 +124,12 @@ def bench_hf(dtype_name: str, args: argparse.Namespace) -> dict:
 
 def bench_gpu(args: argparse.Namespace) -> list[dict]:
     """Random-weight real-shape model; the engine's decode loop without a tokenizer."""
-    from specscope.config import ModelConfig
     from specscope.models.loader import random_model
+    from specscope.models.registry import config_from_hf
 
     device = torch.device(args.device)
     dtype = torch.bfloat16
-    cfg = ModelConfig.from_hf(SHAPES[args.shape], name=args.shape)
+    cfg = config_from_hf(SHAPES[args.shape], name=args.shape)
     model = random_model(cfg, dtype, device)
     modes = [m for m in args.gpu_modes if device.type == "cuda" or "graphs" not in m]
     return [_bench_gpu_runner(model, cfg, device, dtype, mode, args) for mode in modes]

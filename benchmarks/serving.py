@@ -31,13 +31,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import SHAPES  # noqa: E402  (benchmarks/ is not a package)
+from shapes import SHAPES, layers  # noqa: E402  (benchmarks/ is not a package)
 
-from specscope.config import ModelConfig, SamplingParams, SpecConfig, SpecPolicy  # noqa: E402
+from specscope.config import SamplingParams, SpecConfig, SpecPolicy  # noqa: E402
 from specscope.draft.eagle3 import random_draft  # noqa: E402
 from specscope.engine.engine import BatchConfig, Engine  # noqa: E402
 from specscope.engine.sequence import Sequence  # noqa: E402
 from specscope.kvcache.budget import KVLayout, kv_budget, parse_bytes  # noqa: E402
+from specscope.models.registry import config_from_hf  # noqa: E402
 
 
 def build_model(args):
@@ -49,16 +50,16 @@ def build_model(args):
         return loaded.model
     from specscope.models.loader import random_model
 
-    cfg = ModelConfig.from_hf(SHAPES[args.shape], name=args.shape)
+    cfg = config_from_hf(layers(args.shape, args.layers), name=args.shape)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     return random_model(cfg, dtype, args.device)
 
 
 def build_engine(args, model, spec: bool, max_len: int, steps: int = 7) -> Engine:
     dev = torch.device(args.device)
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.dtype
     mc = model.config
-    layouts = [KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)]
+    layouts = [model.kv_layout(dtype)]
     draft = spec_cfg = policy = None
     if spec:
         spec_cfg = SpecConfig(draft="random", num_steps=steps, topk=1,
@@ -197,7 +198,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default=None, help="default: llama-3.1-8b on CUDA, the "
-                    "embedded default model on the CPU")
+                    "embedded default model on the CPU; one of " + ", ".join(SHAPES))
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep the shape's layer width, cut it to this many decoder layers "
+                    "(a DeepSeek-V3 / Kimi-K2 subset that fits one GPU)")
     ap.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 4, 16, 64])

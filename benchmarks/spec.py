@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import SHAPES  # noqa: E402  (benchmarks/ is not a package)
+from shapes import SHAPES  # noqa: E402  (benchmarks/ is not a package)
 
 PROMPT = "The history of the printing press begins"
 ID_PROMPT = " ".join(str(i) for i in range(100, 132))  # 32 token ids, for id-tokenizers

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import SHAPES  # noqa: E402  (benchmarks/ is not a package)
+from shapes import SHAPES  # noqa: E402  (benchmarks/ is not a package)
 
 from specscope.config import ModelConfig  # noqa: E402
 from specscope.draft.eagle3 import random_draft  # noqa: E402

@@ -58,7 +58,7 @@ def build(args: argparse.Namespace) -> tuple[LLM, list]:
     from specscope.models.loader import random_model
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from decode import SHAPES  # benchmarks/ is not a package
+    from shapes import SHAPES  # benchmarks/ is not a package
 
     cfg = ModelConfig.from_hf(SHAPES[args.shape], name=args.shape)
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32

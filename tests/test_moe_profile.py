@@ -244,3 +244,37 @@ def test_the_tuner_fits_expert_costs_on_a_moe_target(model):
                           spec_for, base, 4)
     assert batch2.batch == 2 and batch2.experts is not None
     assert batch2.experts_for(4) == pytest.approx(batch2.experts.distinct(8))
+
+
+def test_a_deepseek_target_reports_its_experts():
+    """DeepSeek-V3 (sigmoid scores, grouped top-k, correction bias, shared expert, a dense
+    first layer) over MLA's latent cache: each step's count is the router's."""
+    from specscope.models.loader import allocate
+
+    cfg = config_from_hf(dict(
+        architectures=["DeepseekV3ForCausalLM"], vocab_size=V, hidden_size=32,
+        intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        v_head_dim=12, qk_nope_head_dim=10, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        max_position_embeddings=128), "tiny-deepseek")
+    m = allocate(cfg, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else torch.randn(p.shape, generator=g) * 0.3)
+    assert len(m.moe_blocks()) == 2
+    engine = Engine(m.eval(), BatchConfig(num_blocks=64, block_size=4, max_num_seqs=2,
+                                          max_model_len=64))
+    for s in _seqs(2, seed=4, tokens=6):
+        engine.add(s)
+    seen = []
+    while engine.has_work:
+        spy = ExpertSpy(m)
+        engine.step()
+        for h in spy.handles:
+            h.remove()
+        seen.append(engine.last_stats.experts_active)
+        assert seen[-1] == pytest.approx(spy.mean_distinct())
+    assert all(K <= x <= E for x in seen)

@@ -25,6 +25,8 @@ log = logging.getLogger("specscope.loader")
 
 # Tensors some checkpoints carry that hold no learned state.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Where multimodal wrappers keep their language model's tensors (see wrapped_names).
+_WRAPPER_PREFIXES = ("language_model.",)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
@@ -168,12 +170,33 @@ def name_list(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+def wrapped_names(files: dict[str, Path], layout: dict) -> dict[str, str]:
+    """Our name -> the checkpoint's, for every tensor the model may load: the names as they
+    are, or, when none of the model's names is there, those under a multimodal wrapper's
+    language-model prefix (Kimi-K2.5's `language_model.`), the prefix dropped; the wrapper's
+    other tensors (vision tower, projector) are not the text model's and are left out."""
+    if any(n in files for n in layout):
+        return {n: n for n in files}
+    for p in _WRAPPER_PREFIXES:
+        inner = {n[len(p):]: n for n in files if n.startswith(p)}
+        if inner:
+            log.info("loading the language model of a multimodal checkpoint (tensors under "
+                     "%r; %d others left out)", p, len(files) - len(inner))
+            return inner
+    return {n: n for n in files}
+
+
 def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
     """Copy checkpoint tensors into `model` (already allocated), checking names and shapes."""
-    present = set(files)
+    stored = wrapped_names(files, model.checkpoint_layout())
+    present = set(stored)
     layout = model.checkpoint_layout_for(present)
     tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
     ignored = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
+    L, extra = model.config.num_layers, model.config.unused_checkpoint_layers
+    if extra:  # e.g. DeepSeek-V3's multi-token-prediction layers, which decoding never runs
+        unused = tuple(f"model.layers.{i}." for i in range(L, L + extra))
+        ignored |= {n for n in present if n.startswith(unused)}
     if tied_head:  # tied models sometimes still save the (identical) head; HF ignores it
         ignored.add("lm_head.weight")
     missing = sorted(set(layout) - present)
@@ -189,13 +212,13 @@ def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[str]] = {}
     for name in layout:
-        by_file.setdefault(files[name], []).append(name)
+        by_file.setdefault(files[stored[name]], []).append(name)
     bad_shapes = []
     with torch.no_grad():
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
-                    shape = tuple(f.get_slice(name).get_shape())
+                    shape = tuple(f.get_slice(stored[name]).get_shape())
                     target, row, want = layout[name]
                     if shape != want:
                         bad_shapes.append(f"{name} has shape {list(shape)}, expected {list(want)}")
@@ -203,7 +226,7 @@ def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
                     dst = params[target]
                     if isinstance(row, tuple):  # leading indices (an expert), then the row
                         dst, row = dst[row[:-1]], row[-1]
-                    dst[row:row + shape[0]].copy_(f.get_tensor(name))
+                    dst[row:row + shape[0]].copy_(f.get_tensor(stored[name]))
     if bad_shapes:
         raise ValueError(f"checkpoint tensor shapes do not fit {model.config.architecture}: "
                          + "; ".join(bad_shapes[:12]))

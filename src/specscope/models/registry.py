@@ -89,7 +89,7 @@ class Family:
 
 # Modules that define families, each with a FAMILIES tuple; imported on first use.
 _FAMILY_MODULES = ("specscope.models.llama", "specscope.models.mixtral",
-                  "specscope.models.qwen_moe")
+                  "specscope.models.qwen_moe", "specscope.models.deepseek")
 _families: list[Family] | None = None
 
 
