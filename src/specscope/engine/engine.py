@@ -16,8 +16,16 @@
 5. the **commit** of every accepted tree path into place (kvcache/paged.py); the path's
    taps become the next extend's pending pairs.
 
-The step's one device->host read is `_read`: the sampled tokens, the accepted lengths and
-the emitted tokens, in one tensor. Everything per request lives in its `Sequence`.
+Logits are adjusted (penalties, logit_bias, min_tokens) in one place, `_process`, before
+sampling and before verification alike; in a verify every tree node gets the adjustment of
+its own prefix (the sequence's tokens and its path's), so speculative output has exactly
+plain decoding's law. Log-probabilities are the target's raw distribution (the logits'
+log_softmax before any adjustment or filter, as vLLM's default `raw_logprobs`), read with
+the tokens.
+
+The step's one device->host read is `_read`: the sampled tokens, the accepted lengths, the
+emitted tokens and any log-probabilities, in one tensor. Everything per request lives in
+its `Sequence`.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch
 from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.draft_runner import DraftRunner, draft_slots
+from specscope.engine.logits import adjustment, count_emitted, token_state
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SpecState
 from specscope.kvcache.block_pool import BlockPool
@@ -42,7 +51,13 @@ from specscope.kvcache.paged import (
     with_pieces,
 )
 from specscope.profiler import Phase, Profiler
-from specscope.sampling import make_generator, processed_logits, sample
+from specscope.sampling import (
+    make_generator,
+    path_counts,
+    processed_logits,
+    sample,
+    token_logprobs,
+)
 from specscope.spec.simulate import simulated_paths
 from specscope.spec.tree import DraftTree
 from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch, verify_sampling
@@ -63,15 +78,32 @@ class BatchConfig:
     compile: bool = False  # torch.compile the target's forward
 
 
+# One generated token's log-probabilities: (its log-probability, its rank, the top
+# (token id, log-probability) pairs, most likely first), all under the target's raw logits.
+TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
+
+
 @dataclass
 class StepOutput:
     """What one step produced for one sequence: its new tokens and whether it finished.
-    accepted: draft tokens accepted, for a speculative step (None for a plain one)."""
+    accepted: draft tokens accepted, for a speculative step (None for a plain one).
+    logprobs: one entry per new token when its params ask for logprobs (else None)."""
 
     seq: Sequence
     new_tokens: list[int]
     finished: bool
     accepted: int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class _LogprobRows:
+    """Log-probabilities of the sequences that ask for them, on the device until the read:
+    values [R, W, 2 + 2k] (sampling.token_logprobs per emitted slot, W slots a row)."""
+
+    seqs: list[Sequence]
+    values: torch.Tensor
+    k: int
 
 
 @dataclass
@@ -108,6 +140,7 @@ class _Verdicts:
     accepted: torch.Tensor
     emitted: torch.Tensor
     path_taps: torch.Tensor
+    logprobs: _LogprobRows | None = None
 
 
 class Engine:
@@ -203,6 +236,9 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         if seq.generator is None and not seq.params.greedy:
             seq.generator = make_generator(seq.params.seed, self.device)
+        # Built from the host tokens: also right for a sequence carried from another engine.
+        seq.logits_state = token_state(seq, self.model.config.vocab_size, self.eos,
+                                       self.device)
         self.scheduler.add(seq)
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
@@ -267,16 +303,17 @@ class Engine:
         if spec_idx:
             self._mark(Phase.ACCEPT)
         logits = self.model.compute_logits(hidden[0, batch.last_rows])
-        sampled = self._sample(logits, [items[i].seq for i in batch.sampling])
+        seqs = [items[i].seq for i in batch.sampling]
+        sampled, lps = self._sample_processed(logits, seqs)
         verdicts = None
         if spec_idx:
             verdicts = self._verify(items, spec_idx, tree, hidden[0, batch.tree_base:],
                                     taps[0, batch.tree_base:])
-        counts, emitted = self._read(sampled, verdicts)
+        counts, emitted, logprobs = self._read(sampled, verdicts, lps)
         if self.timer is not None:
             self.timer.stop()
         return self._update(items, batch.pieces, dict(zip(batch.sampling, counts, strict=True)),
-                            spec_idx, emitted, taps, verdicts)
+                            spec_idx, emitted, taps, verdicts, logprobs)
 
     def _graphable(self, items: list[Scheduled]) -> bool:
         """A step of plain decode tokens only, within the captured buckets; with a draft,
@@ -305,24 +342,29 @@ class Engine:
             for seq in seqs:
                 seq.spec.taps = None
                 self.scheduler.computed(seq, 0, 1)
-        tokens, _ = self._read(self._sample(logits, seqs), None)
+        sampled, lps = self._sample_processed(logits, seqs)
+        tokens, _, logprobs = self._read(sampled, None, lps)
         if self.timer is not None:
             self.timer.stop()
         out = []
         for r, (s, t) in enumerate(zip(seqs, tokens, strict=True)):
             if draft:
                 self._pend(s, taps[r:r + 1])
-            out.append(self._advance(s, [t], 1, None))
+            out.append(self._advance(s, [t], 1, None, logprobs.get(s.seq_id)))
         return out
 
     def _spec_graphable(self, items: list[Scheduled], spec_idx: list[int]) -> bool:
         """A step of speculating greedy sequences only, each with at most a verify's worth of
-        pending draft pairs (not the first step after a prefill), within the buckets."""
+        pending draft pairs (not the first step after a prefill), within the buckets. A
+        sequence with logits adjustments or logprobs runs eagerly: the captured step has
+        neither (the plain decode graph returns its logits, so there they apply after it)."""
         g = self.spec_graphs
         if g is None or not spec_idx or len(spec_idx) < len(items) or len(items) > g.max_batch:
             return False
         width = self.spec.num_steps + 1
-        return all(it.seq.params.greedy and it.seq.spec.taps.shape[0] <= width for it in items)
+        return all(it.seq.params.greedy and it.seq.spec.taps.shape[0] <= width
+                   and it.seq.logits_state is None and it.seq.params.logprobs is None
+                   for it in items)
 
     def _graph_spec(self, items: list[Scheduled]) -> list[StepOutput]:
         """A pure speculative step as two replays (engine/cuda_graph.py SpecGraphs): the
@@ -343,10 +385,10 @@ class Engine:
         v = g.verify()
         # The next replay overwrites the graph's outputs: keep this step's path taps.
         verdicts = _Verdicts(v.accepted[:S], v.emitted[:S], v.path_taps[:S].clone())
-        _, emitted = self._read(v.accepted.new_empty(0), verdicts)
+        _, emitted, _ = self._read(v.accepted.new_empty(0), verdicts, None)
         if self.timer is not None:
             self.timer.stop()
-        return self._update(items, [], {}, list(range(S)), emitted, None, verdicts)
+        return self._update(items, [], {}, list(range(S)), emitted, None, verdicts, {})
 
     def _draft_static(self, ids: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
                       taps: torch.Tensor, tables: torch.Tensor, n: torch.Tensor,
@@ -394,8 +436,10 @@ class Engine:
 
     def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor,
                      logits0: torch.Tensor) -> DraftTree:
-        """Every speculating sequence's chain or tree (the seam tests replace)."""
-        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer)
+        """Every speculating sequence's chain or tree (the seam tests replace), its draft
+        distributions adjusted as the target's will be at each node."""
+        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer,
+                                  adjustment(seqs, self.device))
 
     # -- 3. the target forward ----------------------------------------------------------------
 
@@ -444,6 +488,45 @@ class Engine:
 
     # -- 4. sample and verify -----------------------------------------------------------------
 
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence],
+                 tree: DraftTree | None = None) -> torch.Tensor:
+        """The one place a batch's target logits are adjusted before sampling or verify
+        (penalties, logit_bias, min_tokens; rows without any pass as they were). logits
+        [B, V], one row per sequence sampling; or [S, N, V] with `tree`: node i of tree s
+        adjusted for its own prefix, the sequence's tokens then the path to i (its counts,
+        and its depth for min_tokens), exactly what plain decoding uses there."""
+        adj = adjustment(seqs, self.device)
+        if adj is None:
+            return logits
+        if tree is None:
+            return adj.apply(logits[:, None])[:, 0]
+        anc = tree.ancestor_mask(self.spec.num_steps)  # [S, N, N]
+        extra = path_counts(adj.take(tree.tokens), adj.take(anc), logits.shape[-1])
+        return adj.apply(logits, extra, adj.take(tree.depth))
+
+    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]
+                          ) -> tuple[torch.Tensor, _LogprobRows | None]:
+        """Tokens [B] from the adjusted logits [B, V]; the log-probabilities of the rows that
+        ask, from the raw ones; the tokens counted into their sequences' penalty state."""
+        sampled = self._sample(self._process(logits, seqs), seqs)
+        count_emitted(seqs, sampled[:, None])
+        return sampled, self._logprobs(logits[:, None], sampled[:, None], seqs)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
+                  ) -> _LogprobRows | None:
+        """The raw log-probabilities of tokens [B, W] under logits [B, W, V] for the rows
+        whose params ask for logprobs (None: no row does)."""
+        rows = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return None
+        k = max(seqs[r].params.logprobs for r in rows)
+        if len(rows) < len(seqs):
+            sel = upload(rows, torch.long, self.device)
+            raw, tokens = raw.index_select(0, sel), tokens.index_select(0, sel)
+        R, W, V = raw.shape
+        vals = token_logprobs(raw.reshape(R * W, V), tokens.reshape(-1).clamp_min(0), k)
+        return _LogprobRows([seqs[r] for r in rows], vals.view(R, W, -1), k)
+
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row, each with its sequence's params and generator; greedy rows in
@@ -459,14 +542,20 @@ class Engine:
         """Verify every tree, commit the accepted paths, gather their taps."""
         seqs = [items[i].seq for i in spec_idx]
         S, N = len(seqs), tree.size
-        logits = self.model.compute_logits(hidden).view(S, N, -1)
-        path, a, bonus = self._accept(seqs, tree, logits)
+        raw = self.model.compute_logits(hidden).view(S, N, -1)
+        path, a, bonus = self._accept(seqs, tree, self._process(raw, seqs, tree))
         self._mark(Phase.KV_COMMIT)
         tables = n = None  # a chain's accepted nodes already sit in place: nothing to upload
         if not tree.chain:
             tables = self._tables(seqs, 0)
             n = upload([s.num_computed for s in seqs], torch.long, self.device)
-        return self._commit_paths(tree, path, a, bonus, taps, tables, n)
+        v = self._commit_paths(tree, path, a, bonus, taps, tables, n)
+        count_emitted(seqs, v.emitted)
+        if any(s.params.logprobs is not None for s in seqs):
+            # Emitted token j comes after path node j: its row of the target's raw logits.
+            node = path.clamp_min(0)[..., None].expand(-1, -1, raw.shape[-1])  # [S, k+1, V]
+            v.logprobs = self._logprobs(raw.gather(1, node), v.emitted, seqs)
+        return v
 
     def _accept(self, seqs: list[Sequence], tree: DraftTree, logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -522,40 +611,54 @@ class Engine:
         return path, a, rows.argmax(-1)
 
     @staticmethod
-    def _read(sampled: torch.Tensor, verdicts: _Verdicts | None
-              ) -> tuple[list[int], list[list[int]]]:
+    def _read(sampled: torch.Tensor, verdicts: _Verdicts | None,
+              lps: _LogprobRows | None
+              ) -> tuple[list[int], list[list[int]], dict[str, list[TokenLogprobs]]]:
         """The step's one device->host read: the sampled tokens, then each speculating
-        sequence's accepted length and emitted tokens."""
-        if verdicts is None:
-            return sampled.tolist(), []
-        S = verdicts.accepted.shape[0]
-        flat = torch.cat([sampled, verdicts.accepted, verdicts.emitted.reshape(-1)]).tolist()
+        sequence's accepted length and emitted tokens, then the log-probabilities (the
+        sampled rows', the verified rows'), by sequence id. With log-probabilities in the
+        step everything goes as fp64 (exact for token ids), else as int64."""
+        ints = [sampled] if verdicts is None else [sampled, verdicts.accepted,
+                                                   verdicts.emitted.reshape(-1)]
+        packs = [x for x in (lps, verdicts.logprobs if verdicts else None) if x is not None]
+        if packs:
+            flat = torch.cat([t.double() for t in ints]
+                             + [x.values.reshape(-1) for x in packs]).tolist()
+            n_int = sum(t.numel() for t in ints)
+            flat, floats = [int(x) for x in flat[:n_int]], flat[n_int:]
+        else:
+            flat, floats = torch.cat(ints).tolist(), []
         P = sampled.shape[0]
-        counts, rest = flat[P:P + S], flat[P + S:]
-        width = verdicts.emitted.shape[1]
-        emitted = [rest[r * width:r * width + a + 1] for r, a in enumerate(counts)]
-        return flat[:P], emitted
+        emitted: list[list[int]] = []
+        if verdicts is not None:
+            S = verdicts.accepted.shape[0]
+            counts, rest = flat[P:P + S], flat[P + S:]
+            width = verdicts.emitted.shape[1]
+            emitted = [rest[r * width:r * width + a + 1] for r, a in enumerate(counts)]
+        return flat[:P], emitted, _unpack_logprobs(packs, floats)
 
     # -- 5. host bookkeeping ------------------------------------------------------------------
 
     def _update(self, items: list[Scheduled], pieces: list[tuple[int, int, int]],
                 tokens_at: dict[int, int], spec_idx: list[int], emitted: list[list[int]],
-                taps: torch.Tensor | None, verdicts: _Verdicts | None) -> list[StepOutput]:
+                taps: torch.Tensor | None, verdicts: _Verdicts | None,
+                logprobs: dict[str, list[TokenLogprobs]]) -> list[StepOutput]:
         """Every scheduled sequence's tokens and pending taps. pieces: the causal pieces
-        (item, first row, rows); tokens_at: the token sampled per item."""
+        (item, first row, rows); tokens_at: the token sampled per item; logprobs: per
+        sequence id, one entry per emitted token (or more: cut to what is kept)."""
         out: dict[int, StepOutput] = {}
         for i, start, m in pieces:
             seq = items[i].seq
             if taps is not None:
                 self._pend(seq, taps[0, start:start + m])
             new = [tokens_at[i]] if i in tokens_at else []
-            out[i] = self._advance(seq, new, m, None)
+            out[i] = self._advance(seq, new, m, None, logprobs.get(seq.seq_id))
         for r, i in enumerate(spec_idx):
             seq, new = items[i].seq, emitted[r]
             a = len(new) - 1
             seq.spec.accepted.append(a)
             self._pend(seq, verdicts.path_taps[r, :a + 1])
-            out[i] = self._advance(seq, new, a + 1, a)
+            out[i] = self._advance(seq, new, a + 1, a, logprobs.get(seq.seq_id))
         return [out[i] for i in range(len(items))]
 
     @staticmethod
@@ -565,8 +668,8 @@ class Engine:
             seq.spec = SpecState()
         seq.spec.taps = taps
 
-    def _advance(self, seq: Sequence, new: list[int], computed: int,
-                 accepted: int | None) -> StepOutput:
+    def _advance(self, seq: Sequence, new: list[int], computed: int, accepted: int | None,
+                 logprobs: list[TokenLogprobs] | None = None) -> StepOutput:
         """Append the step's tokens up to the first stop; register the computed positions,
         or end the sequence (its blocks are free for the next step)."""
         kept = []
@@ -575,9 +678,11 @@ class Engine:
             kept.append(t)
             if self._stops(seq):
                 self.scheduler.finish(seq, seq.finish_reason)
-                return StepOutput(seq, kept, True, accepted)
+                return StepOutput(seq, kept, True, accepted,
+                                  None if logprobs is None else logprobs[:len(kept)])
         self.scheduler.computed(seq, computed, 0 if self.draft is not None else None)
-        return StepOutput(seq, kept, False, accepted)
+        return StepOutput(seq, kept, False, accepted,
+                          None if logprobs is None else logprobs[:len(kept)])
 
     def _stops(self, seq: Sequence) -> bool:
         t = seq.output_ids[-1]
@@ -592,3 +697,25 @@ class Engine:
 
     def _tables(self, seqs: list[Sequence], pool: int) -> torch.Tensor:
         return block_tables([q.block_tables[pool] for q in seqs], self.device)
+
+
+def _unpack_logprobs(packs: list[_LogprobRows], floats: list[float]
+                     ) -> dict[str, list[TokenLogprobs]]:
+    """The read's log-probabilities (each pack's values [R, W, 2 + 2k], flattened in order)
+    as per-sequence lists of W entries, each with its own number of top tokens."""
+    out: dict[str, list[TokenLogprobs]] = {}
+    at = 0
+    for pack in packs:
+        _, W, C = pack.values.shape
+        k = pack.k
+        for seq in pack.seqs:
+            mine = seq.params.logprobs
+            entries = []
+            for _ in range(W):
+                v = floats[at:at + C]
+                at += C
+                top = [(int(i), lp) for lp, i in zip(v[2:2 + mine], v[2 + k:2 + k + mine],
+                                                     strict=True)]
+                entries.append((v[0], int(v[1]), top))
+            out.setdefault(seq.seq_id, []).extend(entries)
+    return out

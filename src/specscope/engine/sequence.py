@@ -57,6 +57,8 @@ class Sequence:
     finish_reason: str | None = None
     spec: SpecState | None = None
     num_preemptions: int = 0
+    # The logits adjustments' device state (engine/logits.py TokenState); None: none asked.
+    logits_state: object | None = None
 
     @property
     def token_ids(self) -> list[int]:
