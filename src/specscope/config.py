@@ -243,6 +243,9 @@ class SamplingParams:
             if v is not None:
                 _check_int(name, v, 0, MAX_LOGPROBS)
         _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                             f"({self.max_tokens})")
         _check_int("n", self.n, 1)
 
     def _check_adjustments(self) -> None:

@@ -509,7 +509,7 @@ class LLM:
 
     # -- the request-level API (the server's) ------------------------------------------------
 
-    def _check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against the vocabulary."""
         V = self.model_config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= V]
@@ -522,7 +522,7 @@ class LLM:
         """Queue a request (params.n choices) for the next steps; returns its id. Checked
         like `stream`."""
         self._check_length(len(prompt_ids), params)
-        self._check_params(params)
+        self.check_params(params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already running")

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from specscope.config import MAX_NUM_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK
+from specscope.config import MAX_LOGPROBS, MAX_NUM_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK
 
 
 class APIError(Exception):
@@ -163,12 +163,6 @@ class ChatMessage(BaseModel):
 # OpenAI fields whose behaviour is not implemented yet: each is accepted at the value that
 # asks for nothing (what a client sending defaults sends) and refused otherwise.
 _NOT_YET = {
-    "presence_penalty": ((0, 0.0, None), "penalties are not supported yet; send 0"),
-    "frequency_penalty": ((0, 0.0, None), "penalties are not supported yet; send 0"),
-    "repetition_penalty": ((1, 1.0, None), "penalties are not supported yet; send 1"),
-    "logit_bias": (({}, None), "logit_bias is not supported yet"),
-    "min_p": ((0, 0.0, None), "min_p is not supported yet; send 0"),
-    "min_tokens": ((0, None), "min_tokens is not supported yet; send 0"),
     "tools": (([], None), "tools are not supported yet"),
     "functions": (([], None), "functions are not supported yet"),
     "function_call": ((None, "none"), "function calls are not supported yet"),
@@ -176,8 +170,6 @@ _NOT_YET = {
     "parallel_tool_calls": ((None, True, False), "tool calls are not supported yet"),
     "response_format": ((None, {"type": "text"}),
                         "structured output (json_object, json_schema) is not supported yet"),
-    "top_logprobs": ((None, 0), "logprobs are not supported yet"),
-    "echo": ((None, False), "echo is not supported yet"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
     "best_of": ((None, 1), "best_of is not supported yet; send 1"),
     "store": ((None, False), "this server stores no completions; send false"),
@@ -226,15 +218,16 @@ class _Sampling(BaseModel):
     safety_identifier: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
     prompt_cache_key: StrictStr | None = None
+    # Logits adjustments (SamplingParams): OpenAI's penalties and logit_bias (token id ->
+    # bias); repetition_penalty, min_p and min_tokens are vLLM's extensions.
+    presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0.0, le=100.0)
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None
+    min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
     # Not implemented: refused unless at their no-op values (_NOT_YET).
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
     response_format: Any = None
-    top_logprobs: Any = None
     best_of: Any = None
     store: Any = None
     service_tier: Any = None
@@ -247,6 +240,20 @@ class _Sampling(BaseModel):
     @classmethod
     def _not_yet(cls, v: Any, info: ValidationInfo) -> Any:
         return _no_op_only(info.field_name, v)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (non-negative integers), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases are in [-100, 100], got {value!r} for token {key}")
+            out[int(key)] = float(value)
+        return out
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -272,7 +279,8 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool | None = None  # refused when true (_chat_logprobs)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -285,46 +293,53 @@ class ChatCompletionRequest(_Sampling):
     verbosity: Any = None
     web_search_options: Any = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _chat_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported yet; send false")
-        return v
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true to ask for top_logprobs")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or how many top tokens each token brings."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Sampling):
-    # A string, a one-element list of strings, or a list of token ids.
-    prompt: str | list[str] | list[StrictInt]
-    logprobs: StrictInt | None = None  # refused when set (_completion_logprobs)
-    echo: Any = None
+    # A string, a list of strings, a list of token ids, or a list of lists of token ids:
+    # each prompt gets n choices, indexed prompt by prompt (choice i of prompt p: p * n + i).
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
     suffix: Any = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _completion_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported yet; leave it out")
-        return v
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, p: str | list) -> str | list:
-        if isinstance(p, list):
-            if not p:
-                raise ValueError("prompt must not be empty")
-            if isinstance(p[0], str) and len(p) > 1:
-                raise ValueError("a batch of prompts is not supported; send one per request")
+    def _prompts(cls, p: str | list) -> str | list:
+        if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
+            raise ValueError("prompt must not be empty")
         return p
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class SpecUpdate(BaseModel):
