@@ -223,7 +223,7 @@ class _Sampling(BaseModel):
     presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0.0, le=100.0)
-    logit_bias: dict[str, StrictFloat | StrictInt] | None = None
+    logit_bias: dict[str, Any] | None = None
     min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: StrictInt | None = Field(default=None, ge=0)
     # Not implemented: refused unless at their no-op values (_NOT_YET).
@@ -250,6 +250,8 @@ class _Sampling(BaseModel):
         for key, value in bias.items():
             if not key.isdigit():
                 raise ValueError(f"keys are token ids (non-negative integers), got {key!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"biases are numbers, got {value!r} for token {key}")
             if not -100 <= value <= 100:
                 raise ValueError(f"biases are in [-100, 100], got {value!r} for token {key}")
             out[int(key)] = float(value)
