@@ -157,3 +157,36 @@ def test_abort_gives_finish_reason_abort(model):
     assert [c.finish_reason for c in out.outputs] == ["abort", "abort"]
     assert not llm.has_unfinished_requests() and llm.engine.pool.all_free()
     assert llm.abort_request(rid) is None
+
+
+@torch.inference_mode()
+def _prompt_reference(model, prompt: list[int], k: int) -> list[tuple]:
+    h, _ = model(torch.tensor(prompt)[None], torch.arange(len(prompt))[None])
+    lp = torch.log_softmax(model.compute_logits(h[0]).double(), -1)  # [P, V]
+    return [(float(lp[i, t]), int((lp[i] >= lp[i, t]).sum()), lp[i].topk(k).indices.tolist())
+            for i, t in enumerate(prompt[1:])]
+
+
+@pytest.mark.parametrize("budget", [64, 5])  # the prompt in one chunk, or in chunks of 5
+def test_prompt_logprobs(model, budget):
+    """Each prompt token's raw log-probability under the prompt before it (the first has
+    none), computed at prefill, chunked or not, even when the prompt is cached: a request
+    asking for them computes its prompt in full."""
+    llm = LLM.from_model(model, spec=SPECS[0], block_size=4, max_num_seqs=4,
+                         max_num_batched_tokens=budget)
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=2))  # the prompt is cached now
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, prompt_logprobs=2, n=2,
+                                                  logprobs=1))[0]
+    ids = out.prompt_token_ids
+    plp = out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for t, entry, (want, rank, top) in zip(ids[1:], plp[1:], _prompt_reference(model, ids, 2),
+                                           strict=True):
+        assert next(iter(entry)) == t
+        assert abs(entry[t].logprob - want) < 1e-4 and entry[t].rank == rank
+        assert [i for i in entry if i != t] == [i for i in top if i != t]
+    assert len(out.outputs) == 2 and all(len(c.logprobs) == 3 for c in out.outputs)
+    deltas = list(llm.stream(PROMPTS[0], SamplingParams(max_tokens=2, prompt_logprobs=0)))
+    assert deltas[0].prompt_logprobs is not None
+    assert [list(e) for e in deltas[0].prompt_logprobs[1:]] == [[t] for t in ids[1:]]
+    assert all(d.prompt_logprobs is None for d in deltas[1:])

@@ -179,10 +179,36 @@ def test_list_prompts_and_echo(srv):
     assert chunks[0]["choices"][0]["text"] == "Hello"
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == \
         "Hello" + _want(llm, "Hello", 4).text
-    r = httpx.post(f"{s.url}/v1/completions", json={**body, "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     r = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": ["a", 5]})
     assert r.status_code == 400
+
+
+def test_echo_with_logprobs(srv):
+    """The echoed prompt's tokens come with their log-probabilities (computed at
+    prefill), the first one's null; then the generated tokens'."""
+    s, llm = srv
+    prompt = "Hello there, how are"
+    ids = llm.encode_prompt(prompt)
+    want = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                               logprobs=1, prompt_logprobs=1))[0]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 1}
+    choice = _post(s, "/v1/completions", body)["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt + want.text
+    assert len(lp["tokens"]) == len(ids) + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for got, t, entry in zip(lp["token_logprobs"][1:len(ids)], ids[1:],
+                             want.prompt_logprobs[1:], strict=True):
+        assert abs(got - entry[t].logprob) < 1e-5
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert lp["text_offset"][len(ids)] == len(prompt)
+    chunks = _stream(s, "/v1/completions", body)
+    first = chunks[0]["choices"][0]
+    assert first["text"] == prompt and first["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
+    streamed = [t for ch in chunks for c in ch["choices"] if c["logprobs"]
+                for t in c["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
 
 
 def test_system_fingerprint_everywhere(srv):

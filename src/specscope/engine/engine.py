@@ -99,11 +99,14 @@ class StepOutput:
 @dataclass
 class _LogprobRows:
     """Log-probabilities of the sequences that ask for them, on the device until the read:
-    values [R, W, 2 + 2k] (sampling.token_logprobs per emitted slot, W slots a row)."""
+    values [T, 2 + 2k] (sampling.token_logprobs), counts[i] consecutive rows for seqs[i]
+    (its emitted tokens, or with prompt=True its prompt tokens computed this step)."""
 
     seqs: list[Sequence]
     values: torch.Tensor
+    counts: list[int]
     k: int
+    prompt: bool = False
 
 
 @dataclass
@@ -130,6 +133,11 @@ class _TargetBatch:
     last_rows: torch.Tensor  # [rows that sample] on the device
     sampling: list[int]
     tree_base: int
+    # Prompt log-probabilities: the rows predicting prompt tokens, those tokens (device),
+    # and per sequence how many (host).
+    prompt_rows: torch.Tensor | None = None
+    prompt_tokens: torch.Tensor | None = None
+    prompt_seqs: list[tuple[Sequence, int]] | None = None
 
 
 @dataclass
@@ -305,11 +313,12 @@ class Engine:
         logits = self.model.compute_logits(hidden[0, batch.last_rows])
         seqs = [items[i].seq for i in batch.sampling]
         sampled, lps = self._sample_processed(logits, seqs)
+        prompt_lps = self._prompt_logprobs(hidden[0], batch)
         verdicts = None
         if spec_idx:
             verdicts = self._verify(items, spec_idx, tree, hidden[0, batch.tree_base:],
                                     taps[0, batch.tree_base:])
-        counts, emitted, logprobs = self._read(sampled, verdicts, lps)
+        counts, emitted, logprobs = self._read(sampled, verdicts, lps, prompt_lps)
         if self.timer is not None:
             self.timer.stop()
         return self._update(items, batch.pieces, dict(zip(batch.sampling, counts, strict=True)),
@@ -448,11 +457,19 @@ class Engine:
         dev, bs = self.device, self.config.block_size
         window = self.model.config.sliding_window
         ids, pos, rows, pieces, last, sampling = [], [], [], [], [], []
+        p_rows, p_tokens, p_seqs = [], [], []
         for i, item in enumerate(items):
             if item.speculative:
                 continue
             seq, m = item.seq, item.num_tokens
             a = seq.num_computed
+            if seq.wants_prompt_logprobs:
+                # Row j (position) predicts prompt token j + 1; those not yet recorded.
+                lo, hi = max(a, len(seq.prompt_lp)), min(a + m, len(seq.prompt_ids) - 1)
+                if hi > lo:
+                    p_rows += range(len(ids) + lo - a, len(ids) + hi - a)
+                    p_tokens += seq.prompt_ids[lo + 1:hi + 1]
+                    p_seqs.append((seq, hi - lo))
             pieces.append((i, len(ids), m))
             ids += seq.tokens(a, a + m)
             pos += range(a, a + m)
@@ -483,8 +500,13 @@ class Engine:
         mc = self.model.config
         meta = with_pieces(BatchMeta.cat(metas), parts, mc.num_heads, mc.num_kv_heads,
                            self.device)
-        return _TargetBatch(ids_t, rope, meta, pieces, upload(last, torch.long, dev), sampling,
-                            base)
+        out = _TargetBatch(ids_t, rope, meta, pieces, upload(last, torch.long, dev), sampling,
+                           base)
+        if p_seqs:
+            out.prompt_rows = upload(p_rows, torch.long, dev)
+            out.prompt_tokens = upload(p_tokens, torch.long, dev)
+            out.prompt_seqs = p_seqs
+        return out
 
     # -- 4. sample and verify -----------------------------------------------------------------
 
@@ -525,7 +547,25 @@ class Engine:
             raw, tokens = raw.index_select(0, sel), tokens.index_select(0, sel)
         R, W, V = raw.shape
         vals = token_logprobs(raw.reshape(R * W, V), tokens.reshape(-1).clamp_min(0), k)
-        return _LogprobRows([seqs[r] for r in rows], vals.view(R, W, -1), k)
+        return _LogprobRows([seqs[r] for r in rows], vals, [W] * R, k)
+
+    # Prompt rows whose logits one slice computes: bounds the [rows, V] logits of a long
+    # prefill chunk.
+    PROMPT_LOGITS_ROWS = 256
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: _TargetBatch
+                         ) -> _LogprobRows | None:
+        """The prompt tokens' raw log-probabilities at the rows of this step's prefill
+        chunks that predict them (SamplingParams.prompt_logprobs). hidden [T, H]."""
+        if batch.prompt_seqs is None:
+            return None
+        k = max(s.params.prompt_logprobs for s, _ in batch.prompt_seqs)
+        rows, tokens, step = batch.prompt_rows, batch.prompt_tokens, self.PROMPT_LOGITS_ROWS
+        vals = [token_logprobs(self.model.compute_logits(hidden[rows[i:i + step]]),
+                               tokens[i:i + step], k)
+                for i in range(0, rows.shape[0], step)]
+        seqs, counts = zip(*batch.prompt_seqs, strict=True)
+        return _LogprobRows(list(seqs), torch.cat(vals), list(counts), k, prompt=True)
 
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -612,15 +652,17 @@ class Engine:
 
     @staticmethod
     def _read(sampled: torch.Tensor, verdicts: _Verdicts | None,
-              lps: _LogprobRows | None
+              lps: _LogprobRows | None, prompt_lps: _LogprobRows | None = None
               ) -> tuple[list[int], list[list[int]], dict[str, list[TokenLogprobs]]]:
         """The step's one device->host read: the sampled tokens, then each speculating
         sequence's accepted length and emitted tokens, then the log-probabilities (the
-        sampled rows', the verified rows'), by sequence id. With log-probabilities in the
-        step everything goes as fp64 (exact for token ids), else as int64."""
+        sampled rows', the verified rows', by sequence id; the prompt rows' go straight to
+        their sequences' prompt_lp). With log-probabilities in the step everything goes as
+        fp64 (exact for token ids), else as int64."""
         ints = [sampled] if verdicts is None else [sampled, verdicts.accepted,
                                                    verdicts.emitted.reshape(-1)]
-        packs = [x for x in (lps, verdicts.logprobs if verdicts else None) if x is not None]
+        packs = [x for x in (lps, verdicts.logprobs if verdicts else None, prompt_lps)
+                 if x is not None]
         if packs:
             flat = torch.cat([t.double() for t in ints]
                              + [x.values.reshape(-1) for x in packs]).tolist()
@@ -701,21 +743,24 @@ class Engine:
 
 def _unpack_logprobs(packs: list[_LogprobRows], floats: list[float]
                      ) -> dict[str, list[TokenLogprobs]]:
-    """The read's log-probabilities (each pack's values [R, W, 2 + 2k], flattened in order)
-    as per-sequence lists of W entries, each with its own number of top tokens."""
+    """The read's log-probabilities (each pack's values [T, 2 + 2k], flattened in order)
+    as per-sequence lists of entries, each with its own number of top tokens. A prompt
+    pack's entries are appended to their sequences' prompt_lp instead."""
     out: dict[str, list[TokenLogprobs]] = {}
     at = 0
     for pack in packs:
-        _, W, C = pack.values.shape
-        k = pack.k
-        for seq in pack.seqs:
-            mine = seq.params.logprobs
+        C, k = pack.values.shape[-1], pack.k
+        for seq, count in zip(pack.seqs, pack.counts, strict=True):
+            mine = seq.params.prompt_logprobs if pack.prompt else seq.params.logprobs
             entries = []
-            for _ in range(W):
+            for _ in range(count):
                 v = floats[at:at + C]
                 at += C
                 top = [(int(i), lp) for lp, i in zip(v[2:2 + mine], v[2 + k:2 + k + mine],
                                                      strict=True)]
                 entries.append((v[0], int(v[1]), top))
-            out.setdefault(seq.seq_id, []).extend(entries)
+            if pack.prompt:
+                seq.prompt_lp.extend(entries)
+            else:
+                out.setdefault(seq.seq_id, []).extend(entries)
     return out

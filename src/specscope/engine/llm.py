@@ -41,7 +41,13 @@ from specscope.config import (
 )
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput
-from specscope.engine.request import Request, RequestOutput, SampleLogprobs, request_output
+from specscope.engine.request import (
+    Request,
+    RequestOutput,
+    SampleLogprobs,
+    prompt_logprobs,
+    request_output,
+)
 from specscope.engine.sequence import Sequence
 from specscope.engine.speculative import SpecStats, load_spec_draft
 from specscope.engine.tokenizer import (
@@ -76,6 +82,7 @@ class _Group:
     choices: list[Request]
     waiting: list[Sequence] = field(default_factory=list)
     done: int = 0
+    prompt_sent: bool = False  # its prompt log-probabilities went out with a delta
 
 
 @dataclass
@@ -117,6 +124,8 @@ class StreamDelta:
     index: int = 0  # the choice this delta belongs to
     finish_reason: str | None = None  # set on the choice's last delta
     logprobs: SampleLogprobs | None = None  # the entries of the tokens this delta kept
+    # With SamplingParams.prompt_logprobs: on the request's first delta (RequestOutput's).
+    prompt_logprobs: list | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -530,6 +539,8 @@ class LLM:
         child = params if n == 1 else replace(params, n=1)
         group = _Group(rid, list(prompt_ids), [], [])
         for i in range(n):
+            if i == 1 and params.prompt_logprobs is not None:  # the first computes them
+                child = replace(child, prompt_logprobs=None)
             seed = None if params.seed is None else params.seed + i
             if seed is None and self.seed is not None:  # --seed: every run draws the same
                 seed = self.seed + next(self._seeds)
@@ -626,9 +637,13 @@ class LLM:
         lps = None
         if req.logprobs is not None:
             lps, act.lp_sent = req.logprobs[act.lp_sent:], len(req.logprobs)
+        plp = None
+        if not group.prompt_sent:
+            plp = self._prompt_logprobs(group)
+            group.prompt_sent = plp is not None
         if not req.finished:
             return StreamDelta(group.request_id, text, o.new_tokens, False, index=req.index,
-                               logprobs=lps)
+                               logprobs=lps, prompt_logprobs=plp)
         if not o.finished:
             self.engine.cancel(o.seq, req.finish_reason)  # a stop string ended it
         del self._active[o.seq.seq_id]
@@ -636,10 +651,19 @@ class LLM:
         out = None
         if group.done == len(group.choices):
             del self._groups[group.request_id]
-            out = request_output(group.request_id, group.prompt_ids, group.choices)
+            out = request_output(group.request_id, group.prompt_ids, group.choices,
+                                 self._prompt_logprobs(group))
             out.spec = self._spec_stats(group.seqs)
         return StreamDelta(group.request_id, text, o.new_tokens, out is not None, out,
-                           index=req.index, finish_reason=req.finish_reason, logprobs=lps)
+                           index=req.index, finish_reason=req.finish_reason, logprobs=lps,
+                           prompt_logprobs=plp)
+
+    def _prompt_logprobs(self, group: _Group) -> list | None:
+        """The request's prompt log-probabilities, once its first choice has them all."""
+        first = group.seqs[0]
+        if first.params.prompt_logprobs is None or first.wants_prompt_logprobs:
+            return None
+        return prompt_logprobs(group.prompt_ids, first.prompt_lp, self.tokenizer)
 
     def _spec_stats(self, seqs: list[Sequence]) -> dict | None:
         """A request's speculative statistics over all its choices (None: plain)."""

@@ -46,6 +46,28 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
+def logprob_dict(token: int, entry: tuple, tokenizer: Tokenizer) -> dict[int, Logprob]:
+    """vLLM's dict of a token from the engine's entry (its log-probability, its rank, the
+    top (id, log-probability) pairs): the token first, then the top ones by rank."""
+    lp, rank, top = entry
+
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    out = {token: Logprob(lp, rank, text(token))}
+    for r, (t, v) in enumerate(top, start=1):
+        if t not in out:
+            out[t] = Logprob(v, r, text(t))
+    return out
+
+
+def prompt_logprobs(prompt_ids: list[int], entries: list, tokenizer: Tokenizer
+                    ) -> list[dict[int, Logprob] | None]:
+    """RequestOutput.prompt_logprobs: None for the first token, then each prompt token's."""
+    return [None] + [logprob_dict(t, e, tokenizer) for t, e in zip(prompt_ids[1:], entries,
+                                                                 strict=True)]
+
+
 @dataclass(frozen=True)
 class CompletionOutput:
     """One completion of a request, in vLLM's shape (RequestOutput.outputs[i]).
@@ -151,15 +173,7 @@ class Request:
         """The log-probabilities of a token just appended to output_ids, as vLLM's dict."""
         if self.logprobs is None or not self._pending_lp:
             return
-        lp, rank, top = self._pending_lp.pop(0)
-        entry = {token: Logprob(lp, rank, self._token_text(token))}
-        for r, (t, v) in enumerate(top, start=1):
-            if t not in entry:
-                entry[t] = Logprob(v, r, self._token_text(t))
-        self.logprobs.append(entry)
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        self.logprobs.append(logprob_dict(token, self._pending_lp.pop(0), self.tokenizer))
 
     def _consume(self, tokens: list[int]) -> str:
         """Stop ids and max_tokens per token, then decode what is left and apply stop strings."""

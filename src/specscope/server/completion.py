@@ -94,9 +94,6 @@ class CompletionRunner:
         with echo, also each prompt's text."""
         req: CompletionRequest = parse_json(raw, CompletionRequest)
         check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo: echo with logprobs (the prompt's log-probabilities) "
-                           "is not supported yet; send one of them", param="echo")
         prompts = req.prompts
         room = self.llm.engine_config.max_num_seqs + self.worker.max_queue
         if len(prompts) * req.n > room:
@@ -152,7 +149,9 @@ class CompletionRunner:
                 repetition_penalty=float(1 if req.repetition_penalty is None
                                          else req.repetition_penalty),
                 logit_bias=req.logit_bias or {}, min_p=float(req.min_p or 0),
-                min_tokens=req.min_tokens or 0, logprobs=req.num_logprobs, n=req.n)
+                min_tokens=req.min_tokens or 0, logprobs=req.num_logprobs, n=req.n,
+                # echo with logprobs: the prompt's too (computed at prefill)
+                prompt_logprobs=req.logprobs if getattr(req, "echo", False) else None)
             llm.check_params(params)
             return params
         except (ValueError, TypeError) as e:
@@ -232,7 +231,7 @@ class CompletionRunner:
                 return JSONResponse(fmt.body(outs, prefixes))
         finally:
             watcher.cancel()
-        return StreamingResponse(self._events(job, first, req, fmt, prefixes, t0),
+        return StreamingResponse(self._events(job, first, req, fmt, prompts, prefixes, t0),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -255,20 +254,30 @@ class CompletionRunner:
 
     async def _events(self, job: _Job, first: list,
                       req: ChatCompletionRequest | CompletionRequest, fmt: Format,
-                      prefixes: list[str] | None, t0: float) -> AsyncIterator[str]:
+                      prompts: list[list[int]], prefixes: list[str] | None, t0: float
+                      ) -> AsyncIterator[str]:
         """The SSE stream of one request: everything produced since the last send goes out
-        as one write (per choice a text event, then its finish event when it ended)."""
+        as one write (per choice a text event, then its finish event when it ended). With
+        echo, a prompt's choices first get its text (and logprobs, which its first delta
+        brings) as their first chunk."""
         text_event = self._text_events(fmt, job.n == 1 and len(job.rids) == 1
                                        and fmt.k is None and not prefixes)
+        echoed: set[int] = set()
+
+        def echo(item: StreamDelta) -> list[str]:
+            p = item.index // job.n
+            if prefixes is None or p in echoed:
+                return []
+            echoed.add(p)
+            return [_sse(fmt.chunk([fmt.echo(p * job.n + i, prefixes[p], prompts[p],
+                                             item.prompt_logprobs)])) for i in range(job.n)]
+
         outs: dict[str, RequestOutput] = {}
         finished = False
         try:
-            if prefixes:  # echo: every choice starts with its prompt
-                yield "".join(_sse(fmt.chunk([fmt.delta(p * job.n + i, text, None, None)]))
-                              for p, text in enumerate(prefixes) for i in range(job.n))
             items = first
             while True:
-                send, end = self._batch(items, fmt, text_event, outs)
+                send, end = self._batch(items, fmt, text_event, outs, echo)
                 if len(outs) == len(job.rids):
                     finished = True
                     ordered = [outs[r] for r in job.rids]
@@ -292,16 +301,19 @@ class CompletionRunner:
 
     @staticmethod
     def _batch(items: list, fmt: Format, text_event: Callable,
-               outs: dict[str, RequestOutput]) -> tuple[list[str], Any]:
-        """The events of the items taken at once: each choice's text (and logprobs) joined
-        into one event, then the finish events; finished requests' outputs go to outs.
-        Returns (events, the item that ends the stream early: _END or an error, else None)."""
+               outs: dict[str, RequestOutput], echo: Callable[[StreamDelta], list[str]]
+               ) -> tuple[list[str], Any]:
+        """The events of the items taken at once: echoes, then each choice's text (and
+        logprobs) joined into one event, then the finish events; finished requests'
+        outputs go to outs. Returns (events, the item that ends the stream early: _END or
+        an error, else None)."""
         order: dict[int, tuple[list[str], list]] = {}
-        finishes, end = [], None
+        pre, finishes, end = [], [], None
         for item in items:
             if not isinstance(item, StreamDelta):
                 end = item  # _END, or an error
                 break
+            pre += echo(item)
             if item.text or item.logprobs:
                 texts, lps = order.setdefault(item.index, ([], []))
                 texts.append(item.text)
@@ -310,7 +322,7 @@ class CompletionRunner:
                 finishes.append((item.index, item.finish_reason))
             if item.finished:
                 outs[item.request_id] = item.output
-        send = [text_event(i, "".join(t), lps or None) for i, (t, lps) in order.items()]
+        send = pre + [text_event(i, "".join(t), lps or None) for i, (t, lps) in order.items()]
         send += [_sse(fmt.chunk([fmt.delta(i, None, None, r)])) for i, r in finishes]
         return send, end
 
@@ -340,5 +352,5 @@ def add_completion_routes(app: FastAPI, runner: CompletionRunner,
         req, prompts, prefixes = await prepare(
             request, lambda raw: runner.encode_completion(raw, check_model))
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), served,
-                               fingerprint, req.num_logprobs)
+                               fingerprint, req.num_logprobs, runner.llm.tokenizer)
         return await runner.generate(request, prompts, req, "prompt", fmt, prefixes)

@@ -5,7 +5,8 @@ Chat (`logprobs: true`, `top_logprobs: k`): choice.logprobs = {"content": [{"tok
 "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...k]}]}.
 Completions (`logprobs: k`): choice.logprobs = {"tokens", "token_logprobs",
 "top_logprobs" (token -> logprob: the k top ones and the chosen one, as vLLM), "text_offset"
-(each token's offset in the choice's text, the echoed prompt included)}.
+(each token's offset in the choice's text, the echoed prompt included)}. With echo the
+prompt's tokens come first, the first with null log-probabilities (it has no prefix).
 Values are the target's raw log-probabilities (engine/request.py).
 """
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specscope.engine.request import Logprob, RequestOutput, SampleLogprobs
+from specscope.engine.request import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from specscope.engine.tokenizer import Tokenizer
 
 
 def usage(outs: list[RequestOutput]) -> dict:
@@ -55,9 +57,10 @@ class Format:
     obj = chunk_obj = ""
 
     def __init__(self, rid: str, created: int, model: str, fingerprint: str,
-                 k: int | None) -> None:
+                 k: int | None, tokenizer: Tokenizer | None = None) -> None:
         self.rid, self.created, self.model, self.fingerprint = rid, created, model, fingerprint
         self.k = k  # top log-probabilities per token (None: no logprobs)
+        self.tokenizer = tokenizer  # for the echoed prompt's first token's text
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -73,9 +76,8 @@ class Format:
         choices = []
         for p, out in enumerate(outs):
             for c in out.outputs:
-                prefix = prefixes[p] if prefixes else ""
-                choices.append(self.choice(len(choices), prefix, c.text, c.logprobs,
-                                           c.finish_reason))
+                prefix = prefixes[p] if prefixes else None
+                choices.append(self.choice(len(choices), out, c, prefix))
         return {**self._head(self.obj), "choices": choices, "usage": usage(outs)}
 
 
@@ -97,11 +99,11 @@ class ChatFormat(Format):
         logprobs = chat_logprobs(lps, self.k) if lps and self.k is not None else None
         return {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
 
-    def choice(self, index: int, prefix: str, text: str, lps: SampleLogprobs | None,
-               finish: str) -> dict:
-        logprobs = chat_logprobs(lps or [], self.k) if self.k is not None else None
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish}
+    def choice(self, index: int, out: RequestOutput, c: CompletionOutput,
+               prefix: str | None) -> dict:
+        logprobs = chat_logprobs(c.logprobs or [], self.k) if self.k is not None else None
+        return {"index": index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
 class CompletionFormat(Format):
@@ -111,23 +113,45 @@ class CompletionFormat(Format):
         super().__init__(*args)
         self._offset: dict[int, int] = {}  # per choice: the text streamed so far
 
-    def _logprobs(self, index: int, lps: SampleLogprobs) -> dict:
+    def _logprobs(self, index: int, lps: list[dict[int, Logprob] | None],
+                  first_text: str = "") -> dict:
         """The completions logprobs object of tokens' entries, offsets running on from
-        what this choice already has."""
+        what this choice already has. A None entry (an echoed prompt's first token, of
+        text first_text) has null log-probabilities."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}
         at = self._offset.get(index, 0)
         for entry in lps:
-            chosen = next(iter(entry.values()))
-            text = chosen.decoded_token or ""
+            if entry is None:
+                text, value, top = first_text, None, None
+            else:
+                chosen = next(iter(entry.values()))
+                text, value = chosen.decoded_token or "", chosen.logprob
+                top = {lp.decoded_token or "": lp.logprob for lp in _top(entry, self.k)}
+                top.setdefault(text, chosen.logprob)
             out["tokens"].append(text)
-            out["token_logprobs"].append(chosen.logprob)
-            top = {lp.decoded_token or "": lp.logprob for lp in _top(entry, self.k)}
-            top.setdefault(text, chosen.logprob)
+            out["token_logprobs"].append(value)
             out["top_logprobs"].append(top)
             out["text_offset"].append(at)
             at += len(text)
         return out
+
+    def _prompt_part(self, index: int, prefix: str, prompt_ids: list[int],
+                     plp: list | None) -> dict | None:
+        """An echoed prompt's logprobs (None without logprobs); the choice's offsets then
+        run on after the prompt's text."""
+        self._offset[index] = 0
+        part = None
+        if self.k is not None and plp is not None:
+            first = self.tokenizer.decode(prompt_ids[:1]) if self.tokenizer else ""
+            part = self._logprobs(index, plp, first)
+        self._offset[index] = len(prefix)
+        return part
+
+    def echo(self, index: int, prefix: str, prompt_ids: list[int], plp: list | None) -> dict:
+        """A stream's first chunk of a choice with echo: the prompt (and its logprobs)."""
+        part = self._prompt_part(index, prefix, prompt_ids, plp)
+        return {"index": index, "text": prefix, "logprobs": part, "finish_reason": None}
 
     def delta(self, index: int, text: str | None, lps: SampleLogprobs | None,
               finish: str | None) -> dict:
@@ -138,9 +162,16 @@ class CompletionFormat(Format):
         return {"index": index, "text": text or "", "logprobs": logprobs,
                 "finish_reason": finish}
 
-    def choice(self, index: int, prefix: str, text: str, lps: SampleLogprobs | None,
-               finish: str) -> dict:
-        self._offset[index] = len(prefix)
-        logprobs = self._logprobs(index, lps or []) if self.k is not None else None
-        return {"index": index, "text": prefix + text, "logprobs": logprobs,
-                "finish_reason": finish}
+    def choice(self, index: int, out: RequestOutput, c: CompletionOutput,
+               prefix: str | None) -> dict:
+        part = None
+        self._offset[index] = 0
+        if prefix is not None:
+            part = self._prompt_part(index, prefix, out.prompt_token_ids, out.prompt_logprobs)
+        logprobs = None
+        if self.k is not None:
+            logprobs = self._logprobs(index, c.logprobs or [])
+            if part is not None:
+                logprobs = {key: part[key] + logprobs[key] for key in logprobs}
+        return {"index": index, "text": (prefix or "") + c.text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason}
