@@ -232,3 +232,39 @@ def test_accepting_drafts_with_adjustments(monkeypatch, model, draft, steps, top
         assert s.output_ids == truth[s.seq_id][len(s.prompt_ids):], s.seq_id
     acc = [a for s in seqs for a in s.spec.accepted]
     assert sum(acc) / len(acc) > (steps - 1 if noise == 0 else 0.5)
+
+
+def test_graph_steps_with_adjustments(model, draft):
+    """The CUDA-graph steps run eagerly (their static-shape functions): the plain decode
+    graph serves adjusted sequences (their logits are adjusted after it), the speculative
+    graph takes only unadjusted ones; output is still plain decoding's."""
+    from specscope.config import SpecPolicy
+
+    base = SpecConfig(draft="random", num_steps=3)
+    rng = random.Random(21)
+    prompts = _prompts(rng, len(PENALISED))
+
+    def run(engine):
+        seqs = [Sequence(f"s{i}", p, q) for i, (p, q) in enumerate(zip(prompts, PENALISED,
+                                                                       strict=True))]
+        _run(engine, seqs)
+        return [s.output_ids for s in seqs]
+
+    want = run(_engine(model))
+    cfg = BatchConfig(num_blocks=96, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+                      max_model_len=96)
+    engine = Engine(model, cfg, frozenset({EOS}), draft=draft, spec=base,
+                    policy=SpecPolicy.parse("2:3,1,4;8:off", base))
+    engine._make_graphs(capture=False)
+    ran = {"decode": [], "spec": []}
+    for name, key in (("_graph_decode", "decode"), ("_graph_spec", "spec")):
+        real = getattr(engine, name)
+
+        def counted(arg, _real=real, _key=key):
+            items = arg.scheduled if hasattr(arg, "scheduled") else arg
+            ran[_key].append([it.seq.params.adjusts_logits for it in items])
+            return _real(arg)
+        setattr(engine, name, counted)
+    assert run(engine) == want
+    assert any(any(flags) for flags in ran["decode"])  # adjusted rows in the decode graph
+    assert not any(any(flags) for flags in ran["spec"])

@@ -38,6 +38,13 @@ from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.draft_runner import DraftRunner, draft_slots
 from specscope.engine.logits import adjustment, count_emitted, token_state
+from specscope.engine.logprobs import (
+    LogprobRows,
+    TokenLogprobs,
+    logprob_rows,
+    prompt_logprob_rows,
+    unpack_logprobs,
+)
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SpecState
 from specscope.kvcache.block_pool import BlockPool
@@ -56,7 +63,6 @@ from specscope.sampling import (
     path_counts,
     processed_logits,
     sample,
-    token_logprobs,
 )
 from specscope.spec.simulate import simulated_paths
 from specscope.spec.tree import DraftTree
@@ -78,11 +84,6 @@ class BatchConfig:
     compile: bool = False  # torch.compile the target's forward
 
 
-# One generated token's log-probabilities: (its log-probability, its rank, the top
-# (token id, log-probability) pairs, most likely first), all under the target's raw logits.
-TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
-
-
 @dataclass
 class StepOutput:
     """What one step produced for one sequence: its new tokens and whether it finished.
@@ -94,19 +95,6 @@ class StepOutput:
     finished: bool
     accepted: int | None = None
     logprobs: list[TokenLogprobs] | None = None
-
-
-@dataclass
-class _LogprobRows:
-    """Log-probabilities of the sequences that ask for them, on the device until the read:
-    values [T, 2 + 2k] (sampling.token_logprobs), counts[i] consecutive rows for seqs[i]
-    (its emitted tokens, or with prompt=True its prompt tokens computed this step)."""
-
-    seqs: list[Sequence]
-    values: torch.Tensor
-    counts: list[int]
-    k: int
-    prompt: bool = False
 
 
 @dataclass
@@ -148,7 +136,7 @@ class _Verdicts:
     accepted: torch.Tensor
     emitted: torch.Tensor
     path_taps: torch.Tensor
-    logprobs: _LogprobRows | None = None
+    logprobs: LogprobRows | None = None
 
 
 class Engine:
@@ -527,7 +515,7 @@ class Engine:
         return adj.apply(logits, extra, adj.take(tree.depth))
 
     def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]
-                          ) -> tuple[torch.Tensor, _LogprobRows | None]:
+                          ) -> tuple[torch.Tensor, LogprobRows | None]:
         """Tokens [B] from the adjusted logits [B, V]; the log-probabilities of the rows that
         ask, from the raw ones; the tokens counted into their sequences' penalty state."""
         sampled = self._sample(self._process(logits, seqs), seqs)
@@ -535,37 +523,19 @@ class Engine:
         return sampled, self._logprobs(logits[:, None], sampled[:, None], seqs)
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
-                  ) -> _LogprobRows | None:
+                  ) -> LogprobRows | None:
         """The raw log-probabilities of tokens [B, W] under logits [B, W, V] for the rows
         whose params ask for logprobs (None: no row does)."""
-        rows = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not rows:
-            return None
-        k = max(seqs[r].params.logprobs for r in rows)
-        if len(rows) < len(seqs):
-            sel = upload(rows, torch.long, self.device)
-            raw, tokens = raw.index_select(0, sel), tokens.index_select(0, sel)
-        R, W, V = raw.shape
-        vals = token_logprobs(raw.reshape(R * W, V), tokens.reshape(-1).clamp_min(0), k)
-        return _LogprobRows([seqs[r] for r in rows], vals, [W] * R, k)
-
-    # Prompt rows whose logits one slice computes: bounds the [rows, V] logits of a long
-    # prefill chunk.
-    PROMPT_LOGITS_ROWS = 256
+        return logprob_rows(raw, tokens, seqs, self.device)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: _TargetBatch
-                         ) -> _LogprobRows | None:
+                         ) -> LogprobRows | None:
         """The prompt tokens' raw log-probabilities at the rows of this step's prefill
         chunks that predict them (SamplingParams.prompt_logprobs). hidden [T, H]."""
         if batch.prompt_seqs is None:
             return None
-        k = max(s.params.prompt_logprobs for s, _ in batch.prompt_seqs)
-        rows, tokens, step = batch.prompt_rows, batch.prompt_tokens, self.PROMPT_LOGITS_ROWS
-        vals = [token_logprobs(self.model.compute_logits(hidden[rows[i:i + step]]),
-                               tokens[i:i + step], k)
-                for i in range(0, rows.shape[0], step)]
-        seqs, counts = zip(*batch.prompt_seqs, strict=True)
-        return _LogprobRows(list(seqs), torch.cat(vals), list(counts), k, prompt=True)
+        return prompt_logprob_rows(self.model, hidden, batch.prompt_rows, batch.prompt_tokens,
+                                   batch.prompt_seqs)
 
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -652,7 +622,7 @@ class Engine:
 
     @staticmethod
     def _read(sampled: torch.Tensor, verdicts: _Verdicts | None,
-              lps: _LogprobRows | None, prompt_lps: _LogprobRows | None = None
+              lps: LogprobRows | None, prompt_lps: LogprobRows | None = None
               ) -> tuple[list[int], list[list[int]], dict[str, list[TokenLogprobs]]]:
         """The step's one device->host read: the sampled tokens, then each speculating
         sequence's accepted length and emitted tokens, then the log-probabilities (the
@@ -677,7 +647,7 @@ class Engine:
             counts, rest = flat[P:P + S], flat[P + S:]
             width = verdicts.emitted.shape[1]
             emitted = [rest[r * width:r * width + a + 1] for r, a in enumerate(counts)]
-        return flat[:P], emitted, _unpack_logprobs(packs, floats)
+        return flat[:P], emitted, unpack_logprobs(packs, floats)
 
     # -- 5. host bookkeeping ------------------------------------------------------------------
 
@@ -739,28 +709,3 @@ class Engine:
 
     def _tables(self, seqs: list[Sequence], pool: int) -> torch.Tensor:
         return block_tables([q.block_tables[pool] for q in seqs], self.device)
-
-
-def _unpack_logprobs(packs: list[_LogprobRows], floats: list[float]
-                     ) -> dict[str, list[TokenLogprobs]]:
-    """The read's log-probabilities (each pack's values [T, 2 + 2k], flattened in order)
-    as per-sequence lists of entries, each with its own number of top tokens. A prompt
-    pack's entries are appended to their sequences' prompt_lp instead."""
-    out: dict[str, list[TokenLogprobs]] = {}
-    at = 0
-    for pack in packs:
-        C, k = pack.values.shape[-1], pack.k
-        for seq, count in zip(pack.seqs, pack.counts, strict=True):
-            mine = seq.params.prompt_logprobs if pack.prompt else seq.params.logprobs
-            entries = []
-            for _ in range(count):
-                v = floats[at:at + C]
-                at += C
-                top = [(int(i), lp) for lp, i in zip(v[2:2 + mine], v[2 + k:2 + k + mine],
-                                                     strict=True)]
-                entries.append((v[0], int(v[1]), top))
-            if pack.prompt:
-                seq.prompt_lp.extend(entries)
-            else:
-                out.setdefault(seq.seq_id, []).extend(entries)
-    return out

@@ -2,8 +2,8 @@
 
 Every field a request sends is honoured or refused, never ignored: a field this server does
 not know is a 400 naming it, and an OpenAI field whose behaviour is not implemented (yet)
-is accepted only at its no-op value (a penalty of 0, `logprobs` off, no tools, ...) and
-refused, by name, otherwise. Wrong types and out-of-range values fail validation the same
+is accepted only at its no-op value (no tools, `response_format` text, `best_of` 1, ...)
+and refused, by name, otherwise. Wrong types and out-of-range values fail validation the same
 way: 400 invalid_request_error.
 """
 
