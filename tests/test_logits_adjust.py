@@ -268,3 +268,23 @@ def test_graph_steps_with_adjustments(model, draft):
     assert run(engine) == want
     assert any(any(flags) for flags in ran["decode"])  # adjusted rows in the decode graph
     assert not any(any(flags) for flags in ran["spec"])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
+    {"repetition_penalty": float("inf")}, {"min_p": 1.5}, {"min_tokens": -1},
+    {"min_tokens": 200, "max_tokens": 10}, {"logit_bias": {1: 101}}, {"logit_bias": {-1: 1}},
+    {"logit_bias": {"x": 1}}, {"logprobs": 21}, {"logprobs": -1}, {"prompt_logprobs": True},
+    {"n": 0},
+])
+def test_sampling_params_validation(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs)).split("_")[0]):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_flags():
+    assert not SamplingParams().adjusts_logits and not SamplingParams(min_p=0.2).adjusts_logits
+    assert SamplingParams(logit_bias={3: 1}).adjusts_logits
+    assert not SamplingParams(logit_bias={3: 1}).counts_tokens
+    assert SamplingParams(repetition_penalty=1.1).counts_tokens
+    assert SamplingParams(logit_bias={"7": -1, 2: 3}).logit_bias == ((2, 3.0), (7, -1.0))

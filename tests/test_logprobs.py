@@ -190,3 +190,12 @@ def test_prompt_logprobs(model, budget):
     assert deltas[0].prompt_logprobs is not None
     assert [list(e) for e in deltas[0].prompt_logprobs[1:]] == [[t] for t in ids[1:]]
     assert all(d.prompt_logprobs is None for d in deltas[1:])
+
+
+def test_n_choices_without_prefix_caching(model):
+    llm = LLM.from_model(model, block_size=4, max_num_seqs=4, enable_prefix_caching=False)
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True, n=3))
+    assert [len(o.outputs) for o in out] == [3, 3]
+    for o in out:  # greedy: every choice the same
+        assert len({tuple(c.token_ids) for c in o.outputs}) == 1
+    assert llm.engine.pool.all_free()
