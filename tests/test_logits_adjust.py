@@ -288,3 +288,41 @@ def test_sampling_params_flags():
     assert not SamplingParams(logit_bias={3: 1}).counts_tokens
     assert SamplingParams(repetition_penalty=1.1).counts_tokens
     assert SamplingParams(logit_bias={"7": -1, 2: 3}).logit_bias == ((2, 3.0), (7, -1.0))
+
+
+def test_draft_chain_is_adjusted_along_its_path():
+    """A greedy chain's draft token j is the argmax of the draft's logits adjusted after the
+    sequence's tokens and draft tokens 1..j-1 (depth j - 1), as the verify will adjust the
+    target's there."""
+    from types import SimpleNamespace
+
+    from specscope.spec.drafter import draft_chain
+
+    torch.manual_seed(0)
+    # The next logits depend on the token fed only, and favour it: unpenalised, a chain
+    # would repeat one token, so the path's own counts decide.
+    table = torch.randn(V, V) + 2.5 * torch.eye(V)
+    stub = SimpleNamespace(to_target=lambda d: d, config=SimpleNamespace(vocab_size=V))
+
+    def step(tokens, hidden, rope, slots, anc):
+        return hidden, table[tokens]
+
+    seqs = []
+    for i, p in enumerate(PENALISED):
+        seq = Sequence(f"s{i}", [i % V, (3 * i) % V], p)
+        seq.output_ids = [(5 * i + 1) % V, 2]
+        seq.logits_state = token_state(seq, V, frozenset({EOS}), torch.device("cpu"))
+        seqs.append(seq)
+    S, k = len(seqs), 5
+    root = torch.tensor([s.last_token for s in seqs])
+    tree = draft_chain(step, stub, torch.zeros(S, 4), table[root], root,
+                       torch.full((S,), 4), k, [s.params for s in seqs], [None] * S,
+                       adjust=adjustment(seqs, torch.device("cpu")))
+    for r, seq in enumerate(seqs):
+        drafted = tree.tokens[r, 1:].tolist()
+        for j in range(k):
+            prev = seq.last_token if j == 0 else drafted[j - 1]
+            want = adjust_logits_reference(table[prev], seq.prompt_ids,
+                                           seq.output_ids + drafted[:j], seq.params,
+                                           _stops(seq.params)).argmax()
+            assert drafted[j] == int(want), (r, j)

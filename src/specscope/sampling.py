@@ -145,6 +145,11 @@ class LogitsAdjustment:
     stop: torch.Tensor | None
     min_left: torch.Tensor | None
 
+    @property
+    def num_rows(self) -> int:
+        """R, the rows adjusted."""
+        return self.coef.shape[0]
+
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The adjusted rows of a batch tensor [B, ...] -> [R, ...]."""
         return t if self.rows is None else t.index_select(0, self.rows)

@@ -36,6 +36,14 @@ class TokenState:
     stop: torch.Tensor | None = None
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device; on CUDA through pinned memory, without a stream sync
+    (sequences are admitted between steps, while the previous step's work may still run)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def token_state(seq: Sequence, vocab: int, eos: frozenset[int],
                 device: torch.device) -> TokenState | None:
     """The state a sequence's params need (None when they adjust nothing), from its host
@@ -45,22 +53,22 @@ def token_state(seq: Sequence, vocab: int, eos: frozenset[int],
         return None
     st = TokenState()
     if p.counts_tokens:
-        st.counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long),
-                                   minlength=vocab).to(torch.int32).to(device)
+        st.counts = _to(torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long),
+                                       minlength=vocab).to(torch.int32), device)
         if p.repetition_penalty != 1:
             st.prompt = torch.zeros(vocab, dtype=torch.bool)
             st.prompt[torch.tensor(seq.prompt_ids, dtype=torch.long)] = True
-            st.prompt = st.prompt.to(device)
+            st.prompt = _to(st.prompt, device)
     if p.logit_bias:
         st.bias = torch.zeros(vocab)
         ids, vals = zip(*p.logit_bias, strict=True)
         st.bias[torch.tensor(ids)] = torch.tensor(vals)
-        st.bias = st.bias.to(device)
+        st.bias = _to(st.bias, device)
     if p.min_tokens > 0:
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
         st.stop = torch.zeros(vocab, dtype=torch.bool)
         st.stop[torch.tensor(sorted(t for t in stops if t < vocab), dtype=torch.long)] = True
-        st.stop = st.stop.to(device)
+        st.stop = _to(st.stop, device)
     return st
 
 

@@ -106,7 +106,8 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
             prof.mark(Phase.DRAFT_STEP, step=j)
         if adjust is not None:
             if path is None:
-                path = torch.zeros(adjust.take(logits).shape, dtype=torch.int32, device=dev)
+                path = torch.zeros(adjust.num_rows, logits.shape[-1], dtype=torch.int32,
+                                   device=dev)
             depth = torch.full((path.shape[0], 1), j - 1, dtype=torch.long, device=dev)
             logits = adjust.apply(logits[:, None], path[:, None], depth)[:, 0]
         d, q = _choose(logits, params, generators)
@@ -157,7 +158,7 @@ def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
     s1, ids1 = _scores_batch(logits0, params).topk(k, dim=-1)  # [S, k]
     beam_path = None  # [R, k, Vd] int32: each adjusted row's beams' draft tokens
     if adjust is not None:
-        zero = torch.zeros((*adjust.take(ids1).shape, logits0.shape[-1]), dtype=torch.int32,
+        zero = torch.zeros(adjust.num_rows, k, logits0.shape[-1], dtype=torch.int32,
                            device=dev)
         beam_path = _one_hot_add(zero, adjust.take(ids1))
     cand_tok = [draft.to_target(ids1)]  # per level: [S, k] then [S, k*k]
