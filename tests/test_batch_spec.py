@@ -10,14 +10,13 @@ import random
 
 import pytest
 import torch
-from reference import solo_greedy
+from reference import patch_oracle_drafts, solo_greedy
 
 from specscope.config import ModelConfig, SamplingParams, SpecConfig
 from specscope.draft.eagle3 import random_draft
 from specscope.engine.engine import BatchConfig, Engine
 from specscope.engine.sequence import Sequence
 from specscope.models.loader import random_model
-from specscope.spec.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -100,50 +99,7 @@ def test_batched_speculative_greedy_equals_each_sequence_alone(model, draft, ste
 
 
 def _oracle(monkeypatch, engine, truth, noise, seed):
-    """Drafts propose each sequence's true greedy continuation, each token corrupted with
-    probability `noise`, the correct child at a random rank among wrong siblings."""
-    rng = random.Random(seed)
-    spec = engine.spec
-
-    def wrong(t):
-        return (t + 1 + rng.randrange(V - 1)) % V
-
-    def one(seq):
-        full = truth[seq.seq_id]
-        n = seq.num_computed
-
-        def at(i):
-            return full[i] if i < len(full) else 0
-
-        tokens, parents, depth = [at(n)], [-1], [0]
-        cur, budget = 0, spec.num_draft_tokens - 1
-        for d in range(1, spec.num_steps + 1):
-            siblings = max(1, min(spec.topk, budget - (spec.num_steps - d)))
-            right, nxt = rng.randrange(siblings), cur
-            for r in range(siblings):
-                t = at(n + d)
-                if r != right or rng.random() < noise:
-                    t = wrong(t)
-                tokens.append(t)
-                parents.append(cur)
-                depth.append(d)
-                if r == right:
-                    nxt = len(tokens) - 1
-                budget -= 1
-            cur = nxt
-        while len(tokens) < spec.num_draft_tokens:
-            tokens.append(wrong(at(n + 1)))
-            parents.append(0)
-            depth.append(1)
-        return tokens, parents, depth
-
-    def fake(seqs, h0, logits0):
-        rows = [one(s) for s in seqs]
-        t = torch.tensor
-        return DraftTree(tokens=t([r[0] for r in rows]), parents=t([r[1] for r in rows]),
-                         depth=t([r[2] for r in rows]), chain=spec.topk == 1)
-
-    monkeypatch.setattr(engine, "_draft_trees", fake)
+    patch_oracle_drafts(monkeypatch, engine, truth, noise, seed, V)
 
 
 @pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, None), (6, 1, None), (3, 2, 6),

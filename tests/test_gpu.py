@@ -82,10 +82,10 @@ def test_cuda_decode_step_has_no_host_sync_but_its_read():
     reads = []
     real = Engine._read
 
-    def read(self, sampled, verdicts):
+    def read(self, *args):
         torch.cuda.set_sync_debug_mode("default")
         reads.append(1)
-        return real(self, sampled, verdicts)
+        return real(self, *args)
 
     Engine._read = read
     torch.cuda.synchronize()
@@ -276,10 +276,10 @@ def test_cuda_spec_graph_step_has_no_host_sync_but_its_read():
     calls, reads = [], []
     real_read, real_graph = Engine._read, Engine._graph_spec
 
-    def read(self, sampled, verdicts):
+    def read(self, *args):
         torch.cuda.set_sync_debug_mode("default")
         reads.append(1)
-        return real_read(self, sampled, verdicts)
+        return real_read(self, *args)
 
     def graph(self, items):
         calls.append(1)
@@ -346,10 +346,10 @@ def test_cuda_moe_decode_step_has_no_host_sync_but_its_read():
     reads = []
     real = Engine._read
 
-    def read(self, sampled, verdicts):
+    def read(self, *args):
         torch.cuda.set_sync_debug_mode("default")
         reads.append(1)
-        return real(self, sampled, verdicts)
+        return real(self, *args)
 
     Engine._read = read
     torch.cuda.synchronize()

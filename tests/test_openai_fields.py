@@ -23,11 +23,13 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 NAME = "tiny"
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 COMPLETION = {"model": NAME, "prompt": "Hi", "max_tokens": 2}
-# Honoured: the request's own content and the sampling specscope implements.
-# Structured output and tools are honoured too: test_structured_and_tool_fields.
+# Honoured: the request's own content and the sampling specscope implements (each is
+# checked to take effect in test_openai_sampling.py). Structured output and tools are
+# honoured too: test_structured_and_tool_fields.
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens",
             "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-            "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+            "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+            "echo", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # Accepted and asking for nothing generation-wise: end-user ids, metadata, a routing hint
 # (prefix caching is automatic).
 METADATA = {"user": "u1", "safety_identifier": "s1", "metadata": {"k": "v"},
@@ -35,9 +37,7 @@ METADATA = {"user": "u1", "safety_identifier": "s1", "metadata": {"k": "v"},
 # Not implemented yet: a value that asks for the behaviour (refused by name), and the no-op
 # value a client sending defaults sends (accepted).
 NOT_YET = {
-    "presence_penalty": (0.5, 0), "frequency_penalty": (0.5, 0.0),
-    "logit_bias": ({"1": 5}, {}), "top_logprobs": (2, 0), "best_of": (2, 1),
-    "echo": (True, False), "suffix": ("end", ""), "store": (True, False),
+    "best_of": (2, 1), "suffix": ("end", ""), "store": (True, False),
     "functions": ([{"name": "f"}], []),
     "function_call": ("auto", "none"), "modalities": (["text", "audio"], ["text"]),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
@@ -79,17 +79,22 @@ def test_every_openai_field_is_honoured_or_refused(srv, path, base, params):
             assert r.status_code == 200, (field, r.text)
             continue
         bad, noop = NOT_YET.get(field, ("x", None))  # a field we never heard of: "x"
-        if field == "logprobs":
-            bad, noop = (True, False) if path.endswith("chat/completions") else (1, None)
         r = _post(s, path, {**base, field: bad})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
         refused.append(field)
-        if field in NOT_YET or field == "logprobs":  # its no-op value passes
+        if field in NOT_YET:  # its no-op value passes
             r = _post(s, path, {**base, field: noop})
             assert r.status_code == 200, (field, noop, r.text)
-    assert "presence_penalty" in refused and "logprobs" in refused
-    r = _post(s, path, {**base, "n": 2})  # n is honoured at 1 only for now: refused above 1
-    assert r.status_code == 400 and "n" in r.json()["error"]["param"]
+    assert ("functions" if path.endswith("chat/completions") else "best_of") in refused
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -0.5),
+                         ("logit_bias", {"1": 5}), ("n", 2)):
+        r = _post(s, path, {**base, field: value})
+        assert r.status_code == 200, (field, r.text)
+    bad_values = [("presence_penalty", 2.5), ("logit_bias", {"x": 1}),
+                  ("logit_bias", {"1": 101}), ("logit_bias", {str(10**6): 1}), ("n", 0)]
+    for field, value in bad_values:
+        r = _post(s, path, {**base, field: value})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
 
 
 def test_unknown_fields_are_named(srv):

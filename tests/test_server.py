@@ -226,7 +226,7 @@ BAD = [
     ("chat", {"model": NAME, "messages": MSG, "seed": -1}, 400, "seed"),
     ("chat", {"model": NAME, "messages": MSG, "stop": 5}, 400, "stop"),
     ("chat", {"model": NAME, "messages": MSG, "stop": [""]}, 400, "stop"),
-    ("chat", {"model": NAME, "messages": MSG, "n": 2}, 400, "n"),
+    ("chat", {"model": NAME, "messages": MSG, "n": 0}, 400, "n"),
     ("chat", {"model": NAME, "messages": MSG, "stream": "yes please"}, 400, "stream"),
     ("chat", {"model": "gpt-9", "messages": MSG}, 404, "model"),
     ("chat", {"model": NAME, "messages": [{"role": "user", "content": "word " * 400}]}, 400,
@@ -234,7 +234,9 @@ BAD = [
     ("chat", {"model": NAME, "messages": MSG, "max_tokens": 250}, 400, "max_tokens"),
     ("cmpl", {"model": NAME}, 400, "prompt"),
     ("cmpl", {"model": NAME, "prompt": []}, 400, "prompt"),
-    ("cmpl", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": ["a", 5]}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": [[1, 2], []]}, 400, "prompt"),
+    ("cmpl", {"model": NAME, "prompt": ["a", "word " * 400]}, 400, "prompt[1]"),
     ("cmpl", {"model": NAME, "prompt": [1, 10**9]}, 400, "prompt"),
     ("cmpl", {"model": NAME, "prompt": 42}, 400, "prompt"),
     ("cmpl", {"model": NAME, "prompt": "word " * 400}, 400, "prompt"),
@@ -460,7 +462,7 @@ def test_metrics_move(srv):
     assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
     srv.client().completions.create(model=NAME, prompt="Hello", max_tokens=5,
                                     extra_body={"ignore_eos": True}, **GREEDY)
-    httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": "x", "n": 2})
+    httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": "x", "n": 0})
     after = httpx.get(f"{srv.url}/metrics").text
     ok = dict(endpoint="/v1/completions", status="200")
     bad = dict(endpoint="/v1/completions", status="400")
@@ -540,8 +542,9 @@ def test_profile_endpoints(srv, llm):
 
 
 def test_shutdown_stops_running_and_refuses_queued(llm, monkeypatch):
-    """After the grace period the running stream ends cleanly with an error event, a
-    queued request gets 503 (never started), and new requests get 503."""
+    """After the grace period the running stream ends cleanly with finish_reason "abort"
+    and an error event, a queued request gets 503 (never started), and new requests get
+    503."""
     produced: list = []
     slow_stream(monkeypatch, llm, 0.02, produced)
     closing = Running(create_app(llm, ServerConfig(served_model_name=NAME)))
@@ -561,6 +564,7 @@ def test_shutdown_stops_running_and_refuses_queued(llm, monkeypatch):
             refused = queued.result()
         events = _sse_events(got)
         assert events[-1]["error"]["code"] == "server_shutting_down"
+        assert events[-2]["choices"][0]["finish_reason"] == "abort"
         assert len(produced) < 100
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert refused.json()["error"]["code"] == "server_shutting_down"
@@ -616,11 +620,12 @@ def test_sigterm_mid_stream_shuts_down_cleanly(long_tiny_dir, tmp_path, grace):
         ended = time.time()
         events = _sse_events(got)
         text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
-        if grace == 0:  # stopped at the next cycle: an error event, after partial text
+        if grace == 0:  # stopped at the next cycle: "abort", then an error event
             err = events[-1]["error"]
             assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
             assert all("error" not in e for e in events[:-1])
-            assert text and events[-2]["choices"][0]["finish_reason"] is None
+            assert text and events[-2]["choices"][0]["finish_reason"] == "abort"
+            assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
             assert len(events) < max_tokens // 2  # well before the end
         else:  # the grace period let it finish
             assert events[-1]["choices"][0]["finish_reason"] == "length"

@@ -6,7 +6,9 @@ thousands of seeds. The joint law of (t1, t2, t3) is computed exactly from the t
 forwards, and the empirical counts are compared with a chi-square test (p = 1e-3). t1 comes
 from the prefill; t2 and t3 come from speculative cycles (accepted drafts, residual samples,
 bonus tokens), chain (sampled drafts, rejection with q) and tree (top-k children,
-sibling-by-sibling recursive rejection).
+sibling-by-sibling recursive rejection). Also with logits adjustments (penalties, logit_bias,
+min_tokens by depth, min_p): the law is then the adjusted one, each token's distribution
+computed by the per-token reference at its own prefix.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from specscope import LLM, SamplingParams
 from specscope.config import ModelConfig, SpecConfig
 from specscope.models.loader import random_model
+from specscope.sampling import adjust_logits_reference, processed_logits
 
 V = 8
 PROMPT = "1 2 3"
@@ -42,14 +45,23 @@ def target():
     return model
 
 
-def _exact_joint(model) -> torch.Tensor:
-    """P(t1, t2, t3) [V, V, V] from full forwards (no cache, no speculation)."""
+# Every adjustment at once; min_tokens=2 masks the stop id for t1 and t2 only (t3 may be
+# it), so the verify trees straddle the depth where the mask lifts.
+ADJUSTED = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6,
+                logit_bias={2: 1.5, 5: -2.0}, min_tokens=2, stop_token_ids=(4,), min_p=0.02)
+
+
+def _exact_joint(model, params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3) [V, V, V] from full forwards (no cache, no speculation), each token's
+    distribution adjusted by the per-token reference at its prefix."""
     prompt = [1, 2, 3]
 
     def probs(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             h, _ = model(torch.tensor([ids]), torch.arange(len(ids))[None])
-            return model.compute_logits(h[0, -1]).softmax(-1).double()
+            x = adjust_logits_reference(model.compute_logits(h[0, -1]), prompt,
+                                        ids[len(prompt):], params, set(params.stop_token_ids))
+            return processed_logits(x[None], params)[0].softmax(-1).double()
 
     joint = torch.zeros(V, V, V, dtype=torch.float64)
     p1 = probs(prompt)
@@ -61,12 +73,14 @@ def _exact_joint(model) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("steps", "topk", "ndt"), [(2, 1, None), (2, 2, 4)])
+@pytest.mark.parametrize(("steps", "topk", "ndt", "adjusted"), [
+    (2, 1, None, False), (2, 2, 4, False), (2, 1, None, True), (2, 2, 4, True)])
 def test_sampled_speculative_output_has_the_target_law(single_thread, target, steps, topk,
-                                                       ndt):
+                                                       ndt, adjusted):
     spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt)
     llm = LLM.from_model(target, spec=spec)
-    joint = _exact_joint(target).reshape(-1)
+    extra = ADJUSTED if adjusted else {}
+    joint = _exact_joint(target, SamplingParams(temperature=1.0, **extra)).reshape(-1)
     n, per_batch = 4000, 16
     counts = torch.zeros(V ** 3, dtype=torch.float64)
     accepted = 0
@@ -75,7 +89,7 @@ def test_sampled_speculative_output_has_the_target_law(single_thread, target, st
         # Several sequences per step, each with its own seeded generator.
         for seed in range(first, first + per_batch):
             llm.add_request(ids, SamplingParams(max_tokens=3, temperature=1.0, seed=seed,
-                                                ignore_eos=True))
+                                                ignore_eos=True, **extra))
         outs = []
         while llm.has_unfinished_requests():
             outs += [d.output for d in llm.step() if d.finished]

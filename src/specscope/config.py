@@ -295,11 +295,28 @@ class StructuredOutputs:
                              f"regex, choice, grammar; got {given or 'none'}")
 
 
+# The most top log-probabilities a token may return (OpenAI's top_logprobs bound).
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Mirrors the OpenAI / vLLM fields of the same names.
 
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1.0 disable those filters.
+
+    Logits adjustments (vLLM's semantics and order, sampling.py `adjust_logits`): logit_bias
+    (token id -> bias added to its logit, OpenAI's -100..100), min_tokens (EOS and
+    stop_token_ids masked until min_tokens tokens are generated), repetition_penalty (HF:
+    logits of tokens in the prompt or the output divided by it when positive, multiplied
+    when negative), frequency_penalty and presence_penalty (OpenAI: minus penalty x count,
+    minus penalty once, over the generated tokens). Greedy with adjustments is the argmax of
+    the adjusted logits. min_p (after temperature): tokens below min_p x the top token's
+    probability are dropped.
+
+    logprobs: None for none; k (0..20) for each generated token's log-probability and rank
+    under the target's raw distribution plus its k most likely tokens. n: independent
+    completions of one prompt (seed + i for choice i when seeded).
     """
 
     max_tokens: int = 128
@@ -314,6 +331,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (engine/grammar.py).
     structured_outputs: StructuredOutputs | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    # Sorted (token id, bias) pairs; a dict is accepted (kept hashable, like the tuples above).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    # Log-probabilities of the prompt's tokens (each under its prefix), k top ones as above.
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -347,10 +375,56 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputs):
             raise ValueError(f"structured_outputs must be a StructuredOutputs, got {so!r}")
+        self._check_adjustments()
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                _check_int(name, v, 0, MAX_LOGPROBS)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                             f"({self.max_tokens})")
+        _check_int("n", self.n, 1)
+
+    def _check_adjustments(self) -> None:
+        """The penalties, min_p and logit_bias: finite and in range (vLLM's ranges)."""
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("min_p", 0.0, 1.0)):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi):
+                raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
+        r = self.repetition_penalty
+        if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
+                and r > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = sorted((int(t), float(b)) for t, b in pairs)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in pairs):
+            raise ValueError(f"logit_bias takes token ids >= 0 and biases in [-100, 100], "
+                             f"got {bias!r}")
+        object.__setattr__(self, "logit_bias", tuple(pairs))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any adjustment before sampling applies (sampling.py `adjust_logits`);
+        sequences without one skip that work altogether."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or bool(self.logit_bias)
+                or self.min_tokens > 0)
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a penalty reads the sequence's token counts."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from specscope.kvcache.paged import (
     with_pieces,
 )
 from specscope.profiler import Profiler
+from specscope.sampling import LogitsAdjustment
 from specscope.spec.drafter import DraftMask, draft_chain, draft_tree
 from specscope.spec.tree import DraftTree
 
@@ -50,6 +51,7 @@ class DraftRunner:
         self.kv = PagedKV(dc.num_layers, num_blocks + 1, block_size, dc.num_kv_heads,
                           dc.head_dim, dtype, device)
         self.scratch_block = num_blocks
+        self._target_ids: torch.Tensor | None = None
         draft.ensure_rope(max_model_len)
 
     def _pieces(self, meta: BatchMeta, pieces: list[tuple[int, int, int]],
@@ -122,25 +124,40 @@ class DraftRunner:
 
     def trees(self, seqs: list[Sequence], h0: torch.Tensor, logits0: torch.Tensor,
               spec: SpecConfig, timer: Profiler | None = None,
-              mask: DraftMask | None = None) -> DraftTree:
+              adjust: LogitsAdjustment | None = None, mask: DraftMask | None = None
+              ) -> DraftTree:
         """Every speculating sequence's chain or tree, each draft step one batched forward
-        over the draft's paged KV (mask: the structured-output constraint, if any)."""
+        over the draft's paged KV. adjust: the sequences' logits adjustments over the
+        target's vocabulary (None: none), applied to the draft's as to the target's; mask:
+        the structured-output constraint, if any."""
         dev = self.device
         n_host = [s.num_computed for s in seqs]  # each root's position
         slots = draft_slots(spec)
+        if adjust is not None:
+            adjust = adjust.in_vocab(self.target_ids)
         return self.steps(block_tables([s.block_tables[1] for s in seqs], dev),
                           upload(n_host, torch.long, dev),
                           upload([s.last_token for s in seqs], torch.long, dev), h0, logits0,
                           spec, [s.params for s in seqs], [s.generator for s in seqs],
-                          [x + slots for x in n_host], timer, mask=mask)
+                          [x + slots for x in n_host], timer, adjust=adjust, mask=mask)
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """[Vd] int64: the target-vocabulary id of every draft-vocabulary token."""
+        if self._target_ids is None:
+            vd = self.draft.d2t.shape[0]
+            self._target_ids = self.draft.to_target(torch.arange(vd, device=self.device))
+        return self._target_ids
 
     def steps(self, tables: torch.Tensor, n: torch.Tensor, root: torch.Tensor,
               h0: torch.Tensor, logits0: torch.Tensor, spec: SpecConfig, params: list,
               generators: list, keys: list[int], timer: Profiler | None = None,
-              plans: dict | None = None, mask: DraftMask | None = None) -> DraftTree:
+              plans: dict | None = None, adjust: LogitsAdjustment | None = None,
+              mask: DraftMask | None = None) -> DraftTree:
         """The draft steps of S sequences: roots root [S] at positions n [S], their draft
         block tables [S, blocks], and keys[s] a host-known bound on the positions sequence
-        s sees (a CUDA-graph step passes the context limit for every row)."""
+        s sees (a CUDA-graph step passes the context limit for every row). adjust: over
+        the draft's vocabulary."""
         dev, bs = self.device, self.block_size
         S = n.shape[0]
         rows = torch.arange(S, device=dev)
@@ -161,6 +178,6 @@ class DraftRunner:
 
         if spec.topk == 1:
             return draft_chain(step, self.draft, h0, logits0, root, n, spec.num_steps, params,
-                               generators, timer, mask)
+                               generators, timer, adjust, mask)
         return draft_tree(step, self.draft, h0, logits0, root, n, spec.num_steps, spec.topk,
-                          spec.num_draft_tokens, params, timer, mask)
+                          spec.num_draft_tokens, params, timer, adjust, mask)

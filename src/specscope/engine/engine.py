@@ -16,9 +16,17 @@
 5. the **commit** of every accepted tree path into place (kvcache/paged.py); the path's
    taps become the next extend's pending pairs.
 
-The step's one device->host read is `_read`: the sampled tokens, the accepted lengths and
-the emitted tokens, in one tensor (with a MoE target, also each MoE layer's count of distinct
-experts the forward activated). Everything per request lives in its `Sequence`.
+Logits are adjusted (penalties, logit_bias, min_tokens) in one place, `_process`, before
+sampling and before verification alike; in a verify every tree node gets the adjustment of
+its own prefix (the sequence's tokens and its path's), so speculative output has exactly
+plain decoding's law. Log-probabilities are the target's raw distribution (the logits'
+log_softmax before any adjustment or filter, as vLLM's default `raw_logprobs`), read with
+the tokens.
+
+The step's one device->host read is `_read`: the sampled tokens, the accepted lengths, the
+emitted tokens, any log-probabilities and, with a MoE target, each MoE layer's count of
+distinct experts the forward activated, in one tensor. Everything per request lives in its
+`Sequence`.
 """
 
 from __future__ import annotations
@@ -31,6 +39,14 @@ from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.draft_runner import DraftRunner, draft_slots
 from specscope.engine.grammar import constrain_rows, constrain_trees, draft_constraint
+from specscope.engine.logits import adjustment, count_emitted, token_state
+from specscope.engine.logprobs import (
+    LogprobRows,
+    TokenLogprobs,
+    logprob_rows,
+    prompt_logprob_rows,
+    unpack_logprobs,
+)
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SpecState
 from specscope.kvcache.block_pool import BlockPool
@@ -43,7 +59,12 @@ from specscope.kvcache.paged import (
     with_pieces,
 )
 from specscope.profiler import Phase, Profiler
-from specscope.sampling import make_generator, processed_logits, sample
+from specscope.sampling import (
+    make_generator,
+    path_counts,
+    processed_logits,
+    sample,
+)
 from specscope.spec.simulate import simulated_paths
 from specscope.spec.tree import DraftTree
 from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch, verify_sampling
@@ -67,12 +88,14 @@ class BatchConfig:
 @dataclass
 class StepOutput:
     """What one step produced for one sequence: its new tokens and whether it finished.
-    accepted: draft tokens accepted, for a speculative step (None for a plain one)."""
+    accepted: draft tokens accepted, for a speculative step (None for a plain one).
+    logprobs: one entry per new token when its params ask for logprobs (else None)."""
 
     seq: Sequence
     new_tokens: list[int]
     finished: bool
     accepted: int | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -102,6 +125,11 @@ class _TargetBatch:
     last_rows: torch.Tensor  # [rows that sample] on the device
     sampling: list[int]
     tree_base: int
+    # Prompt log-probabilities: the rows predicting prompt tokens, those tokens (device),
+    # and per sequence how many (host).
+    prompt_rows: torch.Tensor | None = None
+    prompt_tokens: torch.Tensor | None = None
+    prompt_seqs: list[tuple[Sequence, int]] | None = None
 
 
 @dataclass
@@ -112,6 +140,7 @@ class _Verdicts:
     accepted: torch.Tensor
     emitted: torch.Tensor
     path_taps: torch.Tensor
+    logprobs: LogprobRows | None = None
 
 
 class Engine:
@@ -209,6 +238,9 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         if seq.generator is None and not seq.params.greedy:
             seq.generator = make_generator(seq.params.seed, self.device)
+        # Built from the host tokens: also right for a sequence carried from another engine.
+        seq.logits_state = token_state(seq, self.model.config.vocab_size, self.eos,
+                                       self.device)
         self.scheduler.add(seq)
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
@@ -273,16 +305,18 @@ class Engine:
         if spec_idx:
             self._mark(Phase.ACCEPT)
         logits = self.model.compute_logits(hidden[0, batch.last_rows])
-        sampled = self._sample(logits, [items[i].seq for i in batch.sampling])
+        seqs = [items[i].seq for i in batch.sampling]
+        sampled, lps = self._sample_processed(logits, seqs)
+        prompt_lps = self._prompt_logprobs(hidden[0], batch)
         verdicts = None
         if spec_idx:
             verdicts = self._verify(items, spec_idx, tree, hidden[0, batch.tree_base:],
                                     taps[0, batch.tree_base:])
-        counts, emitted = self._read(sampled, verdicts)
+        counts, emitted, logprobs = self._read(sampled, verdicts, lps, prompt_lps)
         if self.timer is not None:
             self.timer.stop()
         return self._update(items, batch.pieces, dict(zip(batch.sampling, counts, strict=True)),
-                            spec_idx, emitted, taps, verdicts)
+                            spec_idx, emitted, taps, verdicts, logprobs)
 
     def _graphable(self, items: list[Scheduled]) -> bool:
         """A step of plain decode tokens only, within the captured buckets; with a draft,
@@ -311,26 +345,31 @@ class Engine:
             for seq in seqs:
                 seq.spec.taps = None
                 self.scheduler.computed(seq, 0, 1)
-        tokens, _ = self._read(self._sample(logits, seqs), None)
+        sampled, lps = self._sample_processed(logits, seqs)
+        tokens, _, logprobs = self._read(sampled, None, lps)
         if self.timer is not None:
             self.timer.stop()
         out = []
         for r, (s, t) in enumerate(zip(seqs, tokens, strict=True)):
             if draft:
                 self._pend(s, taps[r:r + 1])
-            out.append(self._advance(s, [t], 1, None))
+            out.append(self._advance(s, [t], 1, None, logprobs.get(s.seq_id)))
         return out
 
     def _spec_graphable(self, items: list[Scheduled], spec_idx: list[int]) -> bool:
         """A step of speculating greedy sequences only, each with at most a verify's worth of
-        pending draft pairs (not the first step after a prefill), within the buckets."""
+        pending draft pairs (not the first step after a prefill), within the buckets. A
+        sequence with logits adjustments or logprobs runs eagerly: the captured step has
+        neither (the plain decode graph returns its logits, so there they apply after it)."""
         g = self.spec_graphs
         if g is None or not spec_idx or len(spec_idx) < len(items) or len(items) > g.max_batch:
             return False
         width = self.spec.num_steps + 1
-        # A constrained sequence's masks need host reads between draft steps: eager.
-        return all(it.seq.params.greedy and it.seq.spec.taps.shape[0] <= width and
-                   it.seq.grammar is None for it in items)
+        # Constrained, adjusted and logprob sequences need work between draft steps or
+        # around the verify that the captured step does not do: eager.
+        return all(it.seq.params.greedy and it.seq.spec.taps.shape[0] <= width
+                   and it.seq.logits_state is None and it.seq.params.logprobs is None
+                   and it.seq.grammar is None for it in items)
 
     def _graph_spec(self, items: list[Scheduled]) -> list[StepOutput]:
         """A pure speculative step as two replays (engine/cuda_graph.py SpecGraphs): the
@@ -351,10 +390,10 @@ class Engine:
         v = g.verify()
         # The next replay overwrites the graph's outputs: keep this step's path taps.
         verdicts = _Verdicts(v.accepted[:S], v.emitted[:S], v.path_taps[:S].clone())
-        _, emitted = self._read(v.accepted.new_empty(0), verdicts)
+        _, emitted, _ = self._read(v.accepted.new_empty(0), verdicts, None)
         if self.timer is not None:
             self.timer.stop()
-        return self._update(items, [], {}, list(range(S)), emitted, None, verdicts)
+        return self._update(items, [], {}, list(range(S)), emitted, None, verdicts, {})
 
     def _draft_static(self, ids: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
                       taps: torch.Tensor, tables: torch.Tensor, n: torch.Tensor,
@@ -402,10 +441,12 @@ class Engine:
 
     def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor,
                      logits0: torch.Tensor) -> DraftTree:
-        """Every speculating sequence's chain or tree (the seam tests replace); constrained
+        """Every speculating sequence's chain or tree (the seam tests replace), its draft
+        distributions adjusted as the target's will be at each node, and constrained
         sequences' draft steps masked by their grammars."""
         mask = draft_constraint([s.grammar for s in seqs], self.draft)
-        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer, mask)
+        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer,
+                                  adjustment(seqs, self.device), mask)
 
     # -- 3. the target forward ----------------------------------------------------------------
 
@@ -414,11 +455,19 @@ class Engine:
         dev, bs = self.device, self.config.block_size
         window = self.model.config.sliding_window
         ids, pos, rows, pieces, last, sampling = [], [], [], [], [], []
+        p_rows, p_tokens, p_seqs = [], [], []
         for i, item in enumerate(items):
             if item.speculative:
                 continue
             seq, m = item.seq, item.num_tokens
             a = seq.num_computed
+            if seq.wants_prompt_logprobs:
+                # Row j (position) predicts prompt token j + 1; those not yet recorded.
+                lo, hi = max(a, len(seq.prompt_lp)), min(a + m, len(seq.prompt_ids) - 1)
+                if hi > lo:
+                    p_rows += range(len(ids) + lo - a, len(ids) + hi - a)
+                    p_tokens += seq.prompt_ids[lo + 1:hi + 1]
+                    p_seqs.append((seq, hi - lo))
             pieces.append((i, len(ids), m))
             ids += seq.tokens(a, a + m)
             pos += range(a, a + m)
@@ -449,10 +498,54 @@ class Engine:
         mc = self.model.config
         meta = with_pieces(BatchMeta.cat(metas), parts, mc.num_heads, mc.num_kv_heads,
                            self.device)
-        return _TargetBatch(ids_t, rope, meta, pieces, upload(last, torch.long, dev), sampling,
-                            base)
+        out = _TargetBatch(ids_t, rope, meta, pieces, upload(last, torch.long, dev), sampling,
+                           base)
+        if p_seqs:
+            out.prompt_rows = upload(p_rows, torch.long, dev)
+            out.prompt_tokens = upload(p_tokens, torch.long, dev)
+            out.prompt_seqs = p_seqs
+        return out
 
     # -- 4. sample and verify -----------------------------------------------------------------
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence],
+                 tree: DraftTree | None = None) -> torch.Tensor:
+        """The one place a batch's target logits are adjusted before sampling or verify
+        (penalties, logit_bias, min_tokens; rows without any pass as they were). logits
+        [B, V], one row per sequence sampling; or [S, N, V] with `tree`: node i of tree s
+        adjusted for its own prefix, the sequence's tokens then the path to i (its counts,
+        and its depth for min_tokens), exactly what plain decoding uses there."""
+        adj = adjustment(seqs, self.device)
+        if adj is None:
+            return logits
+        if tree is None:
+            return adj.apply(logits[:, None])[:, 0]
+        anc = tree.ancestor_mask(self.spec.num_steps)  # [S, N, N]
+        extra = path_counts(adj.take(tree.tokens), adj.take(anc), logits.shape[-1])
+        return adj.apply(logits, extra, adj.take(tree.depth))
+
+    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]
+                          ) -> tuple[torch.Tensor, LogprobRows | None]:
+        """Tokens [B] from the adjusted logits [B, V]; the log-probabilities of the rows that
+        ask, from the raw ones; the tokens counted into their sequences' penalty state."""
+        sampled = self._sample(self._process(logits, seqs), seqs)
+        count_emitted(seqs, sampled[:, None])
+        return sampled, self._logprobs(logits[:, None], sampled[:, None], seqs)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
+                  ) -> LogprobRows | None:
+        """The raw log-probabilities of tokens [B, W] under logits [B, W, V] for the rows
+        whose params ask for logprobs (None: no row does)."""
+        return logprob_rows(raw, tokens, seqs, self.device)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: _TargetBatch
+                         ) -> LogprobRows | None:
+        """The prompt tokens' raw log-probabilities at the rows of this step's prefill
+        chunks that predict them (SamplingParams.prompt_logprobs). hidden [T, H]."""
+        if batch.prompt_seqs is None:
+            return None
+        return prompt_logprob_rows(self.model, hidden, batch.prompt_rows, batch.prompt_tokens,
+                                   batch.prompt_seqs)
 
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -470,16 +563,23 @@ class Engine:
         """Verify every tree, commit the accepted paths, gather their taps."""
         seqs = [items[i].seq for i in spec_idx]
         S, N = len(seqs), tree.size
-        logits = self.model.compute_logits(hidden).view(S, N, -1)
-        # Structured output: each node's row masked by its path's grammar state.
-        logits = constrain_trees(logits, tree.tokens, tree.parents, [s.grammar for s in seqs])
+        raw = self.model.compute_logits(hidden).view(S, N, -1)
+        # Adjusted per node by its own prefix, then masked by its path's grammar state.
+        logits = constrain_trees(self._process(raw, seqs, tree), tree.tokens, tree.parents,
+                                 [s.grammar for s in seqs])
         path, a, bonus = self._accept(seqs, tree, logits)
         self._mark(Phase.KV_COMMIT)
         tables = n = None  # a chain's accepted nodes already sit in place: nothing to upload
         if not tree.chain:
             tables = self._tables(seqs, 0)
             n = upload([s.num_computed for s in seqs], torch.long, self.device)
-        return self._commit_paths(tree, path, a, bonus, taps, tables, n)
+        v = self._commit_paths(tree, path, a, bonus, taps, tables, n)
+        count_emitted(seqs, v.emitted)
+        if any(s.params.logprobs is not None for s in seqs):
+            # Emitted token j comes after path node j: its row of the target's raw logits.
+            node = path.clamp_min(0)[..., None].expand(-1, -1, raw.shape[-1])  # [S, k+1, V]
+            v.logprobs = self._logprobs(raw.gather(1, node), v.emitted, seqs)
+        return v
 
     def _accept(self, seqs: list[Sequence], tree: DraftTree, logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -534,51 +634,65 @@ class Engine:
         rows = logits.gather(1, end[..., None].expand(-1, 1, logits.shape[-1]))[:, 0]
         return path, a, rows.argmax(-1)
 
-    def _read(self, sampled: torch.Tensor, verdicts: _Verdicts | None
-              ) -> tuple[list[int], list[list[int]]]:
+    def _read(self, sampled: torch.Tensor, verdicts: _Verdicts | None,
+              lps: LogprobRows | None, prompt_lps: LogprobRows | None = None
+              ) -> tuple[list[int], list[list[int]], dict[str, list[TokenLogprobs]]]:
         """The step's one device->host read: the sampled tokens, then each speculating
         sequence's accepted length and emitted tokens, then (MoE) each MoE layer's distinct
-        experts, whose mean goes to last_stats.experts_active."""
-        parts = [sampled]
-        if verdicts is not None:
-            parts += [verdicts.accepted, verdicts.emitted.reshape(-1)]
+        experts, whose mean goes to last_stats.experts_active, then the log-probabilities
+        (the sampled rows', the verified rows', by sequence id; the prompt rows' go straight
+        to their sequences' prompt_lp). With log-probabilities in the step everything goes
+        as fp64 (exact for token ids and counts), else as int64."""
+        ints = [sampled] if verdicts is None else [sampled, verdicts.accepted,
+                                                   verdicts.emitted.reshape(-1)]
         experts = self._experts() if self._experts is not None else None
         if experts is not None:
-            parts.append(experts)
-        flat = torch.cat(parts).tolist() if len(parts) > 1 else sampled.tolist()
+            ints.append(experts)
+        packs = [x for x in (lps, verdicts.logprobs if verdicts else None, prompt_lps)
+                 if x is not None]
+        if packs:
+            flat = torch.cat([t.double() for t in ints]
+                             + [x.values.reshape(-1) for x in packs]).tolist()
+            n_int = sum(t.numel() for t in ints)
+            flat, floats = [int(x) for x in flat[:n_int]], flat[n_int:]
+        else:
+            flat = torch.cat(ints).tolist() if len(ints) > 1 else sampled.tolist()
+            floats = []
         if experts is not None:
             n = experts.shape[0]
             flat, layers = flat[:-n], flat[-n:]
             self.last_stats.experts_active = sum(layers) / n
-        if verdicts is None:
-            return flat, []
-        S = verdicts.accepted.shape[0]
         P = sampled.shape[0]
-        counts, rest = flat[P:P + S], flat[P + S:]
-        width = verdicts.emitted.shape[1]
-        emitted = [rest[r * width:r * width + a + 1] for r, a in enumerate(counts)]
-        return flat[:P], emitted
+        emitted: list[list[int]] = []
+        if verdicts is not None:
+            S = verdicts.accepted.shape[0]
+            counts, rest = flat[P:P + S], flat[P + S:]
+            width = verdicts.emitted.shape[1]
+            emitted = [rest[r * width:r * width + a + 1] for r, a in enumerate(counts)]
+        return flat[:P], emitted, unpack_logprobs(packs, floats)
 
     # -- 5. host bookkeeping ------------------------------------------------------------------
 
     def _update(self, items: list[Scheduled], pieces: list[tuple[int, int, int]],
                 tokens_at: dict[int, int], spec_idx: list[int], emitted: list[list[int]],
-                taps: torch.Tensor | None, verdicts: _Verdicts | None) -> list[StepOutput]:
+                taps: torch.Tensor | None, verdicts: _Verdicts | None,
+                logprobs: dict[str, list[TokenLogprobs]]) -> list[StepOutput]:
         """Every scheduled sequence's tokens and pending taps. pieces: the causal pieces
-        (item, first row, rows); tokens_at: the token sampled per item."""
+        (item, first row, rows); tokens_at: the token sampled per item; logprobs: per
+        sequence id, one entry per emitted token (or more: cut to what is kept)."""
         out: dict[int, StepOutput] = {}
         for i, start, m in pieces:
             seq = items[i].seq
             if taps is not None:
                 self._pend(seq, taps[0, start:start + m])
             new = [tokens_at[i]] if i in tokens_at else []
-            out[i] = self._advance(seq, new, m, None)
+            out[i] = self._advance(seq, new, m, None, logprobs.get(seq.seq_id))
         for r, i in enumerate(spec_idx):
             seq, new = items[i].seq, emitted[r]
             a = len(new) - 1
             seq.spec.accepted.append(a)
             self._pend(seq, verdicts.path_taps[r, :a + 1])
-            out[i] = self._advance(seq, new, a + 1, a)
+            out[i] = self._advance(seq, new, a + 1, a, logprobs.get(seq.seq_id))
         return [out[i] for i in range(len(items))]
 
     @staticmethod
@@ -588,8 +702,8 @@ class Engine:
             seq.spec = SpecState()
         seq.spec.taps = taps
 
-    def _advance(self, seq: Sequence, new: list[int], computed: int,
-                 accepted: int | None) -> StepOutput:
+    def _advance(self, seq: Sequence, new: list[int], computed: int, accepted: int | None,
+                 logprobs: list[TokenLogprobs] | None = None) -> StepOutput:
         """Append the step's tokens up to the first stop; register the computed positions,
         or end the sequence (its blocks are free for the next step)."""
         kept = []
@@ -598,9 +712,11 @@ class Engine:
             kept.append(t)
             if self._stops(seq):
                 self.scheduler.finish(seq, seq.finish_reason)
-                return StepOutput(seq, kept, True, accepted)
+                return StepOutput(seq, kept, True, accepted,
+                                  None if logprobs is None else logprobs[:len(kept)])
         self.scheduler.computed(seq, computed, 0 if self.draft is not None else None)
-        return StepOutput(seq, kept, False, accepted)
+        return StepOutput(seq, kept, False, accepted,
+                          None if logprobs is None else logprobs[:len(kept)])
 
     def _stops(self, seq: Sequence) -> bool:
         t = seq.output_ids[-1]

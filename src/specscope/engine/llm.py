@@ -5,6 +5,11 @@ prompts as one batch, `stream` one request, and the server feeds many through
 `add_request` / `step` / `abort_request` (vLLM's LLMEngine names). A request's text, stop
 strings and timings live in its `Request`; its tokens, KV blocks and speculative state in
 its `Sequence`.
+
+A request of n choices (SamplingParams.n) is n sequences of one prompt: the first is added
+at once, the others once its prompt is computed, so they are admitted with its prompt's
+blocks from the prefix cache (every full block; each computes only its last partial one).
+Seeded, choice i draws from seed + i.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +42,13 @@ from specscope.config import (
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput
 from specscope.engine.grammar import Grammar, GrammarCompiler
-from specscope.engine.request import Request, RequestOutput
+from specscope.engine.request import (
+    Request,
+    RequestOutput,
+    SampleLogprobs,
+    prompt_logprobs,
+    request_output,
+)
 from specscope.engine.sequence import Sequence
 from specscope.engine.speculative import SpecStats, load_spec_draft
 from specscope.engine.tokenizer import (
@@ -61,11 +72,29 @@ Prompt = str | Messages
 
 
 @dataclass
+class _Group:
+    """A request's choices in flight: their sequences and text states by index, the
+    sequences not yet in the engine (added once the first's prompt is cached), and how many
+    have finished."""
+
+    request_id: str
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+    choices: list[Request]
+    waiting: list[Sequence] = field(default_factory=list)
+    done: int = 0
+    prompt_sent: bool = False  # its prompt log-probabilities went out with a delta
+
+
+@dataclass
 class _Active:
-    """A request in flight: its engine sequence and its text state."""
+    """A choice in flight: its engine sequence, its text state, its request, and how many
+    of its log-probability entries were streamed."""
 
     seq: Sequence
     req: Request
+    group: _Group
+    lp_sent: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,13 +115,18 @@ class StepRecord:
 
 @dataclass
 class StreamDelta:
-    """One cycle's worth of output while streaming."""
+    """One cycle's worth of output of one choice (`index`) while streaming."""
 
     request_id: str
     text: str  # new text (may be empty while a multi-byte char or stop-string prefix waits)
     token_ids: list[int]  # tokens emitted this cycle
-    finished: bool
+    finished: bool  # the whole request is done (every choice): output is set
     output: RequestOutput | None = None  # set on the final delta
+    index: int = 0  # the choice this delta belongs to
+    finish_reason: str | None = None  # set on the choice's last delta
+    logprobs: SampleLogprobs | None = None  # the entries of the tokens this delta kept
+    # With SamplingParams.prompt_logprobs: on the request's first delta (RequestOutput's).
+    prompt_logprobs: list | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -243,7 +277,8 @@ class LLM:
         # its own engine thread instead); callers on other threads queue here.
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id holding _lock
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, _Active] = {}  # by sequence id (one per choice)
+        self._groups: dict[str, _Group] = {}  # by request id
         # Deltas a generate/stream call stepped out for other callers' requests (a server
         # calibration running between steps): the next step() hands them over.
         self._undelivered: list[StreamDelta] = []
@@ -466,7 +501,7 @@ class LLM:
                         if d.finished:
                             return
             finally:
-                if rid in self._active:
+                if rid in self._groups:
                     self.abort_request(rid)  # closed early: free its blocks now
 
     @contextlib.contextmanager
@@ -493,34 +528,78 @@ class LLM:
 
     # -- the request-level API (the server's) ------------------------------------------------
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary."""
+        V = self.model_config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= V]
+        if bad:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {V}): "
+                             f"{bad[:8]}")
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, grammar: Grammar | None = None) -> str:
-        """Queue a request for the next steps; returns its id. Checked like `stream`.
-        grammar: params.structured_outputs already compiled (`self.grammars.compile`), so
-        that a server compiles it off its engine thread; else it is compiled here."""
+        """Queue a request (params.n choices) for the next steps; returns its id. Checked
+        like `stream`. grammar: params.structured_outputs already compiled
+        (`self.grammars.compile`), so that a server compiles it off its engine thread; else
+        it is compiled here (and for every choice after the first: each has its own)."""
         self._check_length(len(prompt_ids), params)
+        self.check_params(params)
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._active:
+        if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already running")
-        seed = params.seed
-        if seed is None and self.seed is not None:  # --seed: every run draws the same
-            seed = self.seed + next(self._seeds)
-        gen = None if params.greedy else make_generator(seed, self.device)
-        seq = Sequence(rid, list(prompt_ids), params, gen, arrival=time.perf_counter())
-        if params.structured_outputs is not None:
-            seq.grammar = grammar or self.grammars.compile(params.structured_outputs)
-        self.engine.add(seq)
-        self._active[rid] = _Active(seq, Request(rid, list(prompt_ids), params, self.tokenizer))
+        n, now = params.n, time.perf_counter()
+        child = params if n == 1 else replace(params, n=1)
+        group = _Group(rid, list(prompt_ids), [], [])
+        for i in range(n):
+            if i == 1 and params.prompt_logprobs is not None:  # the first computes them
+                child = replace(child, prompt_logprobs=None)
+            seed = None if params.seed is None else params.seed + i
+            if seed is None and self.seed is not None:  # --seed: every run draws the same
+                seed = self.seed + next(self._seeds)
+            gen = None if params.greedy else make_generator(seed, self.device)
+            sid = rid if n == 1 else f"{rid}#{i}"
+            seq = Sequence(sid, list(prompt_ids), child, gen, arrival=now)
+            if params.structured_outputs is not None:
+                seq.grammar = (grammar if i == 0 and grammar is not None
+                               else self.grammars.compile(params.structured_outputs))
+            req = Request(rid, list(prompt_ids), child, self.tokenizer, index=i)
+            group.seqs.append(seq)
+            group.choices.append(req)
+            self._active[sid] = _Active(seq, req, group)
+        self._groups[rid] = group
+        self.engine.add(group.seqs[0])
+        if self.engine_config.enable_prefix_caching:
+            group.waiting = group.seqs[1:]  # after the first's prompt: cached blocks
+        else:
+            for seq in group.seqs[1:]:
+                self.engine.add(seq)
         return rid
 
-    def abort_request(self, request_id: str) -> None:
-        """End a request now (client gone, cancelled): its KV blocks are freed."""
-        act = self._active.pop(request_id, None)
-        if act is not None:
-            self.engine.cancel(act.seq, "abort")
+    def _admit_choices(self) -> None:
+        """Add the waiting choices of every request whose first choice has computed its
+        prompt (or ended): its full prompt blocks are in the prefix cache by now."""
+        for g in self._groups.values():
+            first = g.seqs[0]
+            if g.waiting and (first.finished or first.num_computed >= len(g.prompt_ids)):
+                for seq in g.waiting:
+                    self.engine.add(seq)
+                g.waiting = []
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now (client gone, cancelled, the server stopping): its KV blocks
+        are freed. Returns what it produced, its unfinished choices' finish_reason "abort"
+        (None for an unknown or finished request)."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq, req in zip(group.seqs, group.choices, strict=True):
+            if self._active.pop(seq.seq_id, None) is not None:
+                self.engine.cancel(seq, "abort")
+                req.end("abort")
+        return request_output(group.request_id, group.prompt_ids, group.choices)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._active)
+        return bool(self._groups)
 
     @property
     def num_requests(self) -> tuple[int, int]:
@@ -537,6 +616,7 @@ class LLM:
         if prof:
             prof.begin_cycle()
         t0 = time.perf_counter()
+        self._admit_choices()
         outs = self.engine.step()
         st = self.engine.last_stats
         accepted = tuple(o.accepted for o in outs if o.accepted is not None)
@@ -566,25 +646,51 @@ class LLM:
         act = self._active.get(o.seq.seq_id)
         if act is None or (not o.new_tokens and not o.finished):
             return None
-        req = act.req
-        text = req.append(o.new_tokens) if o.new_tokens else ""
+        req, group = act.req, act.group
+        text = req.append(o.new_tokens, o.logprobs) if o.new_tokens else ""
         if o.finished and not req.finished:  # ended by the engine (context full)
             text += req.end(o.seq.finish_reason or "length")
+        lps = None
+        if req.logprobs is not None:
+            lps, act.lp_sent = req.logprobs[act.lp_sent:], len(req.logprobs)
+        plp = None
+        if not group.prompt_sent:
+            plp = self._prompt_logprobs(group)
+            group.prompt_sent = plp is not None
         if not req.finished:
-            return StreamDelta(req.request_id, text, o.new_tokens, False)
+            return StreamDelta(group.request_id, text, o.new_tokens, False, index=req.index,
+                               logprobs=lps, prompt_logprobs=plp)
         if not o.finished:
             self.engine.cancel(o.seq, req.finish_reason)  # a stop string ended it
-        del self._active[req.request_id]
-        out = req.output()
-        st = o.seq.spec
-        if self.spec is not None:
-            configs = self.spec_policy.configs if self.spec_policy else []
-            steps = max(c.num_steps for c in configs or [self.spec])
-            stats = SpecStats(steps, self.spec.simulated)
-            stats.accepted = list(st.accepted) if st else []
-            stats.cycles = len(stats.accepted)
-            out.spec = stats.as_dict()
-        return StreamDelta(req.request_id, text, o.new_tokens, True, out)
+        del self._active[o.seq.seq_id]
+        group.done += 1
+        out = None
+        if group.done == len(group.choices):
+            del self._groups[group.request_id]
+            out = request_output(group.request_id, group.prompt_ids, group.choices,
+                                 self._prompt_logprobs(group))
+            out.spec = self._spec_stats(group.seqs)
+        return StreamDelta(group.request_id, text, o.new_tokens, out is not None, out,
+                           index=req.index, finish_reason=req.finish_reason, logprobs=lps,
+                           prompt_logprobs=plp)
+
+    def _prompt_logprobs(self, group: _Group) -> list | None:
+        """The request's prompt log-probabilities, once its first choice has them all."""
+        first = group.seqs[0]
+        if first.params.prompt_logprobs is None or first.wants_prompt_logprobs:
+            return None
+        return prompt_logprobs(group.prompt_ids, first.prompt_lp, self.tokenizer)
+
+    def _spec_stats(self, seqs: list[Sequence]) -> dict | None:
+        """A request's speculative statistics over all its choices (None: plain)."""
+        if self.spec is None:
+            return None
+        configs = self.spec_policy.configs if self.spec_policy else []
+        steps = max(c.num_steps for c in configs or [self.spec])
+        stats = SpecStats(steps, self.spec.simulated)
+        stats.accepted = [a for s in seqs if s.spec for a in s.spec.accepted]
+        stats.cycles = len(stats.accepted)
+        return stats.as_dict()
 
     def __repr__(self) -> str:
         c = self.model_config

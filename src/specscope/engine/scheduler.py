@@ -204,6 +204,8 @@ class Scheduler:
         self._ensure_tables(seq)
         if any(seq.block_tables) or not all(p.blocks.enable_prefix_caching for p in self.pools):
             return
+        if seq.wants_prompt_logprobs:  # every prompt position's logits are needed
+            return
         limit = (seq.num_tokens - 1) // self.block_size
         tokens = seq.token_ids
         hashes = [block_keys(tokens, self.block_size, p.draft)[:limit] for p in self.pools]

@@ -60,6 +60,18 @@ class Sequence:
     num_preemptions: int = 0
     # Structured output: an engine/grammar.py Grammar at the committed output (None: free).
     grammar: Any = None
+    # The logits adjustments' device state (engine/logits.py TokenState); None: none asked.
+    logits_state: object | None = None
+    # With params.prompt_logprobs: the engine's entries (engine.TokenLogprobs) of prompt
+    # tokens 1, 2, ... so far, each under the prompt before it (kept across preemptions).
+    prompt_lp: list = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not all computed yet (its
+        prompt is then computed in full: cached blocks would skip positions)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_lp) < len(self.prompt_ids) - 1)
 
     @property
     def token_ids(self) -> list[int]:

@@ -14,6 +14,7 @@ request's size can stall the event loop that every stream and /health share.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -92,6 +93,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 # -- the app ------------------------------------------------------------------------------
 
 
+def system_fingerprint(llm: LLM) -> str:
+    """Every response's `system_fingerprint`: what determines the outputs, the specscope
+    version and the model (its name or path, and dtype); speculation changes no output."""
+    from specscope import __version__
+
+    key = f"{llm.model_name}|{llm.model_path}|{llm.dtype}"
+    return f"specscope-{__version__}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+
 def create_app(llm: LLM, config: ServerConfig | None = None, *,
                guardrail: Guardrail | None = None,
                draft_spec: SpecConfig | None = None) -> FastAPI:
@@ -139,7 +150,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
                            f"{' or '.join(map(repr, names))}", type="invalid_request_error",
                            param="model", code="model_not_found")
 
-    add_completion_routes(app, runner, check_model, served)
+    add_completion_routes(app, runner, check_model, served, system_fingerprint(llm))
 
     @_get_and_head(app, "/v1/models")
     async def models():

@@ -1,6 +1,7 @@
 """One completion request end to end, for both OpenAI routes: its sampling parameters from
-the request (checked against the prompt limits), the job on the engine worker, a watcher for
-a client that leaves while it waits, and the answer: one JSON body, or an SSE stream.
+the request (checked against the prompt limits), the job on the engine worker (one or more
+prompts, n choices each), a watcher for a client that leaves while it waits, and the
+answer: one JSON body, or an SSE stream (responses.py builds both).
 
 The per-token path is kept short because on a small CPU it shares the GIL (and cores) with
 the engine: a stream sends everything produced since its last send as one write (one SSE
@@ -27,6 +28,7 @@ from specscope.engine.llm import LLM, StreamDelta
 from specscope.engine.request import RequestOutput
 from specscope.server.limits import PromptLimits
 from specscope.server.metrics import Metrics
+from specscope.server.responses import ChatFormat, CompletionFormat, Format
 from specscope.server.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -38,7 +40,9 @@ from specscope.server.worker import _END, EngineWorker, _Job
 
 log = logging.getLogger("specscope.server")
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logit_bias",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                   "min_tokens")
 
 
 def _engine_error(e: BaseException, param: str | None = None) -> APIError:
@@ -66,14 +70,6 @@ def _sse_template(obj: dict) -> tuple[str, str]:
     return prefix, suffix
 
 
-def _usage(out: RequestOutput) -> dict:
-    p, c = out.metrics.prompt_tokens, out.metrics.completion_tokens
-    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-    if out.spec is not None:
-        usage["spec"] = out.spec
-    return usage
-
-
 class CompletionRunner:
     """Runs completion requests on `worker`'s engine, counted in `metrics`."""
 
@@ -83,19 +79,18 @@ class CompletionRunner:
         self.tool_parser = tool_parser  # None: tool_choice "auto" is refused
 
     def encode_chat(self, raw: bytes, check_model: Callable[[str | None], None]
-                    ) -> tuple[ChatCompletionRequest, list[int]]:
+                    ) -> tuple[ChatCompletionRequest, list[list[int]], None]:
         """Parse, check and tokenize a chat request (on a worker thread)."""
         req: ChatCompletionRequest = parse_json(raw, ChatCompletionRequest)
         check_model(req.model)
-        self.tool_calls(req)  # tool_choice "auto" without a parser fails before any work
         messages = [m.for_template() for m in req.messages]
         self.limits.check_chars(sum(len(m["content"]) for m in messages), "messages",
                                 len(messages))
         try:
-            ids = self.llm.encode_prompt(messages, chat=True, tools=req.template_tools())
+            return req, [self.llm.encode_prompt(messages, chat=True,
+                                                 tools=req.template_tools())], None
         except (ValueError, TypeError) as e:
             raise _engine_error(e, "messages") from None
-        return req, ids
 
     def tool_calls(self, req: ChatCompletionRequest) -> ToolCalls | None:
         """How this request's answer becomes tool calls (None: plain content)."""
@@ -141,32 +136,45 @@ class CompletionRunner:
             raise APIError(400, f"{field}: {e}", param=field) from None
 
     def encode_completion(self, raw: bytes, check_model: Callable[[str | None], None]
-                          ) -> tuple[CompletionRequest, list[int]]:
-        """Parse, check and tokenize a completion request (on a worker thread)."""
+                          ) -> tuple[CompletionRequest, list[list[int]], list[str] | None]:
+        """Parse, check and tokenize a completion request's prompts (on a worker thread);
+        with echo, also each prompt's text."""
         req: CompletionRequest = parse_json(raw, CompletionRequest)
         check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], int):
-            V = self.llm.model_config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < V]
-            if bad:
-                raise APIError(400, f"prompt holds token ids outside [0, {V}): {bad[:8]}",
-                               param="prompt")
-            return req, list(prompt)
-        text = prompt[0] if isinstance(prompt, list) else prompt
-        self.limits.check_chars(len(text), "prompt")
-        try:
-            ids = self.llm.encode_prompt(text)
-        except (ValueError, TypeError) as e:
-            raise _engine_error(e, "prompt") from None
-        return req, ids
+        prompts = req.prompts
+        room = self.llm.engine_config.max_num_seqs + self.worker.max_queue
+        if len(prompts) * req.n > room:
+            raise APIError(400, f"{len(prompts)} prompts x n={req.n} choices is more than this "
+                           f"server holds at once ({room}); send fewer", param="prompt")
+        ids, texts = [], []
+        for i, p in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(p, list):
+                V = self.llm.model_config.vocab_size
+                bad = [t for t in p if not 0 <= t < V]
+                if bad:
+                    raise APIError(400, f"{field} holds token ids outside [0, {V}): {bad[:8]}",
+                                   param=field)
+                ids.append(list(p))
+                texts.append(self.llm.tokenizer.decode(list(p)) if req.echo else "")
+                continue
+            self.limits.check_chars(len(p), field)
+            try:
+                ids.append(self.llm.encode_prompt(p))
+            except (ValueError, TypeError) as e:
+                raise _engine_error(e, field) from None
+            texts.append(p)
+        return req, ids, texts if req.echo else None
 
-    def sampling(self, req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
-                 prompt_field: str) -> SamplingParams:
-        """The request's SamplingParams, its prompt and limits checked."""
+    def sampling(self, req: ChatCompletionRequest | CompletionRequest,
+                 prompts: list[list[int]], prompt_field: str) -> SamplingParams:
+        """The request's SamplingParams, its prompts and limits checked."""
         limits, llm = self.limits, self.llm
-        limits.check_tokens(n_prompt, prompt_field)
+        for i, ids in enumerate(prompts):
+            limits.check_tokens(len(ids), prompt_field if len(prompts) == 1
+                                else f"{prompt_field}[{i}]")
         limits.check_request(req)
+        n_prompt = max(len(ids) for ids in prompts)
         room = llm.max_model_len - n_prompt
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
@@ -178,13 +186,23 @@ class CompletionRunner:
                            code="context_length_exceeded")
         found = self.constraint(req)
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_p=1.0 if req.top_p is None else float(req.top_p),
                 top_k=req.top_k or 0, seed=req.seed, stop=req.stop or (),
                 stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                presence_penalty=float(req.presence_penalty or 0),
+                frequency_penalty=float(req.frequency_penalty or 0),
+                repetition_penalty=float(1 if req.repetition_penalty is None
+                                         else req.repetition_penalty),
+                logit_bias=req.logit_bias or {}, min_p=float(req.min_p or 0),
+                min_tokens=req.min_tokens or 0, logprobs=req.num_logprobs, n=req.n,
+                # echo with logprobs: the prompt's too (computed at prefill)
+                prompt_logprobs=req.logprobs if getattr(req, "echo", False) else None,
                 structured_outputs=found[1] if found else None)
+            llm.check_params(params)
+            return params
         except (ValueError, TypeError) as e:
             raise _engine_error(e) from None
 
@@ -218,7 +236,9 @@ class CompletionRunner:
             await asyncio.sleep(0.1)
 
     @staticmethod
-    async def _collect(job: _Job, items: list) -> RequestOutput:
+    async def _collect(job: _Job, items: list) -> list[RequestOutput]:
+        """Every prompt's RequestOutput, in prompt order."""
+        outs: dict[str, RequestOutput] = {}
         try:
             while True:
                 for item in items:
@@ -227,180 +247,169 @@ class CompletionRunner:
                     if item is _END:
                         raise CompletionRunner._closed(job)
                     if item.finished:
-                        return item.output
+                        outs[item.request_id] = item.output
+                        if len(outs) == len(job.rids):
+                            return [outs[r] for r in job.rids]
                 items = await job.take()
         finally:
             job.cancel.set()  # a no-op when finished; frees the engine if we were cancelled
 
-    def _record(self, out: RequestOutput, t0: float) -> None:
-        m = out.metrics
-        self.metrics.generation_done(m.prompt_tokens, m.completion_tokens, out.finish_reason,
-                                m.ttft_s, m.decode_s, time.perf_counter() - t0)
+    def _record(self, outs: list[RequestOutput], t0: float) -> None:
+        for out in outs:  # one generation per prompt: its n choices' tokens summed
+            m = out.metrics
+            self.metrics.generation_done(m.prompt_tokens, m.completion_tokens,
+                                         out.finish_reason, m.ttft_s, m.decode_s,
+                                         time.perf_counter() - t0)
 
-    async def generate(self, request: Request, ids: list[int],
+    async def generate(self, request: Request, prompts: list[list[int]],
                        req: ChatCompletionRequest | CompletionRequest, prompt_field: str,
-                       chunk: Callable[..., dict], full: Callable[[RequestOutput], dict],
-                       tools: ToolCalls | None = None) -> Response:
-        """Run one request: a JSON response, or an SSE stream of `chunk` events (`full`
-        builds the non-streaming body; a stream's tool calls go through `tools`)."""
+                       fmt: Format, prefixes: list[str] | None) -> Response:
+        """Run one request of one or more prompts: a JSON response, or an SSE stream.
+        prefixes: per prompt, the text each of its choices starts with (echo)."""
         t0 = time.perf_counter()
-        params = self.sampling(req, len(ids), prompt_field)
+        params = self.sampling(req, prompts, prompt_field)
         grammar = await asyncio.to_thread(self.grammar, req) \
             if params.structured_outputs is not None else None
-        job = self.worker.submit_generation(ids, params, grammar)
+        job = self.worker.submit_generation(prompts, params, grammar)
         # Streams notice a departed client when a chunk fails to send; until the first
         # chunk (queued, prefill) and for whole non-streaming requests, a watcher polls.
         watcher = asyncio.create_task(self._watch(request, job))
         try:
             first = await self._first_items(job)
             if not req.stream:
-                out = await self._collect(job, first)
-                self._record(out, t0)
-                return JSONResponse(full(out))
+                outs = await self._collect(job, first)
+                self._record(outs, t0)
+                return JSONResponse(fmt.body(outs, prefixes))
         finally:
             watcher.cancel()
-        return self._stream(job, first, req, chunk, t0, tools)
+        return StreamingResponse(self._events(job, first, req, fmt, prompts, prefixes, t0),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
-    def _stream(self, job: _Job, first: list,
-                req: ChatCompletionRequest | CompletionRequest,
-                chunk: Callable[..., dict], t0: float, tools: ToolCalls | None = None
-                ) -> StreamingResponse:
-        """The SSE stream of one request: everything produced since the last send goes out
-        as one write; text events are formatted from a template made once. With `tools`,
-        text that may be a tool call is held, and the calls go out whole at the end."""
+    @staticmethod
+    def _text_events(fmt: Format, fast: bool) -> Callable[[int, str, list | None], str]:
+        """The text event of a choice. fast (one choice, no logprobs): events after the
+        first are formatted from a template made once."""
         template: tuple[str, str] | None = None
 
-        def text_event(text: str) -> str:
+        def event(index: int, text: str, lps: list | None) -> str:
             nonlocal template
+            if not fast:
+                return _sse(fmt.chunk([fmt.delta(index, text, lps, None)]))
             if template is None:  # the first chunk (a chat stream's carries the role)
-                event = _sse(chunk(text, None))
-                template = _sse_template(chunk(_MARK, None))
-                return event
+                first = _sse(fmt.chunk([fmt.delta(0, text, None, None)]))
+                template = _sse_template(fmt.chunk([fmt.delta(0, _MARK, None, None)]))
+                return first
             return f"{template[0]}{json.dumps(text, ensure_ascii=False)}{template[1]}"
+        return event
 
-        async def events() -> AsyncIterator[str]:
-            finished = False
-            try:
-                items = first
-                while True:
-                    # All the items that arrived since the last send go out in one write.
-                    texts: list[str] = []
-                    end: Any = None  # the item that ends the stream, if it is here
-                    for item in items:
-                        if not isinstance(item, StreamDelta):
-                            end = item  # _END, or an error
-                            break
-                        if item.text:
-                            texts.append(item.text)
-                        if item.finished:
-                            end = item
-                            break
-                    text = "".join(texts)
-                    if tools is not None:
-                        text = tools.feed(text)
-                    send = [text_event(text)] if text else []
-                    if end is None:
-                        if send:
-                            yield send[0]
-                        items = await job.take()
-                        continue
-                    if isinstance(end, StreamDelta):
-                        out = end.output
-                        assert out is not None
-                        finished = True
-                        self._record(out, t0)
-                        finish = out.finish_reason
-                        if tools is not None:
-                            rest, calls = tools.finish()
-                            if rest:
-                                send.append(text_event(rest))
-                            if calls:
-                                send.append(_sse(chunk(None, None, calls)))
-                                finish = "tool_calls" if finish == "stop" else finish
-                        send.append(_sse(chunk(None, finish)))
-                        if req.include_usage:
-                            final = chunk(None, None)
-                            final["choices"], final["usage"] = [], _usage(out)
-                            send.append(_sse(final))
-                    elif isinstance(end, BaseException):
-                        send.append(_sse(_engine_error(end).body()))
-                    send.append("data: [DONE]\n\n")
-                    yield "".join(send)
-                    return
-            finally:
-                job.cancel.set()
-                if not finished:
-                    self.metrics.cancel()
+    async def _events(self, job: _Job, first: list,
+                      req: ChatCompletionRequest | CompletionRequest, fmt: Format,
+                      prompts: list[list[int]], prefixes: list[str] | None, t0: float
+                      ) -> AsyncIterator[str]:
+        """The SSE stream of one request: everything produced since the last send goes out
+        as one write (per choice a text event, then its finish event when it ended). With
+        echo, a prompt's choices first get its text (and logprobs, which its first delta
+        brings) as their first chunk."""
+        text_event = self._text_events(fmt, job.n == 1 and len(job.rids) == 1
+                                       and fmt.k is None and not prefixes
+                                       and fmt.tools is None)
+        echoed: set[int] = set()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        def echo(item: StreamDelta) -> list[str]:
+            p = item.index // job.n
+            if prefixes is None or p in echoed:
+                return []
+            echoed.add(p)
+            return [_sse(fmt.chunk([fmt.echo(p * job.n + i, prefixes[p], prompts[p],
+                                             item.prompt_logprobs)])) for i in range(job.n)]
+
+        outs: dict[str, RequestOutput] = {}
+        finished = False
+        try:
+            items = first
+            while True:
+                send, end = self._batch(items, fmt, text_event, outs, echo)
+                if len(outs) == len(job.rids):
+                    finished = True
+                    ordered = [outs[r] for r in job.rids]
+                    self._record(ordered, t0)
+                    if req.include_usage:
+                        send.append(_sse(fmt.usage_chunk(ordered)))
+                elif end is None:
+                    if send:
+                        yield "".join(send)
+                    items = await job.take()
+                    continue
+                elif isinstance(end, BaseException):
+                    send.append(_sse(_engine_error(end).body()))
+                send.append("data: [DONE]\n\n")
+                yield "".join(send)
+                return
+        finally:
+            job.cancel.set()
+            if not finished:
+                self.metrics.cancel()
+
+    @staticmethod
+    def _batch(items: list, fmt: Format, text_event: Callable,
+               outs: dict[str, RequestOutput], echo: Callable[[StreamDelta], list[str]]
+               ) -> tuple[list[str], Any]:
+        """The events of the items taken at once: echoes, then each choice's text (and
+        logprobs) joined into one event, then the finish events; finished requests'
+        outputs go to outs. Returns (events, the item that ends the stream early: _END or
+        an error, else None)."""
+        order: dict[int, tuple[list[str], list]] = {}
+        pre, finishes, end = [], [], None
+        for item in items:
+            if not isinstance(item, StreamDelta):
+                end = item  # _END, or an error
+                break
+            pre += echo(item)
+            if item.text or item.logprobs:
+                texts, lps = order.setdefault(item.index, ([], []))
+                texts.append(item.text)
+                lps += item.logprobs or []
+            if item.finish_reason is not None:
+                finishes.append((item.index, item.finish_reason))
+            if item.finished:
+                outs[item.request_id] = item.output
+        send = pre
+        for i, (t, lps) in order.items():
+            text = fmt.feed(i, "".join(t))  # text that may be a tool call is held back
+            if text or lps:
+                send.append(text_event(i, text, lps or None))
+        send += [_sse(fmt.chunk([d])) for i, r in finishes for d in fmt.ending(i, r)]
+        return send, end
 
 
 def add_completion_routes(app: FastAPI, runner: CompletionRunner,
-                          check_model: Callable[[str | None], None], served: str) -> None:
+                          check_model: Callable[[str | None], None], served: str,
+                          fingerprint: str) -> None:
     """POST /v1/chat/completions and /v1/completions on `app`. Parsing, validation,
     chat-template rendering and tokenization run on a thread, never on the event loop: a
-    large prompt must not stall other streams or /health."""
+    large prompt must not stall other streams or /health. fingerprint: every response's
+    system_fingerprint."""
 
     async def prepare(request: Request, encode: Callable[[bytes], Any]) -> Any:
-        """JSON parsing, validation, chat-template rendering and tokenization run on a
-        thread, never on the event loop: a large prompt must not stall other streams or
-        /health while it is read."""
         raw = await request.body()  # already read (and bounded) by the RequestGuard
         return await asyncio.to_thread(encode, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req, ids = await prepare(request, lambda raw: runner.encode_chat(raw, check_model))
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        tools = runner.tool_calls(req)
-        sent_role = False
-
-        def chunk(text: str | None, finish: str | None, calls: list | None = None) -> dict:
-            nonlocal sent_role
-            delta: dict[str, Any] = {}
-            if not sent_role:
-                delta["role"], sent_role = "assistant", True
-            if text is not None:
-                delta["content"] = text
-            if calls:  # each call whole, in one chunk
-                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-            return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": served, "choices": [{"index": 0, "delta": delta,
-                                                  "logprobs": None, "finish_reason": finish}]}
-
-        def full(out: RequestOutput) -> dict:
-            message: dict[str, Any] = {"role": "assistant", "content": out.text}
-            finish = out.finish_reason
-            if tools is not None:
-                message["content"], calls = tools.parse(out.text)
-                if calls:
-                    message["tool_calls"] = calls
-                    finish = "tool_calls" if finish == "stop" else finish
-            return {"id": rid, "object": "chat.completion", "created": created,
-                    "model": served,
-                    "choices": [{"index": 0, "logprobs": None, "message": message,
-                                 "finish_reason": finish}],
-                    "usage": _usage(out)}
-
-        return await runner.generate(request, ids, req, "messages", chunk, full, tools)
+        req, prompts, _ = await prepare(request,
+                                        lambda raw: runner.encode_chat(raw, check_model))
+        tools = None
+        if runner.tool_calls(req) is not None:  # checked once; each choice parses its own
+            tools = lambda: runner.tool_calls(req)  # noqa: E731
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), served,
+                         fingerprint, req.num_logprobs, tools=tools)
+        return await runner.generate(request, prompts, req, "messages", fmt, None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req, ids = await prepare(request,
-                                 lambda raw: runner.encode_completion(raw, check_model))
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(text: str | None, finish: str | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created,
-                    "model": served, "choices": [{"index": 0, "text": text or "",
-                                                  "logprobs": None, "finish_reason": finish}]}
-
-        def full(out: RequestOutput) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created,
-                    "model": served,
-                    "choices": [{"index": 0, "text": out.text, "logprobs": None,
-                                 "finish_reason": out.finish_reason}],
-                    "usage": _usage(out)}
-
-        return await runner.generate(request, ids, req, "prompt", chunk, full)
+        req, prompts, prefixes = await prepare(
+            request, lambda raw: runner.encode_completion(raw, check_model))
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), served,
+                               fingerprint, req.num_logprobs, runner.llm.tokenizer)
+        return await runner.generate(request, prompts, req, "prompt", fmt, prefixes)

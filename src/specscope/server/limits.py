@@ -84,9 +84,6 @@ class PromptLimits:
         if req.n > cfg.max_n:
             raise APIError(400, f"n must be at most {cfg.max_n} (--max-n), got {req.n}",
                            param="n")
-        if req.n > 1:
-            raise APIError(400, "n > 1 is not supported yet; send one request per choice",
-                           param="n")
         stops = req.stop or ()
         if len(stops) > cfg.max_stop_strings:
             raise APIError(400, f"at most {cfg.max_stop_strings} stop strings are allowed "

@@ -2,8 +2,8 @@
 
 Every field a request sends is honoured or refused, never ignored: a field this server does
 not know is a 400 naming it, and an OpenAI field whose behaviour is not implemented (yet)
-is accepted only at its no-op value (a penalty of 0, `logprobs` off, no tools, ...) and
-refused, by name, otherwise. Wrong types and out-of-range values fail validation the same
+is accepted only at its no-op value (no tools, `response_format` text, `best_of` 1, ...)
+and refused, by name, otherwise. Wrong types and out-of-range values fail validation the same
 way: 400 invalid_request_error.
 """
 
@@ -26,7 +26,13 @@ from pydantic import (
     model_validator,
 )
 
-from specscope.config import MAX_NUM_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK, StructuredOutputs
+from specscope.config import (
+    MAX_LOGPROBS,
+    MAX_NUM_DRAFT_TOKENS,
+    MAX_NUM_STEPS,
+    MAX_TOPK,
+    StructuredOutputs,
+)
 
 
 class APIError(Exception):
@@ -253,17 +259,9 @@ class NamedToolChoice(BaseModel):
 # OpenAI fields whose behaviour is not implemented yet: each is accepted at the value that
 # asks for nothing (what a client sending defaults sends) and refused otherwise.
 _NOT_YET = {
-    "presence_penalty": ((0, 0.0, None), "penalties are not supported yet; send 0"),
-    "frequency_penalty": ((0, 0.0, None), "penalties are not supported yet; send 0"),
-    "repetition_penalty": ((1, 1.0, None), "penalties are not supported yet; send 1"),
-    "logit_bias": (({}, None), "logit_bias is not supported yet"),
-    "min_p": ((0, 0.0, None), "min_p is not supported yet; send 0"),
-    "min_tokens": ((0, None), "min_tokens is not supported yet; send 0"),
     "functions": (([], None), "the legacy functions field is not supported; send tools"),
     "function_call": ((None, "none"), "the legacy function_call field is not supported; "
                       "send tool_choice"),
-    "top_logprobs": ((None, 0), "logprobs are not supported yet"),
-    "echo": ((None, False), "echo is not supported yet"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
     "best_of": ((None, 1), "best_of is not supported yet; send 1"),
     "store": ((None, False), "this server stores no completions; send false"),
@@ -320,14 +318,15 @@ class _Sampling(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    # Logits adjustments (SamplingParams): OpenAI's penalties and logit_bias (token id ->
+    # bias); repetition_penalty, min_p and min_tokens are vLLM's extensions.
+    presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0.0, le=100.0)
+    logit_bias: dict[str, Any] | None = None
+    min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
     # Not implemented: refused unless at their no-op values (_NOT_YET).
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    top_logprobs: Any = None
     best_of: Any = None
     store: Any = None
     service_tier: Any = None
@@ -340,6 +339,22 @@ class _Sampling(BaseModel):
     @classmethod
     def _not_yet(cls, v: Any, info: ValidationInfo) -> Any:
         return _no_op_only(info.field_name, v)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (non-negative integers), got {key!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"biases are numbers, got {value!r} for token {key}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases are in [-100, 100], got {value!r} for token {key}")
+            out[int(key)] = float(value)
+        return out
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -386,7 +401,8 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool | None = None  # refused when true (_chat_logprobs)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolSpec] | None = None
     # Default: "auto" with tools, "none" without (OpenAI's, vLLM's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -400,12 +416,11 @@ class ChatCompletionRequest(_Sampling):
     verbosity: Any = None
     web_search_options: Any = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _chat_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported yet; send false")
-        return v
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true to ask for top_logprobs")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -439,34 +454,42 @@ class ChatCompletionRequest(_Sampling):
         """The tools as the chat template sees them (OpenAI's shape), or None."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or how many top tokens each token brings."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Sampling):
-    # A string, a one-element list of strings, or a list of token ids.
-    prompt: str | list[str] | list[StrictInt]
-    logprobs: StrictInt | None = None  # refused when set (_completion_logprobs)
-    echo: Any = None
+    # A string, a list of strings, a list of token ids, or a list of lists of token ids:
+    # each prompt gets n choices, indexed prompt by prompt (choice i of prompt p: p * n + i).
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
     suffix: Any = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _completion_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported yet; leave it out")
-        return v
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, p: str | list) -> str | list:
-        if isinstance(p, list):
-            if not p:
-                raise ValueError("prompt must not be empty")
-            if isinstance(p[0], str) and len(p) > 1:
-                raise ValueError("a batch of prompts is not supported; send one per request")
+    def _prompts(cls, p: str | list) -> str | list:
+        if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
+            raise ValueError("prompt must not be empty")
         return p
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class SpecUpdate(BaseModel):

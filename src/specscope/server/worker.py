@@ -7,9 +7,14 @@ handler's event loop through its job (see `_Job`). Streams interleave step by st
 job's cancel flag (set when its client went away) is checked after every step: the request
 is aborted and its KV blocks are free for the next step.
 
+A job is one HTTP request: one or more prompts (a completions list prompt), each an engine
+request of n choices. Its deltas carry the choice's index across the job (prompt p's choice
+i is p * n + i); the job ends when every prompt's request has finished.
+
 Shutdown (`begin_shutdown(grace)`): new requests get 503; running and queued ones go on
-for `grace` seconds; then each is stopped at the next step (it gets a
-`server_shutting_down` error after what it already streamed).
+for `grace` seconds; then each is stopped at the next step: its unfinished choices end with
+finish_reason "abort" (a final delta each), then a `server_shutting_down` error. A failed
+step ends its requests the same way, with the step's error.
 
 After each step, still on the engine thread, the guardrail (guardrail.py) gets its timings
 and may switch speculation off for that step's batch-size bucket.
@@ -20,15 +25,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from specscope.config import SamplingParams
-from specscope.engine.llm import LLM
+from specscope.engine.llm import LLM, StreamDelta
 from specscope.server.guardrail import Guardrail
 from specscope.server.metrics import Metrics
 from specscope.server.schemas import APIError
@@ -59,8 +66,11 @@ class _Job:
     takes everything produced meanwhile with one `take()`.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, rids: list[str] | None = None,
+                 n: int = 1) -> None:
         self.loop = loop
+        self.rids, self.n = rids or [], n  # its engine requests, one per prompt, n choices
+        self.left = len(self.rids)  # requests not yet finished (engine thread only)
         self.cancel = threading.Event()
         self._items: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None  # set while the handler waits
@@ -102,7 +112,9 @@ class EngineWorker:
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._inflight = 0  # generation jobs queued or running
-        self._running: dict[str, _Job] = {}  # request id -> its job (engine thread only)
+        # request id -> its job and its first choice's index there (engine thread only)
+        self._running: dict[str, tuple[_Job, int]] = {}
+        self._ids = itertools.count()
         self._last_out: dict[str, float] = {}  # request id -> when it last produced tokens
         self.peak_running = 0  # the most requests in the engine at once
         self._deadline: float | None = None  # monotonic; set by begin_shutdown
@@ -156,11 +168,15 @@ class EngineWorker:
             if self._running:
                 self._step()
 
-    def submit_generation(self, prompt_ids: list[int], params: SamplingParams,
+    def submit_generation(self, prompts: list[list[int]], params: SamplingParams,
                           grammar: Any = None) -> _Job:
-        """Queue a generation; raises 503 when `max_queue` requests already wait. grammar:
-        its structured-output state, compiled off the engine thread (engine/grammar.py)."""
-        job = _Job(asyncio.get_running_loop())
+        """Queue a generation of one or more prompts (params.n choices each); raises 503
+        when `max_queue` requests already wait. grammar: the first choice's structured-output
+        state, compiled off the engine thread (engine/grammar.py); the others compile theirs
+        when added."""
+        job_id = next(self._ids)
+        job = _Job(asyncio.get_running_loop(), [f"srv-{job_id}-{p}" for p in
+                                                range(len(prompts))], params.n)
         with self._lock:
             if self._deadline is not None:
                 raise shutting_down("no new requests are taken")
@@ -179,12 +195,19 @@ class EngineWorker:
             elif job.cancel.is_set():
                 self._close(job)
             else:
+                added = []
                 try:
-                    rid = self.llm.add_request(prompt_ids, params, grammar=grammar)
+                    for p, (rid, ids) in enumerate(zip(job.rids, prompts, strict=True)):
+                        self.llm.add_request(ids, params, request_id=rid,
+                                             grammar=grammar if p == 0 else None)
+                        added.append(rid)
+                        self._running[rid] = (job, p * params.n)
                 except Exception as e:  # handed to the handler, which maps it to a response
+                    for rid in added:
+                        self.llm.abort_request(rid)
+                        del self._running[rid]
                     self._close(job, e)
                     return
-                self._running[rid] = job
                 self.peak_running = max(self.peak_running, len(self._running))
 
         self._jobs.put(start)
@@ -205,37 +228,51 @@ class EngineWorker:
             deltas = self.llm.step()
         except Exception as e:  # the step failed for the whole batch: end every request
             log.exception("engine step failed")
-            for rid, job in list(self._running.items()):
-                self.llm.abort_request(rid)
-                del self._running[rid]
-                self._last_out.pop(rid, None)
-                self._close(job, e)
+            for job in {j for j, _ in self._running.values()}:
+                self._abort(job, e)
             return
         self._after_step()
         now = time.perf_counter()
         for d in deltas:
-            job = self._running.get(d.request_id)
-            if job is None:
+            entry = self._running.get(d.request_id)
+            if entry is None:
                 continue
+            job, base = entry
             if d.token_ids:  # inter-token latency: the gap since this request's last output
                 last = self._last_out.get(d.request_id)
                 if last is not None:
                     self.metrics.inter_token(now - last)
                 self._last_out[d.request_id] = now
-            if not d.finished:
-                job.push(d)
-                continue
-            del self._running[d.request_id]
-            self._last_out.pop(d.request_id, None)
-            self._close(job, d)
+            job.push(replace(d, index=base + d.index))
+            if d.finished:
+                del self._running[d.request_id]
+                self._last_out.pop(d.request_id, None)
+                job.left -= 1
+                if job.left == 0:
+                    self._close(job)
         expired = self._expired()
-        for rid, job in list(self._running.items()):
-            if job.cancel.is_set() or expired:
-                self.llm.abort_request(rid)  # its blocks are free for the next step
-                del self._running[rid]
-                self._last_out.pop(rid, None)
-                self._close(job, shutting_down("the request was stopped before it "
-                                               "finished") if expired else None)
+        for job in {j for j, _ in self._running.values()}:
+            if job.cancel.is_set():
+                self._abort(job, None)
+            elif expired:
+                self._abort(job, shutting_down("the request was stopped before it finished"))
+
+    def _abort(self, job: _Job, error: BaseException | None) -> None:
+        """End a job's unfinished requests now (their blocks are free for the next step):
+        each unfinished choice gets a last delta with finish_reason "abort", then the job
+        gets `error` (None: its client left, nobody reads) and its end."""
+        for p, rid in enumerate(job.rids):
+            if self._running.pop(rid, None) is None:
+                continue
+            self._last_out.pop(rid, None)
+            out = self.llm.abort_request(rid)
+            if out is None or error is None:
+                continue
+            for c in out.outputs:
+                if c.finish_reason == "abort":
+                    job.push(StreamDelta(rid, "", [], False, index=p * job.n + c.index,
+                                         finish_reason="abort"))
+        self._close(job, error)
 
     def _after_step(self) -> None:
         step = self.llm.last_step

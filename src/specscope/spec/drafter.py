@@ -11,6 +11,12 @@ score and the best num_draft_tokens - 1 kept. A child's score never exceeds its 
 the kept set contains every kept node's ancestors (a stable sort keeps parents first on
 ties). Draft steps of a tree attend to the committed prefix plus their own ancestors only.
 
+Logits adjustments (penalties, logit_bias, min_tokens: sampling.py `LogitsAdjustment`, over
+the draft's vocabulary) are applied to every draft distribution as the verify will apply them
+to the target's at the same node: with the counts of the sequence's tokens plus the draft
+path's so far, and the node's depth. Draft tokens then follow what the target will want,
+and a sampled chain's proposal q is the distribution it was really drawn from.
+
 Batch-first: S sequences draft at once, each draft step one forward for all of them through
 a `DraftStep` callback (the engine's runs it over the paged draft KV). All shapes are static
 for a given (S, num_steps, topk, num_draft_tokens); nothing reads the device from the host.
@@ -25,7 +31,7 @@ import torch
 from specscope.config import SamplingParams
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.profiler import Phase, Profiler
-from specscope.sampling import processed_logits
+from specscope.sampling import LogitsAdjustment, processed_logits
 from specscope.spec.tree import DraftTree
 
 
@@ -78,28 +84,46 @@ def _choose(logits: torch.Tensor, params: list[SamplingParams],
     return out, qs
 
 
+def _one_hot_add(counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """counts [..., Vd] int32 plus one at ids [...] (a new tensor)."""
+    return counts.scatter_add(-1, ids[..., None], torch.ones_like(ids[..., None],
+                                                                  dtype=counts.dtype))
+
+
 def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
                       logits0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
                       num_steps: int, params: list[SamplingParams],
                       generators: list[torch.Generator | None],
-                      prof: Profiler | None = None, mask: DraftMask | None = None
-                      ) -> DraftTree:
+                      prof: Profiler | None = None,
+                      adjust: LogitsAdjustment | None = None,
+                      mask: DraftMask | None = None) -> DraftTree:
     """S chains of num_steps draft tokens, chain s after root[s] (the token at position
     n[s]). h0 [S, Hd], logits0 [S, Vd]: the extend's output at position n - 1. Draft step
     j (1-based, j < num_steps) runs at draft position n + j - 1. Sampled rows draw their
     tokens from their processed draft distribution, returned (in target vocabulary) as
     draft_probs [S, k + 1, V] (zero rows for greedy sequences, which never read them).
-    mask: constrains each step's choice given the chain's draft tokens so far."""
+    adjust: over the draft vocabulary; draft token j's logits are adjusted after the
+    j - 1 draft tokens before it (depth j - 1). mask: constrains each step's choice given
+    the chain's draft tokens so far (after the adjustment)."""
     S, dev, k = root.shape[0], root.device, num_steps
     tokens, qs = [root], []
     logits, h = logits0, h0
+    counts = None  # [R, Vd] int32: the adjusted rows' draft tokens so far
     for j in range(1, k + 1):
         if prof:
             prof.mark(Phase.DRAFT_STEP, step=j)
+        if adjust is not None:
+            if counts is None:
+                counts = torch.zeros(adjust.num_rows, logits.shape[-1], dtype=torch.int32,
+                                     device=dev)
+            depth = torch.full((counts.shape[0], 1), j - 1, dtype=torch.long, device=dev)
+            logits = adjust.apply(logits[:, None], counts[:, None], depth)[:, 0]
         if mask is not None:
             path = torch.stack(tokens[1:], 1) if j > 1 else root.new_empty(S, 0)
             logits = mask(logits[:, None], path[:, None])[:, 0]
         d, q = _choose(logits, params, generators)
+        if adjust is not None:
+            counts = _one_hot_add(counts, adjust.take(d))
         qs.append(q)
         t = draft.to_target(d)  # [S]
         tokens.append(t)
@@ -133,16 +157,25 @@ def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
                      logits0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
                      num_steps: int, topk: int, num_draft_tokens: int,
                      params: list[SamplingParams], prof: Profiler | None = None,
+                     adjust: LogitsAdjustment | None = None,
                      mask: DraftMask | None = None) -> DraftTree:
     """S EAGLE-2 dynamic trees of num_draft_tokens nodes each (root included), children
     chosen deterministically (top-k of each sequence's processed draft distribution).
-    h0 [S, Hd], logits0 [S, Vd], root [S], n [S] as draft_chain. mask: constrains each
-    beam's children given the beam's path of draft tokens."""
+    h0 [S, Hd], logits0 [S, Vd], root [S], n [S] as draft_chain. adjust: over the draft
+    vocabulary; a beam's children are scored after the beam's own path (its depth). mask:
+    constrains each beam's children given the beam's path of draft tokens."""
     S, dev, k = root.shape[0], root.device, topk
     Hd = h0.shape[-1]
+    if adjust is not None:
+        logits0 = adjust.apply(logits0[:, None])[:, 0]
     if mask is not None:
         logits0 = mask(logits0[:, None], root.new_empty(S, 1, 0))[:, 0]
     s1, ids1 = _scores_batch(logits0, params).topk(k, dim=-1)  # [S, k]
+    beam_counts = None  # [R, k, Vd] int32: each adjusted row's beams' draft tokens
+    if adjust is not None:
+        zero = torch.zeros(adjust.num_rows, k, logits0.shape[-1], dtype=torch.int32,
+                           device=dev)
+        beam_counts = _one_hot_add(zero, adjust.take(ids1))
     cand_tok = [draft.to_target(ids1)]  # per level: [S, k] then [S, k*k]
     cand_par = [torch.full((S, k), -1, dtype=torch.long, device=dev)]
     cand_score = [s1]
@@ -160,6 +193,9 @@ def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
         own = (j - 1) * k + torch.arange(k, device=dev)  # this step's tree slots [k]
         anc = beam_anc | (own[:, None] == torch.arange(T, device=dev))  # [S, k, T]
         h_out, lg = step(beam_tok, beam_h, (n + (j - 1))[:, None].expand(S, k), own, anc)
+        if adjust is not None:  # every beam sits at depth j
+            depth = torch.full(beam_counts.shape[:2], j, dtype=torch.long, device=dev)
+            lg = adjust.apply(lg, beam_counts, depth)
         if mask is not None:
             lg = mask(lg, beam_path)
         child_s, child_id = (beam_score[..., None] + _scores_batch(lg, params)).topk(k, -1)
@@ -174,6 +210,11 @@ def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
         beam_cand = n_cand + best
         beam_h = h_out.gather(1, parent_beam[..., None].expand(S, k, Hd))
         beam_anc = anc.gather(1, parent_beam[..., None].expand(S, k, T))
+        if adjust is not None:  # a new beam's path: its parent beam's, then its own token
+            par = adjust.take(parent_beam)
+            ids = adjust.take(child_id.reshape(S, k * k).gather(1, best))
+            beam_counts = _one_hot_add(beam_counts.gather(
+                1, par[..., None].expand(*par.shape, beam_counts.shape[-1])), ids)
         if mask is not None:
             beam_path = torch.cat([beam_path.gather(1, parent_beam[..., None].expand(
                 S, k, j)), beam_tok[..., None]], -1)
