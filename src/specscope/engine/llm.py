@@ -5,11 +5,20 @@ prompts as one batch, `stream` one request, and the server feeds many through
 `add_request` / `step` / `abort_request` (vLLM's LLMEngine names). A request's text, stop
 strings and timings live in its `Request`; its tokens, KV blocks and speculative state in
 its `Sequence`.
+
+With `tensor_parallel_size` N > 1 this process is rank 0 of N (parallel/launch.py starts
+the others, or torchrun does): it holds the tokenizer, the requests and the scheduler;
+every rank holds a shard of the model and runs each step rank 0 sends. Calls that change
+the engine (set_spec, enable_profiling, reset_simulation) run on every rank. Under
+torchrun the LLM(...) call never returns on the other ranks: they follow rank 0 and exit
+when it closes.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -51,7 +60,10 @@ from specscope.kvcache.budget import KVLayout, activation_bytes, kv_budget
 from specscope.models.loader import load_model
 from specscope.models.packed import pack_linears
 from specscope.models.registry import TargetModel
+from specscope.parallel import launch as tp_launch
+from specscope.parallel.launch import DEFAULT_DIST_TIMEOUT, Call, Heartbeat, TPRuntime
 from specscope.profiler import Phase, Profiler
+from specscope.profiler.collectives import with_rank_skew
 from specscope.sampling import make_generator
 
 log = logging.getLogger("specscope.llm")
@@ -165,6 +177,9 @@ class LLM:
     chat_template: a Jinja chat template (or a file holding one) instead of the tokenizer's.
     seed: the seeds of sampled requests that give none (seed, seed + 1, ... in arrival
     order), so a run's sampled output repeats; None: unseeded.
+    tensor_parallel_size: shard the model over this many ranks (processes; GPUs on CUDA),
+    started here on one host or joined under torchrun (docs/tensor-parallel.md);
+    dist_timeout: seconds any collective may wait before the group is declared failed.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -174,47 +189,105 @@ class LLM:
                  speculative_config: dict | None = None,
                  profile: bool | None = None, profile_interval: int | None = None,
                  chat_template: str | None = None, seed: int | None = None,
+                 tensor_parallel_size: int = 1, dist_timeout: float = DEFAULT_DIST_TIMEOUT,
                  **batching: Any) -> None:
+        payload = {k: v for k, v in locals().items() if k not in ("self", "batching")}
+        payload.update(batching, chat_template=None)  # the other ranks hold no tokenizer
         self.engine_config = EngineConfig(dtype=dtype, device=device,
                                           max_model_len=max_model_len, cache_dir=cache_dir,
                                           cuda_graphs=cuda_graphs, compile=compile,
                                           **batching)
         self.device = resolve_device(self.engine_config.device)
+        self.tp = tp_launch.start(tensor_parallel_size, self.device.type, payload,
+                                  dist_timeout)
+        if self.tp is not None:
+            self.device = self.tp.group.device if self.device.type == "cuda" else self.device
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
         if quantization == "int4-gguf" and self.engine_config.dtype == "auto":
             self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
         self.quantization = quantization
-        loaded = load_model(model, self.dtype, self.device, cache_dir, quantization)
+        loaded = load_model(model, self.dtype, self.device, cache_dir, quantization,
+                            tp=self.tp.group if self.tp is not None else None)
+        self.load_stats = loaded.reads
         spec = _resolve_spec(spec, speculative_config, model)
-        tokenizer = Tokenizer(loaded.path, loaded.config.eos_token_ids)
-        if chat_template is not None:
-            tokenizer.set_chat_template(load_chat_template(chat_template))
+        tokenizer = self._rank_tokenizer(loaded.path, loaded.config, chat_template)
         self._setup(loaded.model, loaded.config, loaded.path, loaded.source, tokenizer, spec,
                     spec_policy)
         self.seed = seed
         self._profile_from_env(profile, profile_interval)
+        self._follow_rank0()
+
+    def _rank_tokenizer(self, path: Path, config: ModelConfig, chat_template: str | None
+                        ) -> Tokenizer | IdTokenizer:
+        """Rank 0's tokenizer (its EOS ids sent to the other ranks, whose engines stop on
+        them too); the other ranks hold only those ids."""
+        if self.tp is not None and not self.tp.is_driver:
+            msg = self.tp.channel.recv()
+            while isinstance(msg, Heartbeat):
+                msg = self.tp.channel.recv()
+            tok = IdTokenizer()
+            tok.eos_token_ids = frozenset(msg[1])
+            return tok
+        tokenizer = Tokenizer(path, config.eos_token_ids)
+        if chat_template is not None:
+            tokenizer.set_chat_template(load_chat_template(chat_template))
+        if self.tp is not None:
+            self.tp.channel.send(("eos", tuple(sorted(tokenizer.eos_token_ids))))
+        return tokenizer
+
+    def _follow_rank0(self) -> None:
+        """Rank 0 closes the group at exit; a rank other than 0 runs rank 0's steps and
+        calls until it stops (never returning: it exits 0)."""
+        if self.tp is None:
+            return
+        if self.tp.is_driver:
+            atexit.register(self.close)
+            return
+        from specscope.engine.tp_worker import follow
+
+        follow(self)
+        self.tp.shutdown()
+        raise SystemExit(0)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; a no-op without them)."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.shutdown()
+
+    def _everywhere(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """On rank 0 of a tensor-parallel group: have every other rank run `name` too (the
+        caller then runs it here)."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.check()
+            self.tp.channel.send(Call(name, args, kwargs))
 
     def _profile_from_env(self, profile: bool | None, interval: int | None) -> None:
         """profile=None follows SPECSCOPE_PROFILE=1; the summary interval defaults to 100."""
         if profile is None:
             profile = os.environ.get("SPECSCOPE_PROFILE", "") not in ("", "0")
         if profile:
-            self.enable_profiling(True, interval if interval is not None else 100)
+            self._enable_profiling(True, interval if interval is not None else 100)
 
     @classmethod
     def from_model(cls, model: TargetModel, *, tokenizer: Tokenizer | IdTokenizer | None = None,
                    spec: SpecConfig | None = None, spec_policy: SpecPolicy | None = None,
-                   name: str = "in-memory", **engine: Any) -> LLM:
+                   name: str = "in-memory", tp: TPRuntime | None = None,
+                   **engine: Any) -> LLM:
         """An engine around an already built model (e.g. random weights of a real shape for
-        benchmarks). Without a tokenizer, text is the token ids (IdTokenizer)."""
+        benchmarks). Without a tokenizer, text is the token ids (IdTokenizer). tp: the
+        group the model is a shard of (parallel.launch.start under torchrun); on a rank
+        other than 0 this never returns (the rank follows rank 0, then exits)."""
         self = cls.__new__(cls)
         self.engine_config = EngineConfig(**engine)
+        self.tp = tp
         param = next(model.parameters())
         self.device, self.dtype, self.quantization = param.device, param.dtype, "none"
+        self.load_stats = None
         self._setup(model, model.config, None, name, tokenizer or IdTokenizer(), spec,
                     spec_policy)
         self.seed = None
         self._profile_from_env(None, None)
+        self._follow_rank0()
         return self
 
     def _setup(self, model: TargetModel, config: ModelConfig, path, name: str, tokenizer,
@@ -254,20 +327,24 @@ class LLM:
         self.timer: Profiler | None = None
         self.engine: Engine | None = None
         self.spec_policy: SpecPolicy | None = None
-        self.set_spec(spec, policy)
+        self._set_spec(spec, policy)
 
     def set_spec(self, spec: SpecConfig | None, policy: SpecPolicy | None = None) -> None:
         """Switch speculative decoding on (with this configuration) or off, keeping the
         target weights loaded. A draft is loaded again only if its path or taps changed.
         policy: speculation by batch size (each step runs the configuration of its batch's
         bucket; spec gives the draft). Requests in flight carry over: their KV is
-        recomputed in the new engine."""
+        recomputed in the new engine. On every tensor-parallel rank."""
+        self._everywhere("set_spec", spec, policy)
+        self._set_spec(spec, policy)
+
+    def _set_spec(self, spec: SpecConfig | None, policy: SpecPolicy | None) -> None:
         with self._lock:
             draft = None
             if spec is not None:
                 # The last draft stays loaded while speculation is off, so switching back
                 # (or a tuner alternating plain and speculative runs) never reloads it.
-                key = (spec.draft, spec.draft_layer_ids)
+                key = (spec.draft, spec.draft_layer_ids, spec.draft_tensor_parallel_size)
                 if self._draft is not None and self._draft[0] == key:
                     draft = self._draft[1]
                 else:
@@ -291,16 +368,21 @@ class LLM:
     def _build_engine(self, draft: Eagle3Draft | None, spec: SpecConfig | None,
                       policy: SpecPolicy | None) -> Engine:
         ec, mc = self.engine_config, self.model_config
-        layouts = [self.model.kv_layout(self.dtype)]
+        layouts = [self.model.kv_layout(self.dtype)]  # this rank's KV heads
         if draft is not None:
             dc = draft.config
-            layouts.append(KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype))
+            layouts.append(KVLayout(dc.num_layers, draft.local_heads[1], dc.head_dim,
+                                    self.dtype))
         lookahead = MAX_NUM_DRAFT_TOKENS if spec is not None else 1
         budget = kv_budget(layouts, ec.block_size, self.device,
                            gpu_memory_utilization=ec.gpu_memory_utilization,
                            kv_cache_memory=ec.kv_cache_memory,
                            activation_bytes=activation_bytes(mc, ec, self.dtype),
                            max_tokens=ec.max_num_seqs * (self.max_model_len + lookahead))
+        if self.tp is not None:  # every rank holds the same block ids: what fits on all
+            n = self.tp.group.min_int(budget.num_blocks)
+            budget = dataclasses.replace(budget, num_blocks=n,
+                                         bytes=budget.bytes // budget.num_blocks * n)
         log.info("%s", budget.describe(self.max_model_len))
         self.kv_budget = budget
         cfg = BatchConfig(num_blocks=budget.num_blocks, block_size=ec.block_size,
@@ -309,18 +391,32 @@ class LLM:
                           enable_prefix_caching=ec.enable_prefix_caching,
                           cuda_graphs=ec.cuda_graphs, compile=ec.compile)
         return Engine(self.model, cfg, frozenset(self.tokenizer.eos_token_ids), draft, spec,
-                      policy)
+                      policy, tp=self.tp)
 
     def reset_simulation(self) -> None:
         """Restart the simulated-acceptance random stream (the same accept decisions on
         the same workload, e.g. profiling on vs off)."""
+        self._everywhere("reset_simulation")
         self.engine.reset_simulation()
 
     def enable_profiling(self, on: bool = True, interval: int | None = 100) -> Profiler | None:
         """Time every phase of every cycle (profiler/); log a summary every `interval`
-        cycles (None: never). Off (the default) adds no work at all. Returns the profiler."""
+        cycles (None: never). Off (the default) adds no work at all. Returns the profiler.
+        Under tensor parallelism every rank profiles itself, its collectives included."""
+        self._everywhere("enable_profiling", on, interval)
+        return self._enable_profiling(on, interval)
+
+    @property
+    def _is_rank0(self) -> bool:
+        return self.tp is None or self.tp.is_driver
+
+    def _enable_profiling(self, on: bool, interval: int | None) -> Profiler | None:
+        if not self._is_rank0:
+            interval = None  # rank 0 logs the summaries
         self.timer = Profiler(self.device, interval=interval) if on else None
         self.engine.timer = self.timer
+        if self.tp is not None:
+            self.tp.group.timer = self.timer  # every collective timed into its phase
         self._label_config()
         return self.timer
 
@@ -328,21 +424,68 @@ class LLM:
         if self.timer is None:
             return
         s = self.spec
+        tp = self.tensor_parallel()
+        suffix = "" if tp is None else f" tp={tp['size']}" + (
+            "" if s is None else f" draft_tp={tp['draft_size']}")
+        self.timer.parallel = tp
         if s is None:
-            self.timer.set_config("plain")
+            self.timer.set_config("plain" + suffix)
         else:
             label = f"spec steps={s.num_steps} topk={s.topk} ndt={s.num_draft_tokens}"
             if self.spec_policy is not None:
                 label = f"spec policy [{self.spec_policy.describe()}]"
-            self.timer.set_config(label + (" SIMULATED" if s.simulated else ""), s.simulated,
-                                  s.num_steps)
+            self.timer.set_config(label + suffix + (" SIMULATED" if s.simulated else ""),
+                                  s.simulated, s.num_steps)
+
+    def tensor_parallel(self) -> dict[str, Any] | None:
+        """The group's size and the draft's placement (None without tensor parallelism)."""
+        if self.tp is None:
+            return None
+        n = 1 if self.spec is None else self.spec.draft_tensor_parallel_size
+        return {"size": self.tp.size, "draft_size": n if self.spec is not None else None,
+                "draft_placement": None if self.spec is None else
+                "replicated" if n == 1 else "sharded",
+                "backend": "nccl" if self.device.type == "cuda" else "gloo"}
 
     def profile_summary(self) -> list[dict]:
-        """Per-configuration phase summaries (see profiler/profiler.py for the fields)."""
+        """Per-configuration phase summaries (see profiler/profiler.py for the fields).
+        Under tensor parallelism every rank's summary is gathered, and each configuration
+        says how much slower its slowest rank ran each phase than its fastest
+        (`ranks`)."""
         if self.timer is None:
             raise RuntimeError("profiling is off: LLM(..., profile=True), "
                                "llm.enable_profiling() or SPECSCOPE_PROFILE=1")
-        return self.timer.summary()
+        if self.tp is None or not self.tp.is_driver:
+            return self.timer.summary()
+        self.tp.check()
+        with self.tp.channel.lock:  # the request and the replies, nothing in between
+            self.tp.channel.send(Call("profile_summary", gather=True))
+            mine = self.timer.summary()
+            every = self.tp.channel.gather(mine)
+        return with_rank_skew(every)
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """The target's logits [T, V] (fp32) at every position of a prompt, in one forward
+        without a cache (no engine state is touched). On every tensor-parallel rank."""
+        self._check_ids(prompt_ids)
+        self._everywhere("prompt_logits", prompt_ids)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        pos = torch.arange(len(prompt_ids), device=self.device)[None]
+        with torch.inference_mode():
+            hidden, _ = self.model(ids, pos)
+            return self.model.compute_logits(hidden[0])
+
+    def gather_from_ranks(self, attribute: str) -> list[Any]:
+        """An attribute of every rank's LLM, in rank order (e.g. "load_stats")."""
+        if self.tp is None:
+            return [getattr(self, attribute)]
+        self.tp.check()
+        with self.tp.channel.lock:
+            self.tp.channel.send(Call("_attribute", (attribute,), gather=True))
+            return self.tp.channel.gather(self._attribute(attribute))
+
+    def _attribute(self, name: str) -> Any:
+        return getattr(self, name)
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -523,7 +666,7 @@ class LLM:
         if prof:
             prof.begin_cycle()
         t0 = time.perf_counter()
-        outs = self.engine.step()
+        outs = self._engine_step()
         st = self.engine.last_stats
         accepted = tuple(o.accepted for o in outs if o.accepted is not None)
         self.last_step = StepRecord(st.num_seqs, st.num_speculating, st.prefill_tokens,
@@ -546,6 +689,19 @@ class LLM:
                                decode_tokens=st.decode_tokens,
                                verify_tokens=st.verify_tokens, accepted_all=tuple(spec))
         return deltas
+
+    def _engine_step(self) -> list[StepOutput]:
+        """engine.step(); under tensor parallelism a failed step (a rank died, or timed
+        out) fails the group, naming what the watchdog saw."""
+        if self.tp is None:
+            return self.engine.step()
+        self.tp.check()
+        try:
+            return self.engine.step()
+        except Exception as e:
+            self.tp.fail(f"a tensor-parallel step failed on rank {self.tp.rank} "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            raise RuntimeError(self.tp.failure) from e
 
     def _delta(self, o: StepOutput) -> StreamDelta | None:
         act = self._active.get(o.seq.seq_id)
@@ -581,8 +737,10 @@ class LLM:
         taps, the KV pool and the scheduler's limits."""
         c, ec = self.model_config, self.engine_config
         dtype = str(self.dtype).removeprefix("torch.")
+        where = str(self.device) if self.tp is None else \
+            f"{self.tp.size} tensor-parallel ranks ({self.device.type})"
         text = (f"{self.model_name} ({c.architecture}, {c.num_layers} layers, vocab "
-                f"{c.vocab_size}) in {dtype} on {self.device}; max_model_len "
+                f"{c.vocab_size}) in {dtype} on {where}; max_model_len "
                 f"{self.max_model_len}, max {ec.max_num_seqs} sequences, "
                 f"{ec.max_num_batched_tokens} batched tokens per step")
         if self.kv_budget is not None:
@@ -593,8 +751,10 @@ class LLM:
         how = (f"policy {self.spec_policy.flag()}" if self.spec_policy else
                f"steps={self.spec.num_steps} topk={self.spec.topk} "
                f"ndt={self.spec.num_draft_tokens}")
+        tp = self.tensor_parallel()
+        place = "" if tp is None else f", {tp['draft_placement']} (draft TP {tp['draft_size']})"
         return (text + f"; EAGLE-3 draft {self.spec.draft} tapping target layers {taps}, "
-                f"{how}" + (" (SIMULATED acceptance)" if self.spec.simulated else ""))
+                f"{how}{place}" + (" (SIMULATED acceptance)" if self.spec.simulated else ""))
 
     def info(self) -> dict[str, Any]:
         c = self.model_config
