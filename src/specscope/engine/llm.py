@@ -700,7 +700,9 @@ class LLM:
             return self.engine.step()
         except Exception as e:
             self.tp.fail(f"a tensor-parallel step failed on rank {self.tp.rank} "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                         f"a rank is gone or hung past the {self.tp.timeout:g} s collective "
+                         f"timeout (--dist-timeout)")
             raise RuntimeError(self.tp.failure) from e
 
     def _delta(self, o: StepOutput) -> StreamDelta | None:

@@ -15,6 +15,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed all_gather_into_tensor (still there, deprecated); older ones have only it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class CollectiveTimer(Protocol):
     """What a profiler offers the group (profiler/profiler.py implements it)."""
@@ -56,12 +59,12 @@ class TPGroup:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x concatenated along the last dim, in rank order: x [..., C] ->
-        [..., size * C]. One all_gather_into_tensor over dim 0, then a permute."""
+        [..., size * C]. One gather into a single tensor over dim 0, then a permute."""
         start = self._start()
         x = x.contiguous()
         flat = x.reshape(-1, x.shape[-1])  # [M, C]
         out = flat.new_empty((self.size * flat.shape[0], flat.shape[1]))  # ranks along dim 0
-        dist.all_gather_into_tensor(out, flat, group=self.group)
+        _all_gather_single(out, flat, group=self.group)
         if start is not None:
             self.timer.collective_end(start, "all_gather", out.numel() * out.element_size())
         out = out.view(self.size, *flat.shape).transpose(0, 1)  # [M, size, C]

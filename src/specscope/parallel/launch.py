@@ -45,7 +45,9 @@ from specscope.parallel.group import TPGroup
 log = logging.getLogger("specscope.tp")
 
 DEFAULT_DIST_TIMEOUT = 600.0  # seconds; SGLang's --dist-timeout, torch's NCCL default
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# The least time the children get to start and join (importing torch, loading a shard),
+# whatever the collective timeout: a short --dist-timeout is about hangs, not start-up.
+RENDEZVOUS_TIMEOUT = 300.0
 # What a failed rank does to this process: "raise" (the Python API: the next call raises)
 # or "exit" (the server: log, stop the other ranks, exit 1). Set by the CLI.
 _policy = {"on_failure": "raise"}
@@ -230,25 +232,31 @@ def start(size: int, device_type: str, payload: dict[str, Any] | None,
     env_size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1 and env_size == 1:
         return None
-    launcher_args = None
-    if env_size == 1:  # not launched: start the others ourselves
-        if payload is None:
-            raise ValueError(f"tensor parallelism over {size} ranks of an in-memory model "
-                             f"needs a launcher: run under torchrun --nproc-per-node {size}")
-        env = {"WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port()), "NCCL_NVLS_ENABLE": "0"}
-        os.environ.update({**env, "RANK": "0", "LOCAL_RANK": "0"})
-        launcher_args = (size, payload, env)
-    elif env_size != size:
-        raise ValueError(f"the launcher started {env_size} processes (WORLD_SIZE) but "
-                         f"--tensor-parallel-size is {size}; they must agree")
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group: one "
+                           "tensor-parallel LLM per process (close() the other first)")
+    # NVLink multicast (NVLS) stays off in every rank (ours; the children inherit it).
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    return _join(size, device_type, timeout, launcher_args)
+    if env_size != 1:
+        if env_size != size:
+            raise ValueError(f"the launcher started {env_size} processes (WORLD_SIZE) but "
+                             f"--tensor-parallel-size is {size}; they must agree")
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        return _join(rank, local, size, "env://", device_type, timeout, None)
+    if payload is None:
+        raise ValueError(f"tensor parallelism over {size} ranks of an in-memory model needs "
+                         f"a launcher: run under torchrun --nproc-per-node {size}")
+    # Not launched: start the others ourselves. Our own environment is left as it was
+    # (a later process started from here must not think it is a rank of this group).
+    port = _free_port()
+    env = {"WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"]}
+    return _join(0, 0, size, f"tcp://127.0.0.1:{port}", device_type, timeout,
+                 (size, payload, env))
 
 
-def _join(size: int, device_type: str, timeout: float,
-          launcher_args: tuple | None) -> TPRuntime:
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+def _join(rank: int, local: int, size: int, init_method: str, device_type: str,
+          timeout: float, launcher_args: tuple | None) -> TPRuntime:
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", local)
@@ -256,10 +264,15 @@ def _join(size: int, device_type: str, timeout: float,
     delta = datetime.timedelta(seconds=timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
     pending = _PendingLaunch(launcher_args)  # children first: the rendezvous waits for all
+    # The groups form under the rendezvous timeout (ranks come up at their own pace),
+    # then every collective gets the collective timeout.
+    wait = datetime.timedelta(seconds=max(timeout, RENDEZVOUS_TIMEOUT))
     try:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
-                                timeout=delta)
-        control = dist.new_group(backend="gloo", timeout=delta)
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=size, timeout=wait)
+        control = dist.new_group(backend="gloo", timeout=wait)
+        for g in (None, control):
+            _set_timeout(delta, g)
     except Exception as e:
         pending.kill()
         if pending.failure is not None:
@@ -272,6 +285,19 @@ def _join(size: int, device_type: str, timeout: float,
     log.info("tensor parallel: rank %d of %d on %s (%s data plane, gloo control channel, "
              "%.0f s collective timeout)", rank, size, device, backend, timeout)
     return runtime
+
+
+def _set_timeout(delta: datetime.timedelta, group: dist.ProcessGroup | None) -> None:
+    """The collective timeout of a formed group (torch's _set_pg_timeout; without it, on
+    an older torch, the group keeps the rendezvous timeout)."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        log.warning("this torch cannot set a group's timeout after it forms; collectives "
+                    "time out after the rendezvous timeout instead")
+        return
+    setter(delta, group)
 
 
 class _PendingLaunch:
