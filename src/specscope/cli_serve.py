@@ -35,7 +35,7 @@ from specscope.cli_draft import (
     doctor_report,
     start_serve_draft,
 )
-from specscope.config import ServerConfig
+from specscope.config import TOOL_CALL_PARSERS, ServerConfig
 
 log = logging.getLogger("specscope.serve")
 
@@ -75,7 +75,9 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         request_read_timeout=args.request_read_timeout,
         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
         max_n=args.max_n, shutdown_timeout=args.shutdown_timeout,
-        log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval)
+        log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -171,6 +173,13 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
                    help="longest stop string, in characters (default %(default)s)")
     s.add_argument("--max-n", type=positive_int, default=d.max_n,
                    help="largest `n` (choices per request) (default %(default)s)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   default=d.enable_auto_tool_choice,
+                   help="tool_choice 'auto': parse the model's tool calls out of its answers "
+                        "(needs --tool-call-parser; vLLM's flag)")
+    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=d.tool_call_parser,
+                   help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, "
+                        "Hermes and Qwen) or llama3_json (Llama 3.1's JSON)")
     s.add_argument("--seed", "--random-seed", dest="engine_seed", type=int, default=None,
                    help="seed of the requests that give none, so a server's sampled output "
                         "repeats across runs (default: unseeded)")

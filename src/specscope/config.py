@@ -7,6 +7,7 @@ with a message naming the field, instead of deep inside a forward pass.
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,20 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+    # DeepSeek's checkpoints store each rotary pair's two channels side by side (HF's
+    # rope_interleave, true unless a config says otherwise); False: rotate-half, as Llama.
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model config: {f} must be positive, got {getattr(self, f)}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model config: qk_rope_head_dim must be even for RoPE, got "
+                             f"{self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"model config: q_lora_rank must be positive or null, got "
+                             f"{self.q_lora_rank}")
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,9 @@ class ModelConfig:
     # Set by the MoE and MLA families (models/moe.py, models/deepseek.py); None: dense.
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    # Trailing decoder layers a checkpoint holds that the model never runs (DeepSeek-V3's
+    # multi-token-prediction modules, num_nextn_predict_layers): the loader skips them.
+    unused_checkpoint_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -245,6 +263,39 @@ def hf_common_fields(cfg: dict[str, Any], name: str = "",
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a request's output, vLLM's StructuredOutputsParams: exactly one of
+    json (a JSON schema: a dict, or its JSON text), json_object (any JSON object), regex,
+    choice (exactly one of these strings) or grammar (Lark, or llama.cpp's GBNF). Enforced
+    token by token by the `structured` extra (llguidance; engine/grammar.py)."""
+
+    json: str | dict | bool | None = None  # kept as JSON text, so the params stay hashable
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, bool)):  # key order kept: the properties' output order
+            object.__setattr__(self, "json", _json.dumps(self.json))
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"choice must be a list of strings, got {self.choice!r}")
+            if not self.choice:
+                raise ValueError("choice must hold at least one string")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{name} must be a string, got {type(v).__name__}")
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n)
+                 is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, json_object, "
+                             f"regex, choice, grammar; got {given or 'none'}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Mirrors the OpenAI / vLLM fields of the same names.
 
@@ -261,6 +312,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # Keep stop strings out of the returned text (OpenAI behaviour).
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (engine/grammar.py).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -291,6 +344,9 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got {so!r}")
 
     @property
     def greedy(self) -> bool:
@@ -557,6 +613,11 @@ class SpecPolicy:
         return cls(tuple(entries))
 
 
+# Tool-call formats the server parses (server/tools.py): Hermes / Qwen
+# `<tool_call>{...}</tool_call>`, and Llama 3.1's JSON `{"name": ..., "parameters": ...}`.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """What `specscope serve` allows: access rules and per-request limits (the CLI's defaults).
@@ -569,6 +630,10 @@ class ServerConfig:
     how many stop strings a request may give and how long each may be. max_n: the largest
     `n`. shutdown_timeout: seconds running requests get after SIGTERM. log_stats_interval:
     seconds between the throughput log's lines (0: none; vLLM's --disable-log-stats).
+    enable_auto_tool_choice, tool_call_parser: vLLM's flags of the same names: with both,
+    tool_choice "auto" parses tool calls out of the answer in the parser's format
+    (TOOL_CALL_PARSERS); without, "auto" is refused (tool_choice "required" or a named
+    function needs neither: its output is constrained by a grammar).
     """
 
     # One name or several (vLLM's --served-model-name A B): requests may name any of them
@@ -587,6 +652,8 @@ class ServerConfig:
     max_n: int = 16
     shutdown_timeout: float = 5.0
     log_stats_interval: float = 10.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def model_names(self, default: str) -> tuple[str, ...]:
         """The names this server answers to, the first the one responses carry."""
@@ -615,6 +682,13 @@ class ServerConfig:
                 raise ValueError(f"served model names must be non-empty strings, got {names!r}")
             object.__setattr__(self, "served_model_name",
                                names[0] if len(names) == 1 else tuple(names))
+        if self.tool_call_parser is not None and \
+                self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser "
+                             f"({' or '.join(TOOL_CALL_PARSERS)}): --tool-call-parser NAME")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
         if any(not isinstance(k, str) or not k.strip() for k in self.api_keys):

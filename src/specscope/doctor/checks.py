@@ -76,7 +76,10 @@ def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None 
     f = parsed.fields
     out.append(Finding("static.format", INFO, f"{fmt} format ({cfg_path})"))
     archs = raw.get("architectures") or []
-    layer_type = (raw.get("transformer_layer_config") or raw).get("model_type", "llama")
+    # An sglang/eagle draft's layer is Llama's by its architecture, whatever model_type says
+    # (SpecForge copies the target's there, e.g. kimi_k2); speculators names the layer's own.
+    layer_type = (raw["transformer_layer_config"].get("model_type", "llama")
+                  if fmt == "speculators" else "llama")
     if layer_type not in ("llama", "qwen3"):
         out.append(Finding("static.architecture", ERROR,
                            f"draft layer model_type {layer_type!r} (architectures {archs}) is "

@@ -27,7 +27,7 @@ from specscope.kvcache.paged import (
     with_pieces,
 )
 from specscope.profiler import Profiler
-from specscope.spec.drafter import draft_chain, draft_tree
+from specscope.spec.drafter import DraftMask, draft_chain, draft_tree
 from specscope.spec.tree import DraftTree
 
 
@@ -121,9 +121,10 @@ class DraftRunner:
         return h[0, last], self.draft.compute_logits(normed[0, last])
 
     def trees(self, seqs: list[Sequence], h0: torch.Tensor, logits0: torch.Tensor,
-              spec: SpecConfig, timer: Profiler | None = None) -> DraftTree:
+              spec: SpecConfig, timer: Profiler | None = None,
+              mask: DraftMask | None = None) -> DraftTree:
         """Every speculating sequence's chain or tree, each draft step one batched forward
-        over the draft's paged KV."""
+        over the draft's paged KV (mask: the structured-output constraint, if any)."""
         dev = self.device
         n_host = [s.num_computed for s in seqs]  # each root's position
         slots = draft_slots(spec)
@@ -131,12 +132,12 @@ class DraftRunner:
                           upload(n_host, torch.long, dev),
                           upload([s.last_token for s in seqs], torch.long, dev), h0, logits0,
                           spec, [s.params for s in seqs], [s.generator for s in seqs],
-                          [x + slots for x in n_host], timer)
+                          [x + slots for x in n_host], timer, mask=mask)
 
     def steps(self, tables: torch.Tensor, n: torch.Tensor, root: torch.Tensor,
               h0: torch.Tensor, logits0: torch.Tensor, spec: SpecConfig, params: list,
               generators: list, keys: list[int], timer: Profiler | None = None,
-              plans: dict | None = None) -> DraftTree:
+              plans: dict | None = None, mask: DraftMask | None = None) -> DraftTree:
         """The draft steps of S sequences: roots root [S] at positions n [S], their draft
         block tables [S, blocks], and keys[s] a host-known bound on the positions sequence
         s sees (a CUDA-graph step passes the context limit for every row)."""
@@ -160,6 +161,6 @@ class DraftRunner:
 
         if spec.topk == 1:
             return draft_chain(step, self.draft, h0, logits0, root, n, spec.num_steps, params,
-                               generators, timer)
+                               generators, timer, mask)
         return draft_tree(step, self.draft, h0, logits0, root, n, spec.num_steps, spec.topk,
-                          spec.num_draft_tokens, params, timer)
+                          spec.num_draft_tokens, params, timer, mask)

@@ -32,6 +32,7 @@ import torch
 from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.draft_runner import DraftRunner, draft_slots
+from specscope.engine.grammar import constrain_rows, constrain_trees, draft_constraint
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SpecState
 from specscope.engine.step_broadcast import MirrorScheduler, PlanSender
@@ -345,7 +346,9 @@ class Engine:
         if g is None or not spec_idx or len(spec_idx) < len(items) or len(items) > g.max_batch:
             return False
         width = self.spec.num_steps + 1
-        return all(it.seq.params.greedy and it.seq.spec.taps.shape[0] <= width for it in items)
+        # A constrained sequence's masks need host reads between draft steps: eager.
+        return all(it.seq.params.greedy and it.seq.spec.taps.shape[0] <= width and
+                   it.seq.grammar is None for it in items)
 
     def _graph_spec(self, items: list[Scheduled]) -> list[StepOutput]:
         """A pure speculative step as two replays (engine/cuda_graph.py SpecGraphs): the
@@ -417,8 +420,10 @@ class Engine:
 
     def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor,
                      logits0: torch.Tensor) -> DraftTree:
-        """Every speculating sequence's chain or tree (the seam tests replace)."""
-        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer)
+        """Every speculating sequence's chain or tree (the seam tests replace); constrained
+        sequences' draft steps masked by their grammars."""
+        mask = draft_constraint([s.grammar for s in seqs], self.draft)
+        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer, mask)
 
     # -- 3. the target forward ----------------------------------------------------------------
 
@@ -468,7 +473,8 @@ class Engine:
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row, each with its sequence's params and generator; greedy rows in
-        one argmax."""
+        one argmax. Constrained rows are masked by their grammars first."""
+        logits = constrain_rows(logits, [s.grammar for s in seqs])
         out = logits.argmax(-1)
         for r, seq in enumerate(seqs):
             if not seq.params.greedy:
@@ -481,6 +487,8 @@ class Engine:
         seqs = [items[i].seq for i in spec_idx]
         S, N = len(seqs), tree.size
         logits = self.model.compute_logits(hidden).view(S, N, -1)
+        # Structured output: each node's row masked by its path's grammar state.
+        logits = constrain_trees(logits, tree.tokens, tree.parents, [s.grammar for s in seqs])
         path, a, bonus = self._accept(seqs, tree, logits)
         self._mark(Phase.KV_COMMIT)
         tables = n = None  # a chain's accepted nodes already sit in place: nothing to upload
@@ -604,6 +612,9 @@ class Engine:
         t = seq.output_ids[-1]
         p: SamplingParams = seq.params
         if (t in self.eos and not p.ignore_eos) or t in p.stop_token_ids:
+            seq.finish_reason = "stop"
+            return True
+        if seq.grammar is not None and seq.grammar.advance(t):  # the grammar is complete
             seq.finish_reason = "stop"
             return True
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:

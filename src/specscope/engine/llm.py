@@ -45,6 +45,7 @@ from specscope.config import (
 )
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput
+from specscope.engine.grammar import Grammar, GrammarCompiler
 from specscope.engine.request import Request, RequestOutput
 from specscope.engine.sequence import Sequence
 from specscope.engine.speculative import SpecStats, load_spec_draft
@@ -296,6 +297,7 @@ class LLM:
         self.model_path = path
         self.model_name = name
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size)  # structured output
         self.model = model
         ctx = config.max_position_embeddings
         if self.engine_config.max_model_len is not None:
@@ -489,19 +491,22 @@ class LLM:
 
     # -- prompts ----------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """Token ids for a raw prompt, or for chat messages through the chat template.
+    def encode_prompt(self, prompt: Prompt, chat: bool = False,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids for a raw prompt, or for chat messages through the chat template (with
+        the tools offered, OpenAI's shape: {"type": "function", "function": {...}}).
 
         Text never yields control tokens (see Tokenizer); send token ids (`stream(...,
         prompt_ids=...)`) to use them on purpose."""
         if isinstance(prompt, str):
             check_unicode(prompt, "prompt")
             if chat:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                          tools=tools)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list):
             validate_messages(prompt)
-            ids = self.tokenizer.apply_chat_template(prompt)
+            ids = self.tokenizer.apply_chat_template(prompt, tools=tools)
         else:
             raise TypeError(f"a prompt must be a string or a list of chat messages, "
                             f"got {type(prompt).__name__}")
@@ -535,7 +540,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | None = None, *,
-                 chat: bool = False) -> list[RequestOutput]:
+                 chat: bool = False, tools: list[dict[str, Any]] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for each prompt (a string, or a list of {'role', 'content'} messages), all
         prompts in one batch.
 
@@ -544,9 +550,11 @@ class LLM:
         """
         params = sampling_params or SamplingParams()
         batch = self._as_list(prompts)
-        encoded = [self.encode_prompt(p, chat) for p in batch]  # all errors before any work
+        encoded = [self.encode_prompt(p, chat, tools) for p in batch]  # errors before any work
         for ids in encoded:
             self._check_length(len(ids), params)
+        if params.structured_outputs is not None:  # a bad grammar fails before any request
+            self.grammars.check(params.structured_outputs)
         with self._exclusive():
             rids = [self.add_request(ids, params) for ids in encoded]
             done: dict[str, RequestOutput] = {}
@@ -565,14 +573,16 @@ class LLM:
         return [done[r] for r in rids]
 
     def chat(self, messages: Messages | list[Messages],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None, *,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {'role', 'content'} messages) or a
-        list of them, each through the chat template, all in one batch."""
+        list of them, each through the chat template (offered `tools`, OpenAI's shape), all
+        in one batch."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("chat() takes a conversation (a non-empty list of messages) or "
                              "a list of conversations")
         batch = messages if isinstance(messages[0], list) else [messages]
-        return self.generate(batch, sampling_params)
+        return self.generate(batch, sampling_params, tools=tools)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                chat: bool = False, prompt_ids: list[int] | None = None) -> Iterator[StreamDelta]:
@@ -627,8 +637,10 @@ class LLM:
     # -- the request-level API (the server's) ------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Queue a request for the next steps; returns its id. Checked like `stream`."""
+                    request_id: str | None = None, grammar: Grammar | None = None) -> str:
+        """Queue a request for the next steps; returns its id. Checked like `stream`.
+        grammar: params.structured_outputs already compiled (`self.grammars.compile`), so
+        that a server compiles it off its engine thread; else it is compiled here."""
         self._check_length(len(prompt_ids), params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._active:
@@ -638,6 +650,8 @@ class LLM:
             seed = self.seed + next(self._seeds)
         gen = None if params.greedy else make_generator(seed, self.device)
         seq = Sequence(rid, list(prompt_ids), params, gen, arrival=time.perf_counter())
+        if params.structured_outputs is not None:
+            seq.grammar = grammar or self.grammars.compile(params.structured_outputs)
         self.engine.add(seq)
         self._active[rid] = _Active(seq, Request(rid, list(prompt_ids), params, self.tokenizer))
         return rid

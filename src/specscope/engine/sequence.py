@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,8 @@ class Sequence:
     finish_reason: str | None = None
     spec: SpecState | None = None
     num_preemptions: int = 0
+    # Structured output: an engine/grammar.py Grammar at the committed output (None: free).
+    grammar: Any = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -71,40 +71,45 @@ class Tokenizer:
         check_unicode(text, "prompt")
         return self._split.encode(text, add_special_tokens=True).ids
 
-    def apply_chat_template(self, messages: Messages) -> list[int]:
-        """Render `messages` with the model's chat template and an assistant turn opened.
+    def apply_chat_template(self, messages: Messages,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render `messages` (and the `tools` offered, OpenAI's shape) with the model's chat
+        template and an assistant turn opened.
 
         The ids are those of tokenizing the rendered text, except that a control token
-        lying in a message's text is re-tokenized as plain text (see `_sanitize`)."""
+        lying in a message's or a tool's text is re-tokenized as plain text (see
+        `_sanitize`)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass a plain "
                              "prompt instead of messages (or drop --chat)")
         validate_messages(messages)
         prepared = [for_template(m) for m in messages]
         self._check_keys(prepared)
-        text = self._render(prepared)
+        if tools:
+            self._check_keys(tools, "tools")
+        text = self._render(prepared, tools)
         # The template already holds any BOS it wants; adding special tokens would double it.
         enc = self._plain.encode(text, add_special_tokens=False)
         if not any(t in self._control_ids for t in enc.ids):
             return list(enc.ids)
-        return self._sanitize(prepared, text, list(enc.ids), enc.offsets)
+        return self._sanitize(prepared, tools, text, list(enc.ids), enc.offsets)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def _render(self, messages: Messages) -> str:
+    def _render(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False,
+            return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                add_generation_prompt=True)
         except TemplateError as e:
             raise ValueError(f"the model's chat template refused these messages: {e}") from None
 
-    def _check_keys(self, messages: Messages) -> None:
+    def _check_keys(self, value: Any, where: str = "messages") -> None:
         """Dict keys are rendered verbatim by some templates and cannot be marked (below), so
         a control token in one is refused outright."""
-        for path, key in dict_keys(messages, "messages"):
+        for path, key in dict_keys(value, where):
             if (tok := self._control_in(key)) is not None:
                 raise ValueError(f"{path} has a key holding the special token {tok!r}; "
                                  f"remove it")
@@ -123,8 +128,8 @@ class Tokenizer:
         found = self._control_re.search(text)
         return found.group(0) if found else None
 
-    def _sanitize(self, messages: Messages, text: str, ids: list[int],
-                  offsets: list[tuple[int, int]]) -> list[int]:
+    def _sanitize(self, messages: Messages, tools: list[dict[str, Any]] | None, text: str,
+                  ids: list[int], offsets: list[tuple[int, int]]) -> list[int]:
         """Find the control tokens that came from user text and re-tokenize them as text.
 
         The template is rendered a second time with every user string replaced by a marker;
@@ -137,10 +142,11 @@ class Tokenizer:
         leaves: list[tuple[str, str]] = []
         marked = [{k: v if k == "role" else mark(v, f"messages[{i}].{k}", leaves)
                    for k, v in m.items()} for i, m in enumerate(messages)]
+        marked_tools = mark(tools, "tools", leaves) if tools else None  # user text too
         if not any(self._may_touch_control(v) for _, v in leaves):
             return ids  # no user string can be part of a control token: no second rendering
         try:
-            marked_text = self._render(marked)
+            marked_text = self._render(marked, marked_tools)
         except ValueError:
             marked_text = None  # e.g. a template that checks the length of a tool-call id
         spans = user_spans(marked_text, leaves, text) if marked_text is not None else None
@@ -249,7 +255,7 @@ class IdTokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.replace("<", " ").replace(">", " ").split()]
 
-    def apply_chat_template(self, messages: Messages) -> list[int]:
+    def apply_chat_template(self, messages: Messages, tools: list | None = None) -> list[int]:
         raise ValueError("this model has no tokenizer and no chat template")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -50,10 +50,11 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               scale: float) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, Hkv, S, D], folded mask [B, 1, G*T, S] -> out [B, T, H*D]."""
+    """q [B, H, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] (Dv may differ: MLA), folded
+    mask [B, 1, G*T, S] -> out [B, T, H*Dv]."""
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
     qf = q.reshape(B, Hkv, G * T, D)  # heads h = kv*G + g share kv head `kv`
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # [B,Hkv,G*T,D]
-    return out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # [B,Hkv,G*T,Dv]
+    return out.reshape(B, H, T, Dv).transpose(1, 2).reshape(B, T, H * Dv)

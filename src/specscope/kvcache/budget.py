@@ -24,17 +24,23 @@ DEFAULT_CPU_KV_BYTES = 2 * GiB  # when no --kv-cache-memory is given on the CPU
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One model's K/V shape per token: layers, KV heads, head dim, dtype."""
+    """One model's K/V shape per token: layers, KV heads, head dim, dtype.
+
+    latent_values: MLA's layout (DeepSeek-V3, Kimi-K2): one tensor per layer, 1 "head" of
+    head_dim = kv_lora_rank + rope_dim channels (the compressed latent, then the shared rope
+    key), the values its first latent_values (= kv_lora_rank) channels; stored once, so a
+    token costs num_layers * head_dim elements, not 2 * heads * head_dim. None: K and V."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    latent_values: int | None = None
 
     @property
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                  self.dtype)
+                                  self.dtype, 1 if self.latent_values is not None else 2)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ so a paged kernel reads it in place). A token's slot is block * block_size + off
 sequence's block table lists its blocks in position order, so the token at position p of a
 sequence lives in slot table[p // block_size] * block_size + p % block_size.
 
+MLA's layout (DeepSeek-V3, Kimi-K2; docs/mla.md): one tensor per layer [num_blocks,
+block_size, 1, kv_lora_rank + rope_dim], each token's compressed latent then its rope key;
+the values are a view of its first kv_lora_rank channels, so nothing is stored twice and
+every write, commit and gather below moves the one tensor.
+
 The attention here is the torch reference (CPU, tests): it gathers each sequence's K/V into a
 contiguous copy, which a fast path must never do every step.
 """
@@ -15,16 +20,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from specscope.kvcache.budget import KVLayout
+
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-    """K and V of one token over all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+                       dtype: torch.dtype, tensors: int = 2) -> int:
+    """One token's cache over all layers: K and V (tensors 2), or MLA's one latent tensor."""
+    el = torch.empty((), dtype=dtype).element_size()
+    return tensors * num_layers * num_kv_heads * head_dim * el
 
 
 def upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -47,11 +56,17 @@ def with_pieces(meta: BatchMeta, pieces: list[tuple[int, int, int]], num_heads: 
                 num_kv_heads: int, device: torch.device, plans: dict | None = None
                 ) -> BatchMeta:
     """meta with its pieces, host-known (tokens, block-table row, keys seen) in flattened
-    order: the fast backend's query tiles on CUDA, the reference's spans elsewhere.
+    order: the reference's spans always (a short host list; MLA's latent attention runs the
+    reference on every device), and on CUDA the fast backend's query tiles.
 
     plans: a cache of tile plans by the pieces' lengths, for steps of static shapes: a
     CUDA-graph capture cannot upload a plan, so its warm-up run builds them here and the
     capture finds them."""
+    spans, a = [], 0
+    for n, row, keys in pieces:
+        spans.append((a, a + n, row, keys))
+        a += n
+    meta.spans = spans
     if device.type == "cuda" and _fast_backend() is not None:
         from specscope.kvcache.triton_attention import build_tiles
 
@@ -62,12 +77,6 @@ def with_pieces(meta: BatchMeta, pieces: list[tuple[int, int, int]], num_heads: 
             if plans is not None:
                 plans[lens] = tiles
         meta.tiles = tiles
-        return meta
-    spans, a = [], 0
-    for n, row, keys in pieces:
-        spans.append((a, a + n, row, keys))
-        a += n
-    meta.spans = spans
     return meta
 
 
@@ -80,37 +89,61 @@ def slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor, positions:
 
 
 class PagedKV:
-    """K/V blocks for `num_layers` layers."""
+    """K/V blocks for `num_layers` layers.
+
+    latent_values: MLA's layout (the module docstring): one tensor per layer of head_dim
+    channels, `v[layer]` the view of its first latent_values channels. None: K and V."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
+                 latent_values: int | None = None) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if latent_values is None:
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self._stores = self.k + self.v
+        else:
+            if not 0 < latent_values <= head_dim:
+                raise ValueError(f"latent_values {latent_values} must be in 1..{head_dim}")
+            self.v = [k[..., :latent_values] for k in self.k]
+            self._stores = list(self.k)  # the views own nothing: never write or move them
+        self.latent_values = latent_values
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        # The block CUDA-graph padding rows write (the engine sets it): its tokens are not
+        # counted in per-token statistics (models/llama.py ForwardContext.live_tokens).
+        self.scratch_block: int | None = None
+
+    @classmethod
+    def from_layout(cls, layout: KVLayout, num_blocks: int, block_size: int,
+                    device: torch.device | str) -> PagedKV:
+        """The paged cache of a model's KVLayout (budget.py)."""
+        return cls(layout.num_layers, num_blocks, block_size, layout.num_kv_heads,
+                   layout.head_dim, layout.dtype, device, latent_values=layout.latent_values)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self._stores)
 
-    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])  # [slots, Hkv, D]
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [N, Hkv, D] into slots [N] (int64, on the device: no host sync)."""
-        kf, vf = self._flat(layer)
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None,
+              slots: torch.Tensor) -> None:
+        """k, v [N, Hkv, D] into slots [N] (int64, on the device: no host sync). In MLA's
+        layout k is the whole entry (latent and rope key) and v must be None."""
+        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])  # [slots, Hkv, D]
         kf.index_copy_(0, slots, k.to(kf.dtype))
-        vf.index_copy_(0, slots, v.to(vf.dtype))
+        if self.latent_values is None:
+            vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+            vf.index_copy_(0, slots, v.to(vf.dtype))
+        elif v is not None:
+            raise ValueError("MLA's cache stores one entry per token: pass v=None")
 
     def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move K/V from slots src [M] to dst [M] in every layer: the accepted path of a
         verified tree, from the slots its nodes were verified in to the positions they now
-        hold. Copied through a gather first, so overlapping src and dst are safe."""
-        for layer in range(self.num_layers):
-            kf, vf = self._flat(layer)
-            kf.index_copy_(0, dst, kf.index_select(0, src))
-            vf.index_copy_(0, dst, vf.index_select(0, src))
+        hold. Copied through a gather first, so overlapping src and dst are safe (once per
+        stored tensor: moving a view as well would copy already-moved slots again)."""
+        for t in self._stores:
+            f = t.view(-1, *t.shape[2:])  # [slots, Hkv, D]
+            f.index_copy_(0, dst, f.index_select(0, src))
 
     def gather(self, layer: int, block_table: torch.Tensor, length: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,16 +350,17 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Attention of a flattened ragged batch over one layer's paged K/V, the torch reference
     (and the CPU's path).
 
-    q [N, H, D]: N query tokens of B sequences. Gathers each sequence's K/V into a
-    contiguous copy (what a fast backend must not do): once per piece with meta.spans, one
-    SDPA each with the GQA heads folded into the query axis; else per token. Returns
-    [N, H * D]."""
+    q [N, H, D]: N query tokens of B sequences; k_cache [num_blocks, block_size, Hkv, D],
+    v_cache [..., Dv] (Dv may differ from D: MLA's values are the latent part of its keys).
+    Gathers each sequence's K/V into a contiguous copy (what a fast backend must not do):
+    once per piece with meta.spans, one SDPA each with the GQA heads folded into the query
+    axis; else per token. Returns [N, H * Dv]."""
     if meta.spans is None:
         return _attention_per_token(q, k_cache, v_cache, meta, scale)
     N, H, D = q.shape
-    Hkv = k_cache.shape[2]
+    Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
     G, bs = H // Hkv, k_cache.shape[1]
-    out = torch.empty(N, H * D, dtype=q.dtype, device=q.device)
+    out = torch.empty(N, H * Dv, dtype=q.dtype, device=q.device)
     if meta.span_masks is None:  # the same for every layer: built at the first
         meta.span_masks = [meta.dense_mask(slice(a, b), L)[None].expand(G, b - a, L)
                            .reshape(1, 1, G * (b - a), L) for a, b, _, L in meta.spans]
@@ -338,7 +372,7 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v_cache[row[:nb]].flatten(0, 1)[:L].transpose(0, 1)
         qf = q[a:b].transpose(0, 1).reshape(1, Hkv, G * n, D)  # row g * n + t
         o = F.scaled_dot_product_attention(qf, k[None], v[None], attn_mask=m, scale=scale)
-        out[a:b] = o.reshape(H, n, D).transpose(0, 1).reshape(n, H * D)
+        out[a:b] = o.reshape(H, n, Dv).transpose(0, 1).reshape(n, H * Dv)
     return out
 
 
@@ -356,5 +390,5 @@ def _attention_per_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     s = torch.einsum("nhgd,nlhd->nhgl", qg, k).float() * scale
     s = s.masked_fill(~meta.dense_mask()[:, None, None, :], float("-inf"))
     p = s.softmax(-1).to(q.dtype)
-    out = torch.einsum("nhgl,nlhd->nhgd", p, v)
-    return out.reshape(N, H * D)
+    out = torch.einsum("nhgl,nlhd->nhgd", p, v)  # [N, Hkv, G, Dv]
+    return out.reshape(N, -1)

@@ -60,6 +60,17 @@ class ForwardContext:
     # A flattened ragged batch over a paged cache (B = 1, T = its N tokens): where each
     # token writes and what it attends to.
     paged: BatchMeta | None = None
+    # The paged cache's scratch block as a slot range [first, end): CUDA-graph padding rows
+    # write only there. None: every token is real.
+    scratch_slots: tuple[int, int] | None = None
+
+    def live_tokens(self) -> torch.Tensor | None:
+        """[N] bool: which tokens of a paged forward are real, not CUDA-graph padding (None:
+        all). What per-token statistics (MoE expert counts) count; the math ignores it."""
+        if self.paged is None or self.scratch_slots is None:
+            return None
+        first, end = self.scratch_slots
+        return (self.paged.slots < first) | (self.paged.slots >= end)
 
 
 def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
@@ -79,8 +90,12 @@ def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Te
     if isinstance(cache, PagedKV):
         if batch is None:
             raise ValueError("a paged KV cache needs the batch's BatchMeta")
+        scratch = cache.scratch_block
+        span = None if scratch is None else (scratch * cache.block_size,
+                                             (scratch + 1) * cache.block_size)
         return ForwardContext(cos=cos_t[positions][:, None], sin=sin_t[positions][:, None],
-                              mask=None, slots=None, kv_len=0, paged=batch)
+                              mask=None, slots=None, kv_len=0, paged=batch,
+                              scratch_slots=span)
     if cache is not None:
         kv_len = kv_len if kv_len is not None else cache.capacity
         k_pos = torch.arange(kv_len, device=positions.device)
@@ -187,7 +202,8 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, each added to the residual stream. A family passes its
-    own attention or MLP module (MoE, MLA): anything with the same call signature."""
+    own attention or MLP module (MoE, MLA): anything with the same call signature; an MLP
+    with `takes_context = True` is also given the ForwardContext (models/moe.py)."""
 
     def __init__(self, cfg: ModelConfig, attn: nn.Module | None = None,
                  mlp: nn.Module | None = None) -> None:
@@ -196,11 +212,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = attn if attn is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(cfg)
+        self._mlp_context = getattr(self.mlp, "takes_context", False)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), ctx, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, ctx) if self._mlp_context else self.mlp(x))
 
 
 class Backbone(nn.Module):
@@ -374,6 +392,12 @@ class CausalLM(nn.Module):
         for n in range(cfg.num_layers):
             out.update(self.layer_layout(n))
         return out
+
+    def checkpoint_layout_for(self, names: set[str]) -> dict[str, tuple[str, int, tuple]]:
+        """The layout for a checkpoint holding tensors `names`: where a family accepts
+        more than one form of a tensor (MoE experts per expert or fused), the form the
+        checkpoint has. One form here."""
+        return self.checkpoint_layout()
 
     def layer_layout(self, n: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
         """Checkpoint layout of decoder layer n."""

@@ -28,6 +28,8 @@ log = logging.getLogger("specscope.loader")
 
 # Tensors some checkpoints carry that hold no learned state.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Where multimodal wrappers keep their language model's tensors (see wrapped_names).
+_WRAPPER_PREFIXES = ("language_model.",)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
@@ -188,23 +190,40 @@ def name_list(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+def wrapped_names(files: dict[str, Path], layout: dict) -> dict[str, str]:
+    """Our name -> the checkpoint's, for every tensor the model may load: the names as they
+    are, or, when none of the model's names is there, those under a multimodal wrapper's
+    language-model prefix (Kimi-K2.5's `language_model.`), the prefix dropped; the wrapper's
+    other tensors (vision tower, projector) are not the text model's and are left out."""
+    if any(n in files for n in layout):
+        return {n: n for n in files}
+    for p in _WRAPPER_PREFIXES:
+        inner = {n[len(p):]: n for n in files if n.startswith(p)}
+        if inner:
+            log.info("loading the language model of a multimodal checkpoint (tensors under "
+                     "%r; %d others left out)", p, len(files) - len(inner))
+            return inner
+    return {n: n for n in files}
+
+
 def load_weights(model: TargetModel, files: dict[str, Path]) -> LoadStats:
     """Copy checkpoint tensors into `model` (already allocated), checking names and shapes.
     A tensor-parallel shard reads only the slices its parameters hold (parallel/shard.py),
     through safetensors' get_slice; a tensor it holds nothing of is never read."""
-    layout = model.checkpoint_layout()
-    _check_names(model, layout, set(files))
+    stored = wrapped_names(files, model.checkpoint_layout())
+    layout = model.checkpoint_layout_for(set(stored))
+    _check_names(model, layout, set(stored))
     params = dict(model.named_parameters(remove_duplicate=False))
     shards = param_shards(model)
     by_file: dict[Path, list[str]] = {}
     for name in layout:
-        by_file.setdefault(files[name], []).append(name)
+        by_file.setdefault(files[stored[name]], []).append(name)
     bad_shapes, read = [], {}
     with torch.no_grad():
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
-                    tensor = f.get_slice(name)
+                    tensor = f.get_slice(stored[name])
                     shape = tuple(tensor.get_shape())
                     target, row, want = layout[name]
                     if shape != want:
@@ -225,6 +244,10 @@ def _check_names(model: TargetModel, layout: dict, present: set[str]) -> None:
     """Every tensor the layout names is in the checkpoint, and nothing else is."""
     tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
     ignored = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
+    L, extra = model.config.num_layers, model.config.unused_checkpoint_layers
+    if extra:  # e.g. DeepSeek-V3's multi-token-prediction layers, which decoding never runs
+        unused = tuple(f"model.layers.{i}." for i in range(L, L + extra))
+        ignored |= {n for n in present if n.startswith(unused)}
     if tied_head:  # tied models sometimes still save the (identical) head; HF ignores it
         ignored.add("lm_head.weight")
     missing = sorted(set(layout) - present)

@@ -33,10 +33,11 @@ class TargetModel(Protocol):
     """What every target model offers the rest of specscope.
 
     forward -> (hidden after the final norm, taps); compute_logits; its KV-cache layout; its
-    checkpoint name map; its taps (output-of-layer ids, -1 = the embedding). Under tensor
-    parallelism `tp` is the rank's parallel.TPGroup (None: unsharded), `local_heads` the
-    (query, KV) heads this rank attends with, and compute_logits returns the whole
-    vocabulary's logits on every rank.
+    checkpoint name map (`checkpoint_layout_for`: the map for a checkpoint holding the given
+    names, where a family reads more than one form); its taps (output-of-layer ids, -1 =
+    the embedding). Under tensor parallelism `tp` is the rank's parallel.TPGroup (None:
+    unsharded), `local_heads` the (query, KV) heads this rank attends with, and
+    compute_logits returns the whole vocabulary's logits on every rank.
     """
 
     config: ModelConfig
@@ -71,6 +72,8 @@ class TargetModel(Protocol):
 
     def checkpoint_layout(self) -> CheckpointLayout: ...
 
+    def checkpoint_layout_for(self, names: set[str]) -> CheckpointLayout: ...
+
     def kv_layout(self, dtype: torch.dtype) -> KVLayout: ...
 
     def paged_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -91,7 +94,8 @@ class Family:
 
 
 # Modules that define families, each with a FAMILIES tuple; imported on first use.
-_FAMILY_MODULES = ("specscope.models.llama",)
+_FAMILY_MODULES = ("specscope.models.llama", "specscope.models.mixtral",
+                  "specscope.models.qwen_moe", "specscope.models.deepseek")
 _families: list[Family] | None = None
 
 

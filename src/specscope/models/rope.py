@@ -13,6 +13,10 @@ import torch
 
 from specscope.config import SUPPORTED_ROPE_TYPES
 
+# Every rope type the tables below compute. A family admits a subset at load (config.hf_rope):
+# the dense Llama family SUPPORTED_ROPE_TYPES, DeepSeek-V3 / Kimi-K2 those plus yarn.
+COMPUTED_ROPE_TYPES = (*SUPPORTED_ROPE_TYPES, "yarn")
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
                         max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -43,8 +47,52 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
+    if rtype == "yarn":
+        return yarn_frequencies(head_dim, theta, scaling)
     raise ValueError(
-        f"unsupported rope_scaling type {rtype!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        f"unsupported rope_scaling type {rtype!r}; supported: {', '.join(COMPUTED_ROPE_TYPES)}")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times: 0.1 * mscale *
+    ln(factor) + 1 (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]
+                     ) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as HF computes it: (inv_freq [head_dim/2], cos/sin factor).
+
+    Frequencies that turn more than beta_fast times over the original context are kept
+    (extrapolated), those under beta_slow turns are divided by `factor` (interpolated), and
+    a linear ramp over the dimension index blends the band between. The cos/sin factor is
+    attention_factor when given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    (DeepSeek), else mscale(factor). Needs factor and original_max_position_embeddings (the
+    DeepSeek parser fills them in from the config when a checkpoint leaves them out)."""
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_turning(turns: float) -> float:  # the dimension index that turns `turns` times
+        return head_dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a one-point band: keep the ramp finite
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp  # 1: extrapolated (high frequency), 0: interpolated
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                else yarn_mscale(factor))
+    return inv_freq, float(attn)
 
 
 def rope_tables(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_len: int,
@@ -62,3 +110,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                           ) -> torch.Tensor:
+    """Rotate x [..., D] whose rotary pairs are adjacent, (x0, x1), (x2, x3), ... (DeepSeek's
+    checkpoints), by cos/sin [..., D] (the cat(freqs, freqs) tables above).
+
+    The result is de-interleaved, the pairs' first members then their second, as HF
+    transformers returns it: queries and keys go through the same permutation, so their
+    dot products are those of the interleaved rotation, and the rope keys in the cache are
+    in this order."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]  # cat(freqs, freqs): the first half has each angle
+    first, second = x[..., 0::2], x[..., 1::2]
+    return torch.cat((first * c - second * s, second * c + first * s), dim=-1)

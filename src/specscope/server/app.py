@@ -113,7 +113,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None, *,
              if cfg.log_stats_interval > 0 else None)
     worker = EngineWorker(llm, cfg.max_queue, metrics, guardrail, stats)
     limits = PromptLimits(llm, cfg)
-    runner = CompletionRunner(llm, worker, metrics, limits)
+    runner = CompletionRunner(llm, worker, metrics, limits, cfg.tool_call_parser
+                              if cfg.enable_auto_tool_choice else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -21,7 +21,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specscope.config import SamplingParams
+from specscope.config import SamplingParams, StructuredOutputs
+from specscope.engine.grammar import Grammar
 from specscope.engine.llm import LLM, StreamDelta
 from specscope.engine.request import RequestOutput
 from specscope.server.limits import PromptLimits
@@ -32,6 +33,7 @@ from specscope.server.schemas import (
     CompletionRequest,
     parse_json,
 )
+from specscope.server.tools import ToolCalls, tool_constraint
 from specscope.server.worker import _END, EngineWorker, _Job
 
 log = logging.getLogger("specscope.server")
@@ -76,21 +78,67 @@ class CompletionRunner:
     """Runs completion requests on `worker`'s engine, counted in `metrics`."""
 
     def __init__(self, llm: LLM, worker: EngineWorker, metrics: Metrics,
-                 limits: PromptLimits) -> None:
+                 limits: PromptLimits, tool_parser: str | None = None) -> None:
         self.llm, self.worker, self.metrics, self.limits = llm, worker, metrics, limits
+        self.tool_parser = tool_parser  # None: tool_choice "auto" is refused
 
     def encode_chat(self, raw: bytes, check_model: Callable[[str | None], None]
                     ) -> tuple[ChatCompletionRequest, list[int]]:
         """Parse, check and tokenize a chat request (on a worker thread)."""
         req: ChatCompletionRequest = parse_json(raw, ChatCompletionRequest)
         check_model(req.model)
+        self.tool_calls(req)  # tool_choice "auto" without a parser fails before any work
         messages = [m.for_template() for m in req.messages]
         self.limits.check_chars(sum(len(m["content"]) for m in messages), "messages",
                                 len(messages))
         try:
-            return req, self.llm.encode_prompt(messages, chat=True)
+            ids = self.llm.encode_prompt(messages, chat=True, tools=req.template_tools())
         except (ValueError, TypeError) as e:
             raise _engine_error(e, "messages") from None
+        return req, ids
+
+    def tool_calls(self, req: ChatCompletionRequest) -> ToolCalls | None:
+        """How this request's answer becomes tool calls (None: plain content)."""
+        choice = req.effective_tool_choice
+        if choice == "none":  # tools are offered to the template, calls never parsed
+            return None
+        if choice == "auto" and self.tool_parser is None:
+            raise APIError(400, 'tools with tool_choice "auto" (the default when tools are '
+                           'given) need the server started with --enable-auto-tool-choice '
+                           'and --tool-call-parser; or send tool_choice "none", "required" '
+                           'or a named function', param="tool_choice")
+        return ToolCalls(choice, self.tool_parser, req.parallel_tool_calls is not False)
+
+    @staticmethod
+    def constraint(req: ChatCompletionRequest | CompletionRequest
+                   ) -> tuple[str, StructuredOutputs] | None:
+        """The output's grammar and the field asking for it: response_format, vLLM's
+        structured_outputs / guided_*, or a forced tool call."""
+        found = req.constraint()
+        if isinstance(req, ChatCompletionRequest) and req.tools:
+            forced = tool_constraint(req.template_tools(), req.effective_tool_choice,
+                                     req.parallel_tool_calls is not False)
+            if forced is not None and found is not None:
+                raise APIError(400, f"tool_choice {req.effective_tool_choice!r} constrains "
+                               f"the output, and so does {found[0]}; send one",
+                               param=found[0])
+            if forced is not None:
+                found = ("tool_choice", forced)
+        return found
+
+    def grammar(self, req: ChatCompletionRequest | CompletionRequest) -> Grammar | None:
+        """The request's grammar state (None: unconstrained), or a 400 naming the field
+        whose schema or grammar cannot be enforced (or the extra to install). Compiling a
+        large schema can take a while: it runs on a thread, not the event loop or the
+        engine's."""
+        found = self.constraint(req)
+        if found is None:
+            return None
+        try:
+            return self.llm.grammars.compile(found[1])
+        except ValueError as e:
+            field = "tools" if found[0] == "tool_choice" else found[0]
+            raise APIError(400, f"{field}: {e}", param=field) from None
 
     def encode_completion(self, raw: bytes, check_model: Callable[[str | None], None]
                           ) -> tuple[CompletionRequest, list[int]]:
@@ -108,9 +156,10 @@ class CompletionRunner:
         text = prompt[0] if isinstance(prompt, list) else prompt
         self.limits.check_chars(len(text), "prompt")
         try:
-            return req, self.llm.encode_prompt(text)
+            ids = self.llm.encode_prompt(text)
         except (ValueError, TypeError) as e:
             raise _engine_error(e, "prompt") from None
+        return req, ids
 
     def sampling(self, req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
                  prompt_field: str) -> SamplingParams:
@@ -127,13 +176,15 @@ class CompletionRunner:
                            f"{n_prompt + max_tokens} exceeds the model's context length "
                            f"({llm.max_model_len})", param="max_tokens",
                            code="context_length_exceeded")
+        found = self.constraint(req)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_p=1.0 if req.top_p is None else float(req.top_p),
                 top_k=req.top_k or 0, seed=req.seed, stop=req.stop or (),
-                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                structured_outputs=found[1] if found else None)
         except (ValueError, TypeError) as e:
             raise _engine_error(e) from None
 
@@ -188,13 +239,15 @@ class CompletionRunner:
 
     async def generate(self, request: Request, ids: list[int],
                        req: ChatCompletionRequest | CompletionRequest, prompt_field: str,
-                       chunk: Callable[[str | None, str | None], dict],
-                       full: Callable[[RequestOutput], dict]) -> Response:
+                       chunk: Callable[..., dict], full: Callable[[RequestOutput], dict],
+                       tools: ToolCalls | None = None) -> Response:
         """Run one request: a JSON response, or an SSE stream of `chunk` events (`full`
-        builds the non-streaming body)."""
+        builds the non-streaming body; a stream's tool calls go through `tools`)."""
         t0 = time.perf_counter()
         params = self.sampling(req, len(ids), prompt_field)
-        job = self.worker.submit_generation(ids, params)
+        grammar = await asyncio.to_thread(self.grammar, req) \
+            if params.structured_outputs is not None else None
+        job = self.worker.submit_generation(ids, params, grammar)
         # Streams notice a departed client when a chunk fails to send; until the first
         # chunk (queued, prefill) and for whole non-streaming requests, a watcher polls.
         watcher = asyncio.create_task(self._watch(request, job))
@@ -206,14 +259,15 @@ class CompletionRunner:
                 return JSONResponse(full(out))
         finally:
             watcher.cancel()
-        return self._stream(job, first, req, chunk, t0)
+        return self._stream(job, first, req, chunk, t0, tools)
 
     def _stream(self, job: _Job, first: list,
                 req: ChatCompletionRequest | CompletionRequest,
-                chunk: Callable[[str | None, str | None], dict], t0: float
+                chunk: Callable[..., dict], t0: float, tools: ToolCalls | None = None
                 ) -> StreamingResponse:
         """The SSE stream of one request: everything produced since the last send goes out
-        as one write; text events are formatted from a template made once."""
+        as one write; text events are formatted from a template made once. With `tools`,
+        text that may be a tool call is held, and the calls go out whole at the end."""
         template: tuple[str, str] | None = None
 
         def text_event(text: str) -> str:
@@ -241,7 +295,10 @@ class CompletionRunner:
                         if item.finished:
                             end = item
                             break
-                    send = [text_event("".join(texts))] if texts else []
+                    text = "".join(texts)
+                    if tools is not None:
+                        text = tools.feed(text)
+                    send = [text_event(text)] if text else []
                     if end is None:
                         if send:
                             yield send[0]
@@ -252,7 +309,15 @@ class CompletionRunner:
                         assert out is not None
                         finished = True
                         self._record(out, t0)
-                        send.append(_sse(chunk(None, out.finish_reason)))
+                        finish = out.finish_reason
+                        if tools is not None:
+                            rest, calls = tools.finish()
+                            if rest:
+                                send.append(text_event(rest))
+                            if calls:
+                                send.append(_sse(chunk(None, None, calls)))
+                                finish = "tool_calls" if finish == "stop" else finish
+                        send.append(_sse(chunk(None, finish)))
                         if req.include_usage:
                             final = chunk(None, None)
                             final["choices"], final["usage"] = [], _usage(out)
@@ -288,28 +353,37 @@ def add_completion_routes(app: FastAPI, runner: CompletionRunner,
     async def chat_completions(request: Request):
         req, ids = await prepare(request, lambda raw: runner.encode_chat(raw, check_model))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        tools = runner.tool_calls(req)
         sent_role = False
 
-        def chunk(text: str | None, finish: str | None) -> dict:
+        def chunk(text: str | None, finish: str | None, calls: list | None = None) -> dict:
             nonlocal sent_role
             delta: dict[str, Any] = {}
             if not sent_role:
                 delta["role"], sent_role = "assistant", True
             if text is not None:
                 delta["content"] = text
+            if calls:  # each call whole, in one chunk
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             return {"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": served, "choices": [{"index": 0, "delta": delta,
                                                   "logprobs": None, "finish_reason": finish}]}
 
         def full(out: RequestOutput) -> dict:
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            finish = out.finish_reason
+            if tools is not None:
+                message["content"], calls = tools.parse(out.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
             return {"id": rid, "object": "chat.completion", "created": created,
                     "model": served,
-                    "choices": [{"index": 0, "logprobs": None,
-                                 "message": {"role": "assistant", "content": out.text},
-                                 "finish_reason": out.finish_reason}],
+                    "choices": [{"index": 0, "logprobs": None, "message": message,
+                                 "finish_reason": finish}],
                     "usage": _usage(out)}
 
-        return await runner.generate(request, ids, req, "messages", chunk, full)
+        return await runner.generate(request, ids, req, "messages", chunk, full, tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

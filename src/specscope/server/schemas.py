@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from specscope.config import MAX_NUM_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK
+from specscope.config import MAX_NUM_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK, StructuredOutputs
 
 
 class APIError(Exception):
@@ -157,7 +157,97 @@ class ChatMessage(BaseModel):
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
         return out
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call with its JSON-string arguments as an object: the templates that render
+    calls (Qwen's, Llama 3.1's) write `arguments | tojson`, which would quote a string
+    (vLLM passes objects too)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema (OpenAI): the schema is enforced whether strict or not."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object "
+                             "({'name': ..., 'schema': {...}})")
+        return self
+
+    def constraint(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_
+            return StructuredOutputs(json={} if schema is None else schema)
+        return None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` extension: one of json, regex, choice, grammar,
+    json_object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+    def constraint(self) -> StructuredOutputs:
+        return StructuredOutputs(json=self.json_, regex=self.regex, choice=self.choice,
+                                 grammar=self.grammar, json_object=bool(self.json_object))
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(BaseModel):
+    """A tool the model may call (OpenAI: function tools only)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 # OpenAI fields whose behaviour is not implemented yet: each is accepted at the value that
@@ -169,13 +259,9 @@ _NOT_YET = {
     "logit_bias": (({}, None), "logit_bias is not supported yet"),
     "min_p": ((0, 0.0, None), "min_p is not supported yet; send 0"),
     "min_tokens": ((0, None), "min_tokens is not supported yet; send 0"),
-    "tools": (([], None), "tools are not supported yet"),
-    "functions": (([], None), "functions are not supported yet"),
-    "function_call": ((None, "none"), "function calls are not supported yet"),
-    "tool_choice": ((None, "none", "auto"), "tool calls are not supported yet"),
-    "parallel_tool_calls": ((None, True, False), "tool calls are not supported yet"),
-    "response_format": ((None, {"type": "text"}),
-                        "structured output (json_object, json_schema) is not supported yet"),
+    "functions": (([], None), "the legacy functions field is not supported; send tools"),
+    "function_call": ((None, "none"), "the legacy function_call field is not supported; "
+                      "send tool_choice"),
     "top_logprobs": ((None, 0), "logprobs are not supported yet"),
     "echo": ((None, False), "echo is not supported yet"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
@@ -226,6 +312,14 @@ class _Sampling(BaseModel):
     safety_identifier: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
     prompt_cache_key: StrictStr | None = None
+    # Structured output (engine/grammar.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* spellings; at most one per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     # Not implemented: refused unless at their no-op values (_NOT_YET).
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -233,7 +327,6 @@ class _Sampling(BaseModel):
     logit_bias: Any = None
     min_p: Any = None
     min_tokens: Any = None
-    response_format: Any = None
     top_logprobs: Any = None
     best_of: Any = None
     store: Any = None
@@ -264,6 +357,27 @@ class _Sampling(BaseModel):
                              "remove it")
         return stops
 
+    def constraint(self) -> tuple[str, StructuredOutputs] | None:
+        """The output constraint this request asks for and the field asking, or None."""
+        found = []
+        if self.response_format is not None and \
+                (so := self.response_format.constraint()) is not None:
+            found.append(("response_format", so))
+        try:
+            if self.structured_outputs is not None:
+                found.append(("structured_outputs", self.structured_outputs.constraint()))
+            for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                              ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+                if getattr(self, name) is not None:
+                    found.append((name, StructuredOutputs(**{key: getattr(self, name)})))
+        except ValueError as e:
+            raise APIError(400, f"structured_outputs: {e}", param="structured_outputs"
+                           ) from None
+        if len(found) > 1:
+            raise APIError(400, f"{found[0][0]} and {found[1][0]} both constrain the output; "
+                           f"send one", param=found[1][0])
+        return found[0] if found else None
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -273,9 +387,10 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None  # refused when true (_chat_logprobs)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ToolSpec] | None = None
+    # Default: "auto" with tools, "none" without (OpenAI's, vLLM's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -296,6 +411,33 @@ class ChatCompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    @model_validator(mode="after")
+    def _tools_and_choice(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"tools: two tools are named {dup!r}; names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, "
+                             f"which is not one of the tools ({', '.join(names) or 'none'})")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools to choose from")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> Any:
+        """The tool choice: "none", "auto", "required", or the named function as a dict."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (OpenAI's shape), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class CompletionRequest(_Sampling):

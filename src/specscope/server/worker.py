@@ -156,8 +156,10 @@ class EngineWorker:
             if self._running:
                 self._step()
 
-    def submit_generation(self, prompt_ids: list[int], params: SamplingParams) -> _Job:
-        """Queue a generation; raises 503 when `max_queue` requests already wait."""
+    def submit_generation(self, prompt_ids: list[int], params: SamplingParams,
+                          grammar: Any = None) -> _Job:
+        """Queue a generation; raises 503 when `max_queue` requests already wait. grammar:
+        its structured-output state, compiled off the engine thread (engine/grammar.py)."""
         job = _Job(asyncio.get_running_loop())
         with self._lock:
             if self._deadline is not None:
@@ -178,7 +180,7 @@ class EngineWorker:
                 self._close(job)
             else:
                 try:
-                    rid = self.llm.add_request(prompt_ids, params)
+                    rid = self.llm.add_request(prompt_ids, params, grammar=grammar)
                 except Exception as e:  # handed to the handler, which maps it to a response
                     self._close(job, e)
                     return

@@ -54,6 +54,12 @@ def _to_target_probs(draft: Eagle3Draft, q: torch.Tensor) -> torch.Tensor:
 DraftStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
                       torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
+# An optional constraint on the draft's choices (structured output, engine/grammar.py):
+# (logits [S, B, Vd] of B beams, paths [S, B, j] of the target-vocabulary draft tokens each
+# beam's prediction follows) -> the logits masked. None: unconstrained, and nothing below
+# builds the paths.
+DraftMask = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def _choose(logits: torch.Tensor, params: list[SamplingParams],
             generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list]:
@@ -76,18 +82,23 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
                       logits0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
                       num_steps: int, params: list[SamplingParams],
                       generators: list[torch.Generator | None],
-                      prof: Profiler | None = None) -> DraftTree:
+                      prof: Profiler | None = None, mask: DraftMask | None = None
+                      ) -> DraftTree:
     """S chains of num_steps draft tokens, chain s after root[s] (the token at position
     n[s]). h0 [S, Hd], logits0 [S, Vd]: the extend's output at position n - 1. Draft step
     j (1-based, j < num_steps) runs at draft position n + j - 1. Sampled rows draw their
     tokens from their processed draft distribution, returned (in target vocabulary) as
-    draft_probs [S, k + 1, V] (zero rows for greedy sequences, which never read them)."""
+    draft_probs [S, k + 1, V] (zero rows for greedy sequences, which never read them).
+    mask: constrains each step's choice given the chain's draft tokens so far."""
     S, dev, k = root.shape[0], root.device, num_steps
     tokens, qs = [root], []
     logits, h = logits0, h0
     for j in range(1, k + 1):
         if prof:
             prof.mark(Phase.DRAFT_STEP, step=j)
+        if mask is not None:
+            path = torch.stack(tokens[1:], 1) if j > 1 else root.new_empty(S, 0)
+            logits = mask(logits[:, None], path[:, None])[:, 0]
         d, q = _choose(logits, params, generators)
         qs.append(q)
         t = draft.to_target(d)  # [S]
@@ -121,12 +132,16 @@ def _scores_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
                      logits0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
                      num_steps: int, topk: int, num_draft_tokens: int,
-                     params: list[SamplingParams], prof: Profiler | None = None) -> DraftTree:
+                     params: list[SamplingParams], prof: Profiler | None = None,
+                     mask: DraftMask | None = None) -> DraftTree:
     """S EAGLE-2 dynamic trees of num_draft_tokens nodes each (root included), children
     chosen deterministically (top-k of each sequence's processed draft distribution).
-    h0 [S, Hd], logits0 [S, Vd], root [S], n [S] as draft_chain."""
+    h0 [S, Hd], logits0 [S, Vd], root [S], n [S] as draft_chain. mask: constrains each
+    beam's children given the beam's path of draft tokens."""
     S, dev, k = root.shape[0], root.device, topk
     Hd = h0.shape[-1]
+    if mask is not None:
+        logits0 = mask(logits0[:, None], root.new_empty(S, 1, 0))[:, 0]
     s1, ids1 = _scores_batch(logits0, params).topk(k, dim=-1)  # [S, k]
     cand_tok = [draft.to_target(ids1)]  # per level: [S, k] then [S, k*k]
     cand_par = [torch.full((S, k), -1, dtype=torch.long, device=dev)]
@@ -137,6 +152,7 @@ def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
     beam_h = h0[:, None].expand(S, k, Hd)
     T = max(num_steps - 1, 1) * k  # tree slots of the draft steps
     beam_anc = torch.zeros(S, k, T, dtype=torch.bool, device=dev)  # ancestors' slots
+    beam_path = beam_tok[..., None]  # [S, k, j]: each beam's draft tokens (for the mask)
     n_cand = k
     for j in range(1, num_steps):
         if prof:
@@ -144,6 +160,8 @@ def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
         own = (j - 1) * k + torch.arange(k, device=dev)  # this step's tree slots [k]
         anc = beam_anc | (own[:, None] == torch.arange(T, device=dev))  # [S, k, T]
         h_out, lg = step(beam_tok, beam_h, (n + (j - 1))[:, None].expand(S, k), own, anc)
+        if mask is not None:
+            lg = mask(lg, beam_path)
         child_s, child_id = (beam_score[..., None] + _scores_batch(lg, params)).topk(k, -1)
         flat_s = child_s.reshape(S, k * k)  # candidate (b, c) at b*k + c
         cand_tok.append(draft.to_target(child_id.reshape(S, k * k)))
@@ -156,6 +174,9 @@ def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
         beam_cand = n_cand + best
         beam_h = h_out.gather(1, parent_beam[..., None].expand(S, k, Hd))
         beam_anc = anc.gather(1, parent_beam[..., None].expand(S, k, T))
+        if mask is not None:
+            beam_path = torch.cat([beam_path.gather(1, parent_beam[..., None].expand(
+                S, k, j)), beam_tok[..., None]], -1)
         n_cand += k * k
     if prof:
         prof.mark(Phase.TREE_BUILD)

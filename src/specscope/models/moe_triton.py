@@ -1,0 +1,169 @@
+"""The MoE experts as a grouped GEMM in Triton (CUDA): the fast path of experts_looped.
+
+Static shapes, no host sync, so a step with MoE layers is still one CUDA graph per batch
+bucket and one device->host read:
+
+1. Dispatch (`dispatch`, torch): the M = N * k token-expert pairs are sorted by expert
+   (stable: token order within an expert) and laid out in a buffer of P rows, each
+   expert's segment padded to a multiple of BM rows. P is a bound known from the shapes
+   alone: sum over the used experts of ceil(c_e / BM) * BM <= M + min(E, M) * (BM - 1).
+   Every BM-row block then belongs to one expert (block_expert; E marks blocks past the
+   used rows, which the kernels skip), and padding rows point at token N (masked: zeros).
+2. gate_up kernel: per (block, column tile), rows gathered from x by row_token, times the
+   block's expert's gate and up rows, SwiGLU in fp32 -> act [P, I].
+3. down kernel: act [P, I] times the block's expert's down -> y [P, H].
+4. Combine (torch): out[n] = sum_j w[n, j] * y[pair_row[n, j]]: a gather, not an atomic
+   scatter, so the sum's order (and the result) is deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from specscope.models.moe_experts import expert_counts
+
+# Triton 3.9's CPU interpreter (the tests' CUDA stand-in) multiplies bf16 dot operands as
+# their raw bits; under it, bf16 tiles are widened to fp32 before each dot (same products).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass
+class Dispatch:
+    """The block-padded expert-sorted layout of one forward's token-expert pairs."""
+
+    row_token: torch.Tensor  # [P] int32: the token of each row; N on padding rows
+    block_expert: torch.Tensor  # [P // BM] int32: each block's expert; E past the used rows
+    pair_row: torch.Tensor  # [N, k] int64: the row each (token, pick) pair landed in
+    block_m: int
+
+
+def block_rows(num_pairs: int) -> int:
+    """Rows per block: 16 for decode and verify sized batches (a few rows per expert, so
+    little padding), 64 for prefill (fewer, fuller tiles)."""
+    return 16 if num_pairs <= 1024 else 64
+
+
+def dispatch(ids: torch.Tensor, num_experts: int, block_m: int) -> Dispatch:
+    """ids [N, k] -> the layout of step 1 (module docstring). Device ops only."""
+    N, k = ids.shape
+    M, E, dev = N * k, num_experts, ids.device
+    P = -(-(M + min(E, M) * (block_m - 1)) // block_m) * block_m
+    flat = ids.reshape(-1)
+    counts = expert_counts(ids, E)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)  # [E]
+    pad_start, raw_start = pad_end - padded, counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)  # [M] pairs grouped by expert
+    e = flat[order]
+    dest = pad_start[e] + torch.arange(M, device=dev) - raw_start[e]  # [M] row of each
+    row_token = torch.full((P,), N, dtype=torch.int32, device=dev)
+    row_token[dest] = (order // k).to(torch.int32)
+    pair_row = torch.empty(M, dtype=torch.long, device=dev)
+    pair_row[order] = dest
+    starts = torch.arange(0, P, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, starts, right=True).clamp_max(E)
+    return Dispatch(row_token, block_expert.to(torch.int32), pair_row.view(N, k), block_m)
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, tok_ptr, blk_ptr, out_ptr, N, H, I, E,
+                    stride_x, stride_we, stride_wr, stride_o,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """act[r, c] = silu(x[tok[r]] . gate[e, c]) * (x[tok[r]] . up[e, c]) for the rows r
+    of block program_id(0) (expert e) and the columns c of tile program_id(1)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_ptr + pid_m)
+    if e < E:
+        rows = pid_m * BM + tl.arange(0, BM)
+        tok = tl.load(tok_ptr + rows)
+        live = tok < N
+        cols = pid_n * BN + tl.arange(0, BN)
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            ks = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + ks[None, :],
+                        mask=live[:, None] & (ks[None, :] < H), other=0.0)
+            wmask = (cols[None, :] < I) & (ks[:, None] < H)
+            wg = tl.load(w_base + cols[None, :] * stride_wr + ks[:, None], mask=wmask,
+                         other=0.0)  # [BK, BN]: gate rows, transposed
+            wu = tl.load(w_base + (cols[None, :] + I) * stride_wr + ks[:, None], mask=wmask,
+                         other=0.0)
+            acc_g = _dot(a, wg, acc_g, PRECISION, UPCAST)
+            acc_u = _dot(a, wu, acc_u, PRECISION, UPCAST)
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :],
+                 act.to(out_ptr.dtype.element_ty), mask=cols[None, :] < I)
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, blk_ptr, out_ptr, H, I, E,
+                 stride_a, stride_we, stride_wr, stride_o,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """y[r, c] = act[r] . down[e, c] for the rows of block program_id(0) (expert e)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_ptr + pid_m)
+    if e < E:
+        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+        cols = pid_n * BN + tl.arange(0, BN)
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            ks = k0 + tl.arange(0, BK)
+            a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :],
+                        mask=ks[None, :] < I, other=0.0)
+            w = tl.load(w_base + cols[None, :] * stride_wr + ks[:, None],
+                        mask=(cols[None, :] < H) & (ks[:, None] < I), other=0.0)
+            acc = _dot(a, w, acc, PRECISION, UPCAST)
+        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=cols[None, :] < H)
+
+
+def _tile(n: int, largest: int) -> int:
+    """A power-of-two tile width in [16, largest] covering n where it can (tl.dot needs
+    at least 16)."""
+    return max(16, min(largest, triton.next_power_of_2(n)))
+
+
+@torch.compiler.disable  # kernel launches with host-side grids; CUDA graphs still capture
+def experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x [N, H], ids/weights [N, k], gate_up [E, 2I, H], down [E, H, I] -> [N, H]."""
+    N, H = x.shape
+    E, two_i, _ = gate_up.shape
+    i = two_i // 2
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    d = dispatch(ids, E, block_rows(ids.numel()))
+    P, BM = d.row_token.shape[0], d.block_m
+    # fp32 stays fp32 (no TF32): the reference is exact fp32.
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    upcast = _INTERPRET and x.dtype == torch.bfloat16
+    act = torch.empty(P, i, dtype=x.dtype, device=x.device)
+    BN, BK = _tile(i, 64), _tile(H, 64)
+    _gate_up_kernel[(P // BM, triton.cdiv(i, BN))](
+        x, gate_up, d.row_token, d.block_expert, act, N, H, i, E,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        BM=BM, BN=BN, BK=BK, PRECISION=prec, UPCAST=upcast)
+    y = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    BN, BK = _tile(H, 64), _tile(i, 64)
+    _down_kernel[(P // BM, triton.cdiv(H, BN))](
+        act, down, d.block_expert, y, H, i, E,
+        act.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        BM=BM, BN=BN, BK=BK, PRECISION=prec, UPCAST=upcast)
+    picked = y[d.pair_row]  # [N, k, H]
+    return (picked.float() * weights[..., None].float()).sum(1).to(x.dtype)
