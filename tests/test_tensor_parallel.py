@@ -35,19 +35,47 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
 
 # Shapes the layer-level check shards over 2 ranks: GQA with a KV head per rank, one KV
-# head replicated on both, tied embeddings, a vocabulary that does not split evenly, biases.
-VARIANTS = {
-    "gqa": {"num_key_value_heads": 2},
-    "kv_replicated": {"num_key_value_heads": 1, "tie_word_embeddings": True},
-    "odd_vocab_bias": {"vocab_size": 1001, "architectures": ["Qwen2ForCausalLM"]},
-}
+# head replicated on both, tied embeddings, a vocabulary that does not split evenly, biases;
+# MoE (tensor-parallel within the experts, with and without a gated shared expert) and
+# DeepSeek-V3's MLA (heads split, the latent replicated; with and without q_lora_rank).
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+MOE = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
+MLA = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+       "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+       "num_hidden_layers": 3, "num_key_value_heads": 4, "n_routed_experts": 8,
+       "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+       "v_head_dim": 12, "qk_nope_head_dim": 10, "n_group": 4, "topk_group": 2,
+       "num_experts_per_tok": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}
+VARIANTS = {
+    "gqa": {},
+    "kv_replicated": {"num_key_value_heads": 1, "tie_word_embeddings": True},
+    "odd_vocab_bias": {"vocab_size": 1001, "architectures": ["Qwen2ForCausalLM"]},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "head_dim": 16, "norm_topk_prob": True, **MOE},
+    "qwen2_moe_shared": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                         "shared_expert_intermediate_size": 64, **MOE},
+    "deepseek_v3": MLA,
+    "deepseek_v3_no_q_lora": {**MLA, "q_lora_rank": None},
+}
 
 
 def _config(name: str) -> ModelConfig:
-    return ModelConfig.from_hf({**BASE, **VARIANTS[name]}, name=name)
+    from specscope.models.registry import config_from_hf
+
+    return config_from_hf({**BASE, **VARIANTS[name]}, name=name)
+
+
+def _full_model(name: str):
+    """The variant's whole model, the same on every rank; routers' logits spread out, so
+    that the rounding of a sharded forward never flips which experts a token picks."""
+    m = random_model(_config(name), torch.float32, "cpu", seed=7)
+    with torch.no_grad():
+        for pname, p in m.named_parameters():
+            if pname.endswith("mlp.gate.weight"):
+                p.mul_(200.0)
+    return m
 
 
 def _save_hf(model, path: pathlib.Path) -> None:
@@ -55,8 +83,12 @@ def _save_hf(model, path: pathlib.Path) -> None:
     from safetensors.torch import save_file
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    out = {name: params[p].detach()[row:row + shape[0]].contiguous()
-           for name, (p, row, shape) in model.checkpoint_layout().items()}
+    out = {}
+    for name, (p, row, shape) in model.checkpoint_layout().items():
+        w = params[p].detach()
+        if isinstance(row, tuple):  # an expert's rows: (expert, first row)
+            w, row = w[row[:-1]], row[-1]
+        out[name] = w[row:row + shape[0]].contiguous()
     path.mkdir(parents=True, exist_ok=True)
     save_file(out, str(path / "model.safetensors"))
 
@@ -82,7 +114,7 @@ def _layer_rank(rank: int, world: int, port: int, root: str) -> None:
     report = {}
     for name in VARIANTS:
         cfg = _config(name)
-        full = random_model(cfg, torch.float32, "cpu", seed=7)  # the same on every rank
+        full = _full_model(name)
         local = allocate(cfg, torch.float32, "cpu", TPGroup(rank, world))
         stats = load_weights(local, weight_files(pathlib.Path(root) / name))
         ids = torch.randint(0, cfg.vocab_size, (1, 11), generator=torch.Generator()
@@ -93,26 +125,50 @@ def _layer_rank(rank: int, world: int, port: int, root: str) -> None:
             got = local.compute_logits(local(ids, pos)[0])
         report[name] = {"err": float((want - got).abs().max()), "shape": list(got.shape),
                         "read": stats.total, "held": _held_elements(local),
-                        "q_read": stats.elements["model.layers.0.self_attn.q_proj.weight"],
-                        "k_read": stats.elements["model.layers.0.self_attn.k_proj.weight"]}
+                        "reads": stats.elements,
+                        # over the paged cache (MLA: the absorbed form), in lockstep: every
+                        # rank's engine schedules the same steps
+                        "engine": [_engine_tokens(full), _engine_tokens(local)]}
     pathlib.Path(root, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
+def _engine_tokens(model) -> list[list[int]]:
+    from specscope.engine.engine import BatchConfig, Engine
+
+    engine = Engine(model, BatchConfig(num_blocks=32, block_size=4, max_num_batched_tokens=32,
+                                       max_num_seqs=2, max_model_len=48))
+    seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=6, ignore_eos=True))
+            for i, p in enumerate(([5, 6, 7, 8, 9, 10, 11], [40, 3]))]
+    for s in seqs:
+        engine.add(s)
+    while engine.has_work:
+        engine.step()
+    return [s.output_ids for s in seqs]
+
+
 def test_two_ranks_match_one_and_read_only_their_slices(tmp_path):
     for name in VARIANTS:
-        _save_hf(random_model(_config(name), torch.float32, "cpu", seed=7), tmp_path / name)
+        _save_hf(_full_model(name), tmp_path / name)
     mp.spawn(_layer_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name in VARIANTS:
         cfg = _config(name)
         h, D = cfg.hidden_size, cfg.head_dim
         for rep in (r[name] for r in reports):
-            assert rep["err"] < 1e-5, (name, rep)
+            scale = 1e-4 if cfg.moe else 1e-5  # routed sums of larger logits
+            assert rep["err"] < scale, (name, rep["err"])
             assert rep["shape"] == [1, 11, cfg.vocab_size]
-            assert rep["read"] == rep["held"], (name, rep)  # nothing it does not hold
-            assert rep["q_read"] == cfg.num_heads // 2 * D * h  # its own query heads
-            assert rep["k_read"] == max(cfg.num_kv_heads // 2, 1) * D * h
+            assert rep["engine"][1] == rep["engine"][0], name  # greedy, paged, token for token
+            assert rep["read"] == rep["held"], (name, rep["read"], rep["held"])  # no more
+            reads = rep["reads"]
+            if cfg.mla is None:
+                a = "model.layers.0.self_attn."
+                assert reads[a + "q_proj.weight"] == cfg.num_heads // 2 * D * h  # its heads
+                assert reads[a + "k_proj.weight"] == max(cfg.num_kv_heads // 2, 1) * D * h
+            if cfg.moe is not None:  # every expert's half of the width
+                e = next(k for k in reads if ".experts.3.down_proj" in k)
+                assert reads[e] == h * cfg.moe.expert_intermediate_size // 2
 
 
 def test_shard_reads_place_fused_rows_and_columns():

@@ -199,6 +199,12 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism: this rank's part of the output, before the all-reduce
+        (and without the bias): for a caller that sums it with other parts first."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, each added to the residual stream. A family passes its
