@@ -410,3 +410,41 @@ def test_hung_rank_times_out_the_server(tiny_model_dir):
             os.kill(pid, signal.SIGKILL)
     assert code != 0
     assert "tensor-parallel" in out and "failed" in out
+
+
+# -- the cost model keeps compute and collectives apart ------------------------------------
+
+
+def test_cost_model_prices_a_draft_placement_it_did_not_measure():
+    from specscope.draft.eagle3 import random_draft
+    from specscope.tune.cost import Calibration, draft_columns, fit_cost_model
+    from specscope.tune.placement import draft_forward_collectives, with_draft_placement
+
+    draft_cfg = random_draft(_config("gqa"), torch.float32, "cpu").config
+    # A sharded draft (draft TP 2) measured: compute 0.3 + 0.2 per step, each forward's
+    # collectives at 0.05 ms apiece plus 0.5 ms per MB; the target's 0.6 ms per cycle.
+    alpha, beta = 0.05, 0.5
+    n1, b1 = draft_forward_collectives(draft_cfg, 2, 1, 4)
+    n4, b4 = draft_forward_collectives(draft_cfg, 2, 4, 4)
+    cals = []
+    for s, k, n in ((1, 1, 2), (4, 1, 5), (8, 1, 9), (2, 4, 8), (3, 8, 16), (5, 2, 10)):
+        cols = draft_columns(s, k, n)
+        compute = 0.3 * cols[0] + 0.2 * cols[1] + 0.1 * cols[2] + 0.05 * cols[3]
+        count, nbytes = n4 + (s - 1) * n1 + 10, b4 + (s - 1) * b1 + 1e5
+        dcomm = n4 * alpha + b4 / 1e6 * beta + (s - 1) * (n1 * alpha + b1 / 1e6 * beta)
+        comm = count * alpha + nbytes / 1e6 * beta
+        cals.append(Calibration(s, k, n, compute + dcomm, 1.0 + 0.01 * n + comm - dcomm, 0.1,
+                                draft_comm_ms=dcomm, verify_comm_ms=comm - dcomm,
+                                comm_count=count, comm_bytes=nbytes, comm_ms=comm))
+    fit = fit_cost_model(cals, plain_ms=2.0, tp=2, draft_tp=2)
+    assert fit.comm_alpha_ms == pytest.approx(alpha, rel=1e-6)
+    assert fit.comm_beta_ms_per_mb == pytest.approx(beta, rel=1e-6)
+    assert fit.a_draft == pytest.approx(0.3, abs=1e-6)  # compute only
+    assert fit.draft_ms(4, 1, 5) == pytest.approx(cals[1].draft_ms, rel=1e-6)
+    # Replicated: twice the compute per rank, no collective at all.
+    rep = with_draft_placement(fit, 1, draft_cfg, 4)
+    assert rep.a_draft_comm == rep.b_step_comm == 0.0
+    assert rep.draft_ms(4, 1, 5) == pytest.approx(2 * (0.3 + 0.2 * 3), rel=1e-6)
+    # ... and back: the collectives priced from alpha and beta alone.
+    back = with_draft_placement(rep, 2, draft_cfg, 4, extend_rows=4.0)
+    assert back.draft_ms(4, 1, 5) == pytest.approx(cals[1].draft_ms, rel=1e-6)

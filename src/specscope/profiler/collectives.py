@@ -13,15 +13,18 @@ from __future__ import annotations
 from typing import Any
 
 
-def comm_rows(phase_ms: dict[str, float], comm_ms: dict[str, float], cycles: int
-              ) -> dict[str, dict[str, float]]:
-    """Per phase: collectives' and everything else's mean ms per cycle, and their share."""
+def comm_rows(phase_ms: dict[str, float], comm_ms: dict[str, float], cycles: int,
+              counts: dict[str, int], nbytes: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per phase: collectives' and everything else's mean ms per cycle, their share, and
+    the collectives' count and bytes per cycle (what the tuner's cost model fits)."""
     n = max(cycles, 1)
     out = {}
     for name, total in phase_ms.items():
         comm = comm_ms.get(name, 0.0)
         out[name] = {"comm_ms": comm / n, "compute_ms": (total - comm) / n,
-                     "comm_share": comm / total if total else 0.0}
+                     "comm_share": comm / total if total else 0.0,
+                     "comm_count": counts.get(name, 0) / n,
+                     "comm_bytes": nbytes.get(name, 0) / n}
     return out
 
 

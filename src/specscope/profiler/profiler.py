@@ -72,6 +72,8 @@ class Totals:
     phase_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     accepted: Counter = field(default_factory=Counter)  # accepted draft tokens -> cycles
     comm_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # by phase
+    comm_n: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by phase
+    comm_b: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by phase
     comm_count: int = 0
     comm_bytes: int = 0
 
@@ -84,6 +86,8 @@ class Totals:
         self.phase_ms["other"] += r.other_ms
         for phase, _, _, dur, nbytes in r.collectives:
             self.comm_ms[phase] += dur
+            self.comm_n[phase] += 1
+            self.comm_b[phase] += nbytes
             self.comm_count += 1
             self.comm_bytes += nbytes
         if r.accepted_all:
@@ -330,7 +334,8 @@ def _phase_rows(recs: list[CycleRecord], t: Totals) -> dict[str, dict[str, float
             per[name].append(dur)
         per["other"].append(r.other_ms)
     n = max(t.cycles, 1)
-    comm = comm_rows(t.phase_ms, t.comm_ms, t.cycles) if t.comm_count else {}
+    comm = comm_rows(t.phase_ms, t.comm_ms, t.cycles, t.comm_n, t.comm_b) if t.comm_count \
+        else {}
     return {name: {"mean_ms": total / n, "p50_ms": _pct(per.get(name, []), 0.5),
                    "p90_ms": _pct(per.get(name, []), 0.9),
                    "share": (total / t.wall_ms) if t.wall_ms else 0.0, **comm.get(name, {})}

@@ -24,10 +24,18 @@ eager phases (draft_extend + draft_step + tree_build) and graph-replayed segment
 verify_commit). CALIBRATION in tuner.py is chosen so that every term is identified; the fit
 checks the rank of each design matrix and refuses a calibration that cannot identify a term.
 Predicted speculative tok/s = tau(s, k, n) / cycle(s, k, n); plain tok/s = 1 / plain.
+
+Under tensor parallelism the profile splits each phase into collectives and compute
+(profiler/collectives.py), and so does the draft line: its terms above are fitted on the
+draft's compute, and its collectives on a line of their own (a_draft_comm for the extend,
+b_step_comm per draft step). Every calibration's collectives also fit a per-collective cost
+(comm_alpha_ms each, comm_beta_ms_per_mb per MB), so tune/placement.py can price the other draft
+placement (replicated or sharded) without having run it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -47,6 +55,13 @@ class Calibration:
     draft_ms: float
     verify_ms: float
     other_ms: float
+    # Tensor parallelism: of draft_ms and verify_ms, the collectives; every collective of
+    # the cycle, counted and in bytes (0 without tensor parallelism).
+    draft_comm_ms: float = 0.0
+    verify_comm_ms: float = 0.0
+    comm_count: float = 0.0
+    comm_bytes: float = 0.0
+    comm_ms: float = 0.0
 
 
 DRAFT_TERMS = ("a_draft", "b_step", "c_tree", "e_tree", "b_row")
@@ -76,12 +91,22 @@ class CostModel:
     d_tree_verify: float
     other: float
     plain: float  # ms per plain decoding step
+    # Tensor parallelism (tune/placement.py): the draft's collectives per cycle (the extend,
+    # each draft step), the cost of one collective, and the placement measured.
+    a_draft_comm: float = 0.0
+    b_step_comm: float = 0.0
+    comm_alpha_ms: float = 0.0
+    comm_beta_ms_per_mb: float = 0.0
+    tp: int = 1
+    draft_tp: int = 1
     # Calibration point -> (measured, fitted) ms of each term: how well the lines fit.
     residuals: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
 
     def draft_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
+        """The draft's compute, then its collectives (none when it is replicated)."""
         x = draft_columns(num_steps, topk, num_draft_tokens)
-        return sum(c * getattr(self, t) for c, t in zip(x, DRAFT_TERMS, strict=True))
+        compute = sum(c * getattr(self, t) for c, t in zip(x, DRAFT_TERMS, strict=True))
+        return compute + self.a_draft_comm + self.b_step_comm * (num_steps - 1)
 
     def verify_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         x = verify_columns(num_steps, topk, num_draft_tokens)
@@ -120,10 +145,17 @@ def calibration_from_summary(summary: dict[str, Any], num_steps: int, topk: int,
     def total(names: tuple[str, ...]) -> float:
         return sum(p["mean_ms"] for name, p in phases.items() if base(name) in names)
 
+    def comm(names: tuple[str, ...], key: str = "comm_ms") -> float:
+        return sum(p.get(key, 0.0) for name, p in phases.items() if base(name) in names)
+
     draft, verify = total(DRAFT_PHASES), total(VERIFY_PHASES)
     other = sum(p["mean_ms"] for name, p in phases.items()
                 if base(name) not in DRAFT_PHASES + VERIFY_PHASES + ("prefill",))
-    return Calibration(num_steps, topk, num_draft_tokens, draft, verify, other)
+    every = tuple({base(n) for n in phases})
+    return Calibration(num_steps, topk, num_draft_tokens, draft, verify, other,
+                       draft_comm_ms=comm(DRAFT_PHASES), verify_comm_ms=comm(VERIFY_PHASES),
+                       comm_count=comm(every, "comm_count"),
+                       comm_bytes=comm(every, "comm_bytes"), comm_ms=comm(every))
 
 
 def steady_phases(summary: dict[str, Any]) -> dict[str, Any]:
@@ -185,14 +217,25 @@ def _fit_line(name: str, terms: tuple[str, ...], columns, cals: list[Calibration
     return coef, resid
 
 
-def fit_cost_model(cals: list[Calibration], plain_ms: float) -> CostModel:
+def fit_cost_model(cals: list[Calibration], plain_ms: float, tp: int = 1,
+                   draft_tp: int = 1) -> CostModel:
     """Non-negative least-squares fit of the cycle terms (module docstring), with each
     calibration point's residual kept. Raises, naming what is missing, when the calibration cannot
-    identify every term (e.g. no tree, or trees of one depth only)."""
-    d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, cals, "draft_ms")
+    identify every term (e.g. no tree, or trees of one depth only). tp, draft_tp: the
+    tensor-parallel placement the calibration ran under."""
+    compute = [dataclasses.replace(c, draft_ms=c.draft_ms - c.draft_comm_ms) for c in cals]
+    d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, compute, "draft_ms")
     v, v_res = _fit_line("verify", VERIFY_TERMS, verify_columns, cals, "verify_ms")
     # One mean over every calibration point: the host's time between segments is a tenth
     # of a millisecond that moves by as much from run to run, and no shape explains it.
     terms = dict(zip(DRAFT_TERMS + VERIFY_TERMS, d + v, strict=True))
+    comm: dict[str, float] = {}
+    if any(c.comm_count for c in cals):
+        dc = _lstsq([[1.0, c.num_steps - 1.0] for c in cals], [c.draft_comm_ms for c in cals])
+        ab = _lstsq([[c.comm_count, c.comm_bytes / 1e6] for c in cals],
+                    [c.comm_ms for c in cals])
+        comm = dict(a_draft_comm=dc[0], b_step_comm=dc[1], comm_alpha_ms=ab[0],
+                    comm_beta_ms_per_mb=ab[1])
     return CostModel(**terms, other=sum(c.other_ms for c in cals) / len(cals), plain=plain_ms,
+                     **comm, tp=tp, draft_tp=draft_tp,
                      residuals={"draft": d_res, "verify": v_res})
