@@ -5,12 +5,17 @@ the phase open when it started, so a phase's time splits into its collectives an
 (compute, and host work): a phase row carries `comm_ms` and `compute_ms` (mean per cycle,
 summing to `mean_ms`) and `comm_share`. Each rank profiles itself; rank 0 gathers every
 rank's summaries and `with_rank_skew` adds, per configuration, each phase's mean on every
-rank and the slowest rank's over the fastest's.
+rank and the slowest rank's over the fastest's (detokenize, rank 0's alone, and other left
+out of the ranking). A collective's time includes the wait for the slowest rank to reach
+it, so skew shows up as collective time too.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+# Phases only rank 0 runs (its detokenizer) or no rank claims: not comparable across ranks.
+RANK0_ONLY = ("detokenize", "other")
 
 
 def comm_rows(phase_ms: dict[str, float], comm_ms: dict[str, float], cycles: int,
@@ -51,7 +56,8 @@ def with_rank_skew(per_rank: list[list[dict]]) -> list[dict]:
                   if s["config"] in r else None for r in by_label]
             seen = [x for x in ms if x is not None and x > 0]
             phases[name] = {"ms": ms, "skew": max(seen) / min(seen) if seen else 1.0}
-        worst = max((p["skew"] for n, p in phases.items() if n != "other"), default=1.0)
+        worst = max((p["skew"] for n, p in phases.items() if n not in RANK0_ONLY),
+                    default=1.0)
         s["ranks"] = {"size": len(per_rank), "phases": phases, "max_skew": worst}
     return ours
 
@@ -75,7 +81,7 @@ def format_lines(s: dict) -> list[str]:
                              f"{p['comm_ms']:.3f} ms, {p['comm_share']:.0%})")
     ranks = s.get("ranks")
     if ranks:
-        top = sorted(((n, p) for n, p in ranks["phases"].items() if n != "other"),
+        top = sorted(((n, p) for n, p in ranks["phases"].items() if n not in RANK0_ONLY),
                      key=lambda kv: -kv[1]["skew"])[:4]
         lines.append(f"  per-rank skew (slowest / fastest of {ranks['size']} ranks): "
                      + ", ".join(f"{n} {p['skew']:.2f}" for n, p in top))
