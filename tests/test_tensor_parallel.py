@@ -315,6 +315,9 @@ def test_greedy_plain_and_speculative_output_equal_one_rank(pair):
             assert _tokens(two) == want, (steps, topk, draft_tp)
     one.set_spec(None)
     two.set_spec(None)
+    # Sampled, seeded: every rank draws from the same generator over the same logits.
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    assert _ids(two, PROMPTS, params) == _ids(one, PROMPTS, params)
 
 
 def test_profile_splits_phases_into_collectives_and_compute(pair):

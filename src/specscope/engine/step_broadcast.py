@@ -46,6 +46,7 @@ class SeqPlan:
     num_computed: int
     draft_computed: int
     length: int  # tokens the sequence holds on rank 0
+    last: int  # its last token there (with length: a rank that sampled otherwise is caught)
     taps_rows: int  # pending draft-extend inputs on rank 0 (-1: none)
     tables: list[tuple[int, list[int]]]  # per pool: (entries kept, blocks appended)
     new: NewSeq | None = None
@@ -95,7 +96,8 @@ class PlanSender:
             tables.append((keep, table[keep:]))
         self.sent[seq.seq_id] = [(t, len(t)) for t in seq.block_tables]
         return SeqPlan(seq.seq_id, it.num_tokens, it.speculative, seq.num_computed,
-                       seq.draft_computed, seq.num_tokens, _taps_rows(seq), tables, new)
+                       seq.draft_computed, seq.num_tokens, seq.last_token, _taps_rows(seq),
+                       tables, new)
 
 
 class MirrorScheduler(Scheduler):
@@ -134,11 +136,13 @@ class MirrorScheduler(Scheduler):
         seq.num_computed, seq.draft_computed = it.num_computed, it.draft_computed
         seq.status = SequenceStatus.RUNNING
         here = _taps_rows(seq)
-        if seq.num_tokens != it.length or (it.taps_rows >= 0 and here != it.taps_rows):
+        if (seq.num_tokens, seq.last_token) != (it.length, it.last) or \
+                (it.taps_rows >= 0 and here != it.taps_rows):
             raise RuntimeError(
                 f"tensor-parallel rank {self.rank} diverged from rank 0: sequence "
-                f"{it.seq_id} holds {seq.num_tokens} tokens and {here} pending draft inputs "
-                f"here, {it.length} and {it.taps_rows} on rank 0")
+                f"{it.seq_id} holds {seq.num_tokens} tokens (the last {seq.last_token}) and "
+                f"{here} pending draft inputs here, {it.length} (the last {it.last}) and "
+                f"{it.taps_rows} on rank 0")
         if it.taps_rows < 0 and seq.spec is not None:
             seq.spec.taps = None  # preempted or re-admitted on rank 0: recomputed
         return seq

@@ -246,6 +246,9 @@ def start(size: int, device_type: str, payload: dict[str, Any] | None,
     if payload is None:
         raise ValueError(f"tensor parallelism over {size} ranks of an in-memory model needs "
                          f"a launcher: run under torchrun --nproc-per-node {size}")
+    if device_type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs on this host; "
+                         f"torch sees {torch.cuda.device_count()} (torchrun spans hosts)")
     # Not launched: start the others ourselves. Our own environment is left as it was
     # (a later process started from here must not think it is a rank of this group).
     port = _free_port()
