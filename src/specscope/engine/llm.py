@@ -16,7 +16,6 @@ when it closes.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import gc
@@ -46,6 +45,7 @@ from specscope.config import (
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput
 from specscope.engine.grammar import Grammar, GrammarCompiler
+from specscope.engine.ranks import TensorParallelRanks
 from specscope.engine.request import Request, RequestOutput
 from specscope.engine.sequence import Sequence
 from specscope.engine.speculative import SpecStats, load_spec_draft
@@ -54,7 +54,6 @@ from specscope.engine.tokenizer import (
     Messages,
     Tokenizer,
     check_unicode,
-    load_chat_template,
     validate_messages,
 )
 from specscope.kvcache.budget import KVLayout, activation_bytes, kv_budget
@@ -62,7 +61,7 @@ from specscope.models.loader import load_model
 from specscope.models.packed import pack_linears
 from specscope.models.registry import TargetModel
 from specscope.parallel import launch as tp_launch
-from specscope.parallel.launch import DEFAULT_DIST_TIMEOUT, Call, Heartbeat, TPRuntime
+from specscope.parallel.launch import DEFAULT_DIST_TIMEOUT, TPRuntime
 from specscope.profiler import Phase, Profiler
 from specscope.profiler.collectives import with_rank_skew
 from specscope.sampling import make_generator
@@ -156,7 +155,7 @@ def _resolve_spec(spec: SpecConfig | None | str, speculative_config: dict | None
     return spec
 
 
-class LLM:
+class LLM(TensorParallelRanks):
     """An engine for one model.
 
     model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
@@ -217,50 +216,6 @@ class LLM:
         self.seed = seed
         self._profile_from_env(profile, profile_interval)
         self._follow_rank0()
-
-    def _rank_tokenizer(self, path: Path, config: ModelConfig, chat_template: str | None
-                        ) -> Tokenizer | IdTokenizer:
-        """Rank 0's tokenizer (its EOS ids sent to the other ranks, whose engines stop on
-        them too); the other ranks hold only those ids."""
-        if self.tp is not None and not self.tp.is_driver:
-            msg = self.tp.channel.recv()
-            while isinstance(msg, Heartbeat):
-                msg = self.tp.channel.recv()
-            tok = IdTokenizer()
-            tok.eos_token_ids = frozenset(msg[1])
-            return tok
-        tokenizer = Tokenizer(path, config.eos_token_ids)
-        if chat_template is not None:
-            tokenizer.set_chat_template(load_chat_template(chat_template))
-        if self.tp is not None:
-            self.tp.channel.send(("eos", tuple(sorted(tokenizer.eos_token_ids))))
-        return tokenizer
-
-    def _follow_rank0(self) -> None:
-        """Rank 0 closes the group at exit; a rank other than 0 runs rank 0's steps and
-        calls until it stops (never returning: it exits 0)."""
-        if self.tp is None:
-            return
-        if self.tp.is_driver:
-            atexit.register(self.close)
-            return
-        from specscope.engine.tp_worker import follow
-
-        follow(self)
-        self.tp.shutdown()
-        raise SystemExit(0)
-
-    def close(self) -> None:
-        """Stop the other tensor-parallel ranks (rank 0; a no-op without them)."""
-        if self.tp is not None and self.tp.is_driver:
-            self.tp.shutdown()
-
-    def _everywhere(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """On rank 0 of a tensor-parallel group: have every other rank run `name` too (the
-        caller then runs it here)."""
-        if self.tp is not None and self.tp.is_driver:
-            self.tp.check()
-            self.tp.channel.send(Call(name, args, kwargs))
 
     def _profile_from_env(self, profile: bool | None, interval: int | None) -> None:
         """profile=None follows SPECSCOPE_PROFILE=1; the summary interval defaults to 100."""
@@ -408,10 +363,6 @@ class LLM:
         self._everywhere("enable_profiling", on, interval)
         return self._enable_profiling(on, interval)
 
-    @property
-    def _is_rank0(self) -> bool:
-        return self.tp is None or self.tp.is_driver
-
     def _enable_profiling(self, on: bool, interval: int | None) -> Profiler | None:
         if not self._is_rank0:
             interval = None  # rank 0 logs the summaries
@@ -439,16 +390,6 @@ class LLM:
             self.timer.set_config(label + suffix + (" SIMULATED" if s.simulated else ""),
                                   s.simulated, s.num_steps)
 
-    def tensor_parallel(self) -> dict[str, Any] | None:
-        """The group's size and the draft's placement (None without tensor parallelism)."""
-        if self.tp is None:
-            return None
-        n = 1 if self.spec is None else self.spec.draft_tensor_parallel_size
-        return {"size": self.tp.size, "draft_size": n if self.spec is not None else None,
-                "draft_placement": None if self.spec is None else
-                "replicated" if n == 1 else "sharded",
-                "backend": "nccl" if self.device.type == "cuda" else "gloo"}
-
     def profile_summary(self) -> list[dict]:
         """Per-configuration phase summaries (see profiler/profiler.py for the fields).
         Under tensor parallelism every rank's summary is gathered, and each configuration
@@ -459,12 +400,7 @@ class LLM:
                                "llm.enable_profiling() or SPECSCOPE_PROFILE=1")
         if self.tp is None or not self.tp.is_driver:
             return self.timer.summary()
-        self.tp.check()
-        with self.tp.channel.lock:  # the request and the replies, nothing in between
-            self.tp.channel.send(Call("profile_summary", gather=True))
-            mine = self.timer.summary()
-            every = self.tp.channel.gather(mine)
-        return with_rank_skew(every)
+        return with_rank_skew(self._gather("profile_summary", self.timer.summary))
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """The target's logits [T, V] (fp32) at every position of a prompt, in one forward
@@ -476,18 +412,6 @@ class LLM:
         with torch.inference_mode():
             hidden, _ = self.model(ids, pos)
             return self.model.compute_logits(hidden[0])
-
-    def gather_from_ranks(self, attribute: str) -> list[Any]:
-        """An attribute of every rank's LLM, in rank order (e.g. "load_stats")."""
-        if self.tp is None:
-            return [getattr(self, attribute)]
-        self.tp.check()
-        with self.tp.channel.lock:
-            self.tp.channel.send(Call("_attribute", (attribute,), gather=True))
-            return self.tp.channel.gather(self._attribute(attribute))
-
-    def _attribute(self, name: str) -> Any:
-        return getattr(self, name)
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -703,21 +627,6 @@ class LLM:
                                decode_tokens=st.decode_tokens,
                                verify_tokens=st.verify_tokens, accepted_all=tuple(spec))
         return deltas
-
-    def _engine_step(self) -> list[StepOutput]:
-        """engine.step(); under tensor parallelism a failed step (a rank died, or timed
-        out) fails the group, naming what the watchdog saw."""
-        if self.tp is None:
-            return self.engine.step()
-        self.tp.check()
-        try:
-            return self.engine.step()
-        except Exception as e:
-            self.tp.fail(f"a tensor-parallel step failed on rank {self.tp.rank} "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
-                         f"a rank is gone or hung past the {self.tp.timeout:g} s collective "
-                         f"timeout (--dist-timeout)")
-            raise RuntimeError(self.tp.failure) from e
 
     def _delta(self, o: StepOutput) -> StreamDelta | None:
         act = self._active.get(o.seq.seq_id)
