@@ -125,7 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(llm, config, guardrail=guardrail, draft_spec=spec)
         code = serve(app, sockets=sockets, log_level=args.log_level,
                      shutdown_timeout=config.shutdown_timeout)
-        llm.close()  # stops the other tensor-parallel ranks
+        if tp > 1:
+            llm.close()  # the other ranks stop (atexit would too; now, not after cleanup)
         return code
     finally:
         for sock in sockets:  # uvicorn closed them if it ran; a failed start leaves them
