@@ -129,6 +129,14 @@ def _layer_rank(rank: int, world: int, port: int, root: str) -> None:
                         # over the paged cache (MLA: the absorbed form), in lockstep: every
                         # rank's engine schedules the same steps
                         "engine": [_engine_tokens(full), _engine_tokens(local)]}
+    # The control channel: a message in one broadcast, one past its buffer in two.
+    from specscope.parallel.channel import Channel
+
+    channel = Channel(rank, world, dist.new_group(backend="gloo"), capacity=1024)
+    for msg in ({"small": 1}, list(range(5000))):
+        got = channel.send(msg) if rank == 0 else channel.recv()
+        report.setdefault("channel", []).append(rank == 0 or got == msg)
+    report["broadcasts"] = channel.broadcasts
     pathlib.Path(root, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -152,6 +160,8 @@ def test_two_ranks_match_one_and_read_only_their_slices(tmp_path):
         _save_hf(_full_model(name), tmp_path / name)
     mp.spawn(_layer_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["channel"] == [True, True] for r in reports)
+    assert reports[0]["broadcasts"] == 3  # 1 + 2
     for name in VARIANTS:
         cfg = _config(name)
         h, D = cfg.hidden_size, cfg.head_dim
