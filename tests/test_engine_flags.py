@@ -113,3 +113,20 @@ def test_engine_seed_repeats_unseeded_sampling(tiny_model_dir):
     a, b = run(7), run(7)
     assert a == b and a[0] != a[1]  # each request its own stream
     assert run(8) != a
+
+
+def test_tensor_parallel_flags_in_every_spelling():
+    for flags in (["--tensor-parallel-size", "2"], ["--tp-size", "2"], ["-tp", "2"]):
+        assert _serve_args(*flags).tensor_parallel_size == 2
+    args = _serve_args("--tp-size", "2", "--draft", "random", "--draft-tp-size", "2")
+    assert spec_from_args(args).draft_tensor_parallel_size == 2
+    args = _serve_args("--tp-size", "4", "--speculative-config",
+                       '{"model": "random", "draft_tensor_parallel_size": 1}')
+    assert spec_from_args(args).draft_tensor_parallel_size == 1
+    args = _serve_args("--tp-size", "4", "--speculative-config",
+                       '{"model": "random", "draft_tensor_parallel_size": 4}')
+    assert spec_from_args(args).draft_tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size.*1.*or the tensor"):
+        spec_from_args(_serve_args("--tp-size", "4", "--draft", "random",
+                                   "--draft-tp-size", "2"))
+    assert _serve_args().dist_timeout == 600.0

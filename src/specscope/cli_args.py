@@ -261,6 +261,33 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "plainly)")
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism: vLLM's and SGLang's names (docs/tensor-parallel.md)."""
+    from specscope.parallel.launch import DEFAULT_DIST_TIMEOUT
+
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--tensor-parallel-size", "--tp-size", "-tp", dest="tensor_parallel_size",
+                   type=positive_int, default=None,
+                   help="shard the model over N ranks (GPUs; processes on the CPU): started "
+                        "here on one host, or joined under torchrun (default: torchrun's "
+                        "WORLD_SIZE, else 1)")
+    g.add_argument("--draft-tp-size", dest="draft_tp_size", type=positive_int, default=None,
+                   help="1: the EAGLE-3 draft whole on every rank, no collective in a draft "
+                        "step; the tensor-parallel size: sharded like the target (default 1; "
+                        "vLLM: speculative_config draft_tensor_parallel_size)")
+    g.add_argument("--dist-timeout", type=positive_float, default=DEFAULT_DIST_TIMEOUT,
+                   help="seconds a collective may wait for a rank before the group fails "
+                        "(a hung rank fails the server within it)")
+
+
+def tensor_parallel_size(args: argparse.Namespace) -> int:
+    """--tensor-parallel-size, or under torchrun its WORLD_SIZE."""
+    import os
+
+    n = getattr(args, "tensor_parallel_size", None)
+    return n if n is not None else int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def policy_from_args(args: argparse.Namespace, spec: SpecConfig | None) -> SpecPolicy | None:
     """The --spec-policy table on the spec flags' draft (None without the flag)."""
     text = getattr(args, "spec_policy", None)
@@ -289,6 +316,8 @@ def _apply_engine_spellings(args: argparse.Namespace) -> None:
         raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): {text!r}") from None
     fields = spec_fields_from_vllm(cfg, args.draft)
     args.draft = fields.get("draft", args.draft)
+    if "draft_tensor_parallel_size" in fields and getattr(args, "draft_tp_size", None) is None:
+        args.draft_tp_size = fields["draft_tensor_parallel_size"]
     if "num_steps" in fields:
         args.num_steps, args.topk, args.num_draft_tokens = (
             fields["num_steps"], fields["topk"], fields["num_draft_tokens"])
@@ -320,8 +349,13 @@ def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:
         except ValueError:
             raise ValueError(f"--draft-layer-ids must be comma-separated integers, got "
                              f"{args.draft_layer_ids!r}") from None
+    tp, draft_tp = tensor_parallel_size(args), getattr(args, "draft_tp_size", None) or 1
+    if draft_tp not in (1, tp):
+        raise ValueError(f"draft_tensor_parallel_size (--draft-tp-size) {draft_tp} must be 1 "
+                         f"(the draft replicated on every rank) or the tensor-parallel size "
+                         f"({tp})")
     spec = SpecConfig(draft=args.draft, num_steps=args.num_steps, topk=args.topk,
                       num_draft_tokens=args.num_draft_tokens, draft_layer_ids=ids,
-                      simulate_acceptance=sim)
+                      simulate_acceptance=sim, draft_tensor_parallel_size=draft_tp)
     check_draft_arg(spec.draft)  # a wrong draft fails now, not after the target loads
     return spec

@@ -14,6 +14,7 @@ import sys
 
 from specscope.cli_args import (
     add_model_args,
+    add_parallel_args,
     add_spec_args,
     check_engine_args,
     engine_kwargs,
@@ -25,6 +26,7 @@ from specscope.cli_args import (
     positive_float,
     positive_int,
     spec_from_args,
+    tensor_parallel_size,
 )
 from specscope.cli_draft import (
     add_serve_draft_args,
@@ -44,6 +46,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("target", nargs="?", default=None,
                    help="the model (same as --model; default: the embedded SmolLM2)")
     add_model_args(s)
+    add_parallel_args(s)
     add_spec_args(s)
     add_serve_draft_args(s)
     _add_serve_args(s)
@@ -90,14 +93,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     policy_from_args(args, spec)  # a bad --spec-policy fails now, not after the model loads
     guardrail_mode = check_serve_draft_args(args, spec)
-    sockets = bind_sockets(args.host, args.port)
+    tp = tensor_parallel_size(args)
+    if tp > 1 and args.doctor:
+        raise ValueError("--doctor probes the draft on one rank; run it with "
+                         "--tensor-parallel-size 1 (specscope doctor), then serve")
+    if tp > 1:
+        from specscope.parallel.launch import exit_on_rank_failure
+
+        exit_on_rank_failure()  # a dead or hung rank ends the server, status 1
+    # Only rank 0 listens; under torchrun the others never return from LLM(...).
+    rank0 = os.environ.get("RANK", "0") == "0"
+    sockets = bind_sockets(args.host, args.port) if rank0 else []
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
                   max_model_len=args.max_model_len, cache_dir=args.cache_dir,
                   quantization=args.quantization, cuda_graphs=args.cuda_graphs,
                   **engine_kwargs(args),
                   compile=args.compile, spec=None, profile=args.profile,
-                  profile_interval=args.profile_interval)
+                  profile_interval=args.profile_interval, tensor_parallel_size=tp,
+                  dist_timeout=args.dist_timeout)
         if args.doctor:  # before the engine loads the draft, which stops at its first error
             report = doctor_report(llm, spec.draft, doctor_prompts(None, 8),
                                    spec.draft_layer_ids, 64)
@@ -109,8 +123,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         guardrail = start_serve_draft(llm, spec, args, guardrail_mode)  # --auto-tune
         log.info("serving %s", llm.describe())
         app = create_app(llm, config, guardrail=guardrail, draft_spec=spec)
-        return serve(app, sockets=sockets, log_level=args.log_level,
+        code = serve(app, sockets=sockets, log_level=args.log_level,
                      shutdown_timeout=config.shutdown_timeout)
+        if tp > 1:
+            llm.close()  # the other ranks stop (atexit would too; now, not after cleanup)
+        return code
     finally:
         for sock in sockets:  # uvicorn closed them if it ran; a failed start leaves them
             sock.close()

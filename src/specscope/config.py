@@ -505,6 +505,9 @@ class SpecConfig:
     depth is not accepted, the next-ranked kept sibling is with this probability (and so on
     down the siblings): a tree's extra branches then buy acceptance as real ones do. 0: only
     the top-ranked path is ever accepted.
+    draft_tensor_parallel_size: how the draft runs under tensor parallelism: 1 = whole on
+    every rank (replicated: no collective in a draft step), or the target's size (sharded
+    like the target). vLLM's speculative_config key of the same name; `--draft-tp-size`.
     """
 
     draft: str | None = None
@@ -515,9 +518,11 @@ class SpecConfig:
     simulate_acceptance: tuple[float, ...] | float | None = None
     simulate_seed: int = 0
     simulate_sibling: float = 0.0
+    draft_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_int("num_steps", self.num_steps, 1, MAX_NUM_STEPS)
+        _check_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size, 1)
         _check_int("topk", self.topk, 1, MAX_TOPK)
         max_nodes = min(1 + self.topk + (self.num_steps - 1) * self.topk * self.topk,
                         MAX_NUM_DRAFT_TOKENS)
@@ -580,7 +585,9 @@ VLLM_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_par
 def spec_fields_from_vllm(cfg: dict, draft: str | None = None) -> dict[str, Any]:
     """SpecConfig fields from vLLM's speculative_config (`--speculative-config` JSON,
     `LLM(speculative_config=...)`): method eagle3, model (the draft; `draft` is one given
-    otherwise, which must agree), num_speculative_tokens (a chain that long)."""
+    otherwise, which must agree), num_speculative_tokens (a chain that long),
+    draft_tensor_parallel_size (1: the draft replicated on every rank; the target's size:
+    sharded like it)."""
     if not isinstance(cfg, dict):
         raise ValueError(f"speculative_config must be a JSON object / dict, got {cfg!r}")
     unknown = sorted(set(cfg) - set(VLLM_SPEC_KEYS))
@@ -591,11 +598,14 @@ def spec_fields_from_vllm(cfg: dict, draft: str | None = None) -> dict[str, Any]
     if method != "eagle3":
         raise ValueError(f"speculative_config method {cfg['method']!r}: specscope runs "
                          f"EAGLE-3 drafts only (\"method\": \"eagle3\")")
-    tp = cfg.get("draft_tensor_parallel_size", 1)
-    if tp != 1:
-        raise ValueError(f"speculative_config draft_tensor_parallel_size {tp!r}: only 1 "
-                         f"(the draft on one device) is supported")
     out: dict[str, Any] = {}
+    if "draft_tensor_parallel_size" in cfg:
+        tp = cfg["draft_tensor_parallel_size"]
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"speculative_config draft_tensor_parallel_size must be a "
+                             f"positive integer (1, or the target's tensor-parallel size), "
+                             f"got {tp!r}")
+        out["draft_tensor_parallel_size"] = tp
     if "model" in cfg:
         if draft not in (None, cfg["model"]):
             raise ValueError(f"two drafts given: {draft} and speculative_config model "

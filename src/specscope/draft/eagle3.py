@@ -44,9 +44,18 @@ from specscope.models.llama import (
     RMSNorm,
     decoder_layer_layout,
     forward_context,
+    local_heads,
 )
 from specscope.models.registry import TargetModel
 from specscope.models.rope import rope_tables
+from specscope.parallel.group import TPGroup
+from specscope.parallel.layers import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    full_vocab_weight,
+    zero_padding,
+)
+from specscope.parallel.shard import copy_from_full
 
 OUTPUT_OF_LAYER = "output-of-layer"
 INPUT_TO_LAYER = "input-to-layer"
@@ -146,17 +155,17 @@ class DraftConfig:
 class FirstLayer(nn.Module):
     """EAGLE-3's first decoder layer: attention over cat(embedding, hidden) [2H]."""
 
-    def __init__(self, cfg: DraftConfig, lcfg: ModelConfig) -> None:
+    def __init__(self, cfg: DraftConfig, lcfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         H = cfg.hidden_size
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)  # on the token embedding
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # on the projected / fed-back hidden
-        self.self_attn = Attention(lcfg)
-        q_kv = self.self_attn.qkv_proj.out_features
+        self.self_attn = Attention(lcfg, tp)
+        q_kv = self.self_attn.qkv_proj.out_features  # this rank's heads' rows
         self.self_attn.qkv_proj = nn.Linear(2 * H, q_kv, bias=cfg.attention_bias)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mlp = MLP(lcfg)
+        self.mlp = MLP(lcfg, tp=tp)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -168,29 +177,45 @@ class FirstLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """An EAGLE-3 draft head. Call `attach_target` before `forward` (it borrows weights)."""
+    """An EAGLE-3 draft head. Call `attach_target` before `forward` (it borrows weights).
 
-    def __init__(self, cfg: DraftConfig) -> None:
+    tp: shard it like the target over a tensor-parallel group (`--draft-tp-size N`): its
+    layers hold the rank's heads and MLP width, its head (and its own embedding) a
+    vocabulary block. None: whole on this rank (`--draft-tp-size 1`, replicated on every
+    rank: its inputs, the taps, are replicated residual streams, so its steps need no
+    collective; it then holds whole copies of the target's embedding and head it borrows).
+    fc and the norms are replicated either way."""
+
+    def __init__(self, cfg: DraftConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
         lcfg = cfg.layer_config()
+        self.local_heads = local_heads(lcfg, tp)
         H, Ht, n = cfg.hidden_size, cfg.target_hidden_size, cfg.num_taps
         self.input_norm = RMSNorm(n * Ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(n)) \
             if cfg.fc_norm else None
         self.fc = nn.Linear(n * Ht, H, bias=False)
         self.layers = nn.ModuleList(
-            [FirstLayer(cfg, lcfg)] + [DecoderLayer(lcfg) for _ in range(1, cfg.num_layers)])
+            [FirstLayer(cfg, lcfg, tp)] + [DecoderLayer(lcfg, Attention(lcfg, tp),
+                                                        MLP(lcfg, tp=tp))
+                                           for _ in range(1, cfg.num_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False) if cfg.has_lm_head \
-            else None
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H) if cfg.own_embed_tokens else None
+        Vd = cfg.draft_vocab_size
+        self.lm_head = None if not cfg.has_lm_head else nn.Linear(H, Vd, bias=False) \
+            if tp is None else ParallelLMHead(H, Vd, tp)
+        self.embed_tokens = None if not cfg.own_embed_tokens else \
+            nn.Embedding(cfg.vocab_size, H) if tp is None else \
+            VocabParallelEmbedding(cfg.vocab_size, H, tp)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         # Borrowed target weights: plain attributes, not parameters, so they never show up
         # in this module's state_dict (and are never saved as the draft's).
         self._target_embed: torch.Tensor | None = None  # [V, H]
         self._target_head: torch.Tensor | None = None  # [V, H]
+        # A sharded draft calls the target's vocab-parallel modules themselves instead.
+        self._target_embed_module: nn.Module | None = None
+        self._target_head_module: nn.Module | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- wiring -----------------------------------------------------------------------------
@@ -207,12 +232,19 @@ class Eagle3Draft(nn.Module):
                           f"{cfg.target_hidden_size}")
         if tc.num_layers != cfg.target_num_layers:
             errors.append(f"{tc.num_layers} layers != the draft's {cfg.target_num_layers}")
+        if self.tp is not None and getattr(target, "tp", None) is not self.tp:
+            errors.append("a sharded draft needs a target sharded over the same group")
         if errors:
             raise ValueError("draft does not fit this target: " + "; ".join(errors))
-        # detach(): the same storage as a plain tensor (a Parameter would be registered).
+        if self.tp is not None:  # shares the target's vocabulary split
+            self._target_embed_module = None if cfg.own_embed_tokens else target.embed_tokens
+            self._target_head_module = None if cfg.has_lm_head else target.lm_head
+            return
+        # The whole tables, as plain tensors (a Parameter would be registered): the target's
+        # own (detached, the same storage), or gathered from its ranks once, here.
         self._target_embed = None if cfg.own_embed_tokens else \
-            target.embed_tokens.weight.detach()
-        self._target_head = None if cfg.has_lm_head else target.lm_head.weight.detach()
+            full_vocab_weight(target.embed_tokens)
+        self._target_head = None if cfg.has_lm_head else full_vocab_weight(target.lm_head)
 
     def init_rope(self, max_len: int) -> None:
         """Rope tables for positions [0, max_len) with the draft's own theta and scaling."""
@@ -233,6 +265,8 @@ class Eagle3Draft(nn.Module):
         """Token embedding [B, T] -> [B, T, H] (own, or the target's)."""
         if self.embed_tokens is not None:
             return self.embed_tokens(input_ids)
+        if self._target_embed_module is not None:
+            return self._target_embed_module(input_ids)
         if self._target_embed is None:
             raise RuntimeError("Eagle3Draft: call attach_target(target) before forward")
         return F.embedding(input_ids, self._target_embed)
@@ -272,8 +306,9 @@ class Eagle3Draft(nn.Module):
         assert hidden.shape == (B, T, cfg.hidden_size), hidden.shape
         if self._rope is None:  # the engine sizes it to its context; this is a fallback
             self.init_rope(cfg.max_position_embeddings)
+        heads, kv_heads = self.local_heads
         ctx = forward_context(self._rope, positions, cache, kv_len, slots, attn_mask,
-                              cfg.num_heads // cfg.num_kv_heads, batch=batch)
+                              heads // kv_heads, batch=batch)
         ctx.ttt = ttt
 
         def kv(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -289,6 +324,8 @@ class Eagle3Draft(nn.Module):
         """normed [..., H] -> draft-vocab logits [..., Vd] in fp32."""
         if self.lm_head is not None:
             return self.lm_head(normed).float()
+        if self._target_head_module is not None:
+            return self._target_head_module(normed).float()
         if self._target_head is None:
             raise RuntimeError("Eagle3Draft: call attach_target(target) before compute_logits")
         return F.linear(normed, self._target_head).float()
@@ -341,6 +378,19 @@ class Eagle3Draft(nn.Module):
         for name, (param, row, shape) in self.checkpoint_layout().items():
             out[name] = params[param].detach()[row:row + shape[0]]
         return out
+
+
+def shard_draft(full: Eagle3Draft, tp: TPGroup) -> Eagle3Draft:
+    """The rank's shard of a whole draft (`--draft-tp-size N`): the draft is small, so every
+    rank loads it whole and keeps its slices (the target, which is not, reads only its
+    slices from the checkpoint). Not attached: call attach_target."""
+    p = next(full.parameters())
+    with torch.device("meta"):
+        local = Eagle3Draft(full.config, tp)
+    local = local.to(dtype=p.dtype).to_empty(device=p.device)
+    zero_padding(local)
+    copy_from_full(full, local)
+    return local.eval().requires_grad_(False)
 
 
 # -- random drafts (benchmarks, tests) ----------------------------------------------------

@@ -139,9 +139,8 @@ class BatchGraphs:
         meta = BatchMeta.causal(self.tables[:b], torch.arange(b, device=self.device),
                                 self.pos[:b], self.block_size,
                                 self.model.config.sliding_window, max_len=self.max_len)
-        mc = self.model.config
-        meta = with_pieces(meta, [(1, s, self.max_len) for s in range(b)], mc.num_heads,
-                           mc.num_kv_heads, self.device, self.cap.plans)
+        meta = with_pieces(meta, [(1, s, self.max_len) for s in range(b)],
+                           *self.model.local_heads, self.device, self.cap.plans)
         hidden, taps = self.model(self.ids[None, :b], self.pos[None, :b], self.kv, batch=meta,
                                   return_taps=self.extend is not None)
         return self.model.compute_logits(hidden[0]), None if taps is None else taps[0]

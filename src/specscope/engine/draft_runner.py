@@ -48,7 +48,8 @@ class DraftRunner:
         self.draft, self.device, self.block_size = draft, device, block_size
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         # One block past the pool's: the scratch block CUDA-graph padding rows write into.
-        self.kv = PagedKV(dc.num_layers, num_blocks + 1, block_size, dc.num_kv_heads,
+        # Its KV heads on this rank (all of them unless the draft is sharded).
+        self.kv = PagedKV(dc.num_layers, num_blocks + 1, block_size, draft.local_heads[1],
                           dc.head_dim, dtype, device)
         self.scratch_block = num_blocks
         self._target_ids: torch.Tensor | None = None
@@ -56,8 +57,7 @@ class DraftRunner:
 
     def _pieces(self, meta: BatchMeta, pieces: list[tuple[int, int, int]],
                 plans: dict | None = None) -> BatchMeta:
-        dc = self.draft.config
-        return with_pieces(meta, pieces, dc.num_heads, dc.num_kv_heads, self.device, plans)
+        return with_pieces(meta, pieces, *self.draft.local_heads, self.device, plans)
 
     def extend(self, items: list[Scheduled], spec_idx: list[int], scheduler: Scheduler
                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:

@@ -27,6 +27,9 @@ The step's one device->host read is `_read`: the sampled tokens, the accepted le
 emitted tokens, any log-probabilities and, with a MoE target, each MoE layer's count of
 distinct experts the forward activated, in one tensor. Everything per request lives in its
 `Sequence`.
+
+Under tensor parallelism (`tp`) every rank runs this loop over its shard of the model: rank
+0 schedules and sends each step's plan; the others replay it (engine/step_broadcast.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from specscope.engine.logprobs import (
 )
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SpecState
+from specscope.engine.step_broadcast import MirrorScheduler, PlanSender
 from specscope.kvcache.block_pool import BlockPool
 from specscope.kvcache.paged import (
     BatchMeta,
@@ -58,6 +62,7 @@ from specscope.kvcache.paged import (
     upload,
     with_pieces,
 )
+from specscope.parallel.launch import TPRuntime
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import (
     make_generator,
@@ -148,7 +153,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, config: BatchConfig,
                  eos_token_ids: frozenset[int] = frozenset(), draft: Eagle3Draft | None = None,
-                 spec: SpecConfig | None = None, policy: SpecPolicy | None = None) -> None:
+                 spec: SpecConfig | None = None, policy: SpecPolicy | None = None,
+                 tp: TPRuntime | None = None) -> None:
         if (draft is None) != (spec is None):
             raise ValueError("speculative decoding needs both a draft and its SpecConfig")
         if policy is not None and spec is None:
@@ -182,9 +188,16 @@ class Engine:
             self.sim_gen = torch.Generator(device=dev)
             self.reset_simulation()
         tree = max([c.num_draft_tokens for c in configs] or [0])
-        self.scheduler = Scheduler(pools, max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_num_seqs=config.max_num_seqs,
-                                   max_model_len=config.max_model_len, spec_tokens=tree)
+        sizes = dict(max_num_batched_tokens=config.max_num_batched_tokens,
+                     max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                     spec_tokens=tree)
+        self.tp, self.sender = tp, None
+        if tp is not None and not tp.is_driver:
+            self.scheduler: Scheduler = MirrorScheduler(pools, rank=tp.rank, device=dev,
+                                                        **sizes)
+        else:
+            self.scheduler = Scheduler(pools, **sizes)
+            self.sender = PlanSender(tp.channel) if tp is not None else None
         model.ensure_rope(config.max_model_len)
         self.timer: Profiler | None = None
         self.last_stats = StepStats()
@@ -277,10 +290,22 @@ class Engine:
         if self.timer is not None:
             self.timer.mark(phase, step)
 
-    @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
+    def _plan(self) -> StepPlan:
+        """This step's plan: scheduled here (and sent to the other tensor-parallel ranks),
+        or, on a rank other than 0, rank 0's."""
+        if isinstance(self.scheduler, MirrorScheduler):
+            plan = self.scheduler.schedule()
+            self.spec = self.scheduler.spec
+            return plan
         self._choose_spec()
         plan = self.scheduler.schedule()
+        if self.sender is not None and not plan.empty:
+            self.sender.send(plan, self.spec, self.scheduler)
+        return plan
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        plan = self._plan()
         self.last_stats = StepStats()
         if plan.empty:
             return []
@@ -415,7 +440,7 @@ class Engine:
         meta = tree_meta(tables, n, tree.ancestor_mask(self.spec.num_steps),
                          self.config.block_size, rope=rope, sliding_window=mc.sliding_window,
                          max_len=L)
-        meta = with_pieces(meta, [(N, s, L) for s in range(b)], mc.num_heads, mc.num_kv_heads,
+        meta = with_pieces(meta, [(N, s, L) for s in range(b)], *self.model.local_heads,
                            self.device, plans)
         hidden, taps = self._target(tree.tokens.reshape(1, -1), rope.reshape(1, -1), self.kv,
                                     batch=meta, return_taps=True)
@@ -495,9 +520,7 @@ class Engine:
         if spec_idx:
             parts += [(tree.size, i, n + tree.size) for i, n in zip(spec_idx, n_host,
                                                                     strict=True)]
-        mc = self.model.config
-        meta = with_pieces(BatchMeta.cat(metas), parts, mc.num_heads, mc.num_kv_heads,
-                           self.device)
+        meta = with_pieces(BatchMeta.cat(metas), parts, *self.model.local_heads, self.device)
         out = _TargetBatch(ids_t, rope, meta, pieces, upload(last, torch.long, dev), sampling,
                            base)
         if p_seqs:

@@ -10,11 +10,19 @@ A request of n choices (SamplingParams.n) is n sequences of one prompt: the firs
 at once, the others once its prompt is computed, so they are admitted with its prompt's
 blocks from the prefix cache (every full block; each computes only its last partial one).
 Seeded, choice i draws from seed + i.
+
+With `tensor_parallel_size` N > 1 this process is rank 0 of N (parallel/launch.py starts
+the others, or torchrun does): it holds the tokenizer, the requests and the scheduler;
+every rank holds a shard of the model and runs each step rank 0 sends. Calls that change
+the engine (set_spec, enable_profiling, reset_simulation) run on every rank. Under
+torchrun the LLM(...) call never returns on the other ranks: they follow rank 0 and exit
+when it closes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -42,6 +50,7 @@ from specscope.config import (
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput
 from specscope.engine.grammar import Grammar, GrammarCompiler
+from specscope.engine.ranks import TensorParallelRanks
 from specscope.engine.request import (
     Request,
     RequestOutput,
@@ -56,14 +65,16 @@ from specscope.engine.tokenizer import (
     Messages,
     Tokenizer,
     check_unicode,
-    load_chat_template,
     validate_messages,
 )
 from specscope.kvcache.budget import KVLayout, activation_bytes, kv_budget
 from specscope.models.loader import load_model
 from specscope.models.packed import pack_linears
 from specscope.models.registry import TargetModel
+from specscope.parallel import launch as tp_launch
+from specscope.parallel.launch import DEFAULT_DIST_TIMEOUT, TPRuntime
 from specscope.profiler import Phase, Profiler
+from specscope.profiler.collectives import with_rank_skew
 from specscope.sampling import make_generator
 
 log = logging.getLogger("specscope.llm")
@@ -178,7 +189,7 @@ def _resolve_spec(spec: SpecConfig | None | str, speculative_config: dict | None
     return spec
 
 
-class LLM:
+class LLM(TensorParallelRanks):
     """An engine for one model.
 
     model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
@@ -200,6 +211,9 @@ class LLM:
     chat_template: a Jinja chat template (or a file holding one) instead of the tokenizer's.
     seed: the seeds of sampled requests that give none (seed, seed + 1, ... in arrival
     order), so a run's sampled output repeats; None: unseeded.
+    tensor_parallel_size: shard the model over this many ranks (processes; GPUs on CUDA),
+    started here on one host or joined under torchrun (docs/tensor-parallel.md);
+    dist_timeout: seconds any collective may wait before the group is declared failed.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -209,47 +223,61 @@ class LLM:
                  speculative_config: dict | None = None,
                  profile: bool | None = None, profile_interval: int | None = None,
                  chat_template: str | None = None, seed: int | None = None,
+                 tensor_parallel_size: int = 1, dist_timeout: float = DEFAULT_DIST_TIMEOUT,
                  **batching: Any) -> None:
+        payload = {k: v for k, v in locals().items() if k not in ("self", "batching")}
+        payload.update(batching, chat_template=None)  # the other ranks hold no tokenizer
         self.engine_config = EngineConfig(dtype=dtype, device=device,
                                           max_model_len=max_model_len, cache_dir=cache_dir,
                                           cuda_graphs=cuda_graphs, compile=compile,
                                           **batching)
         self.device = resolve_device(self.engine_config.device)
+        self.tp = tp_launch.start(tensor_parallel_size, self.device.type, payload,
+                                  dist_timeout)
+        if self.tp is not None:
+            self.device = self.tp.group.device if self.device.type == "cuda" else self.device
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
         if quantization == "int4-gguf" and self.engine_config.dtype == "auto":
             self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
         self.quantization = quantization
-        loaded = load_model(model, self.dtype, self.device, cache_dir, quantization)
+        loaded = load_model(model, self.dtype, self.device, cache_dir, quantization,
+                            tp=self.tp.group if self.tp is not None else None)
+        self.load_stats = loaded.reads
         spec = _resolve_spec(spec, speculative_config, model)
-        tokenizer = Tokenizer(loaded.path, loaded.config.eos_token_ids)
-        if chat_template is not None:
-            tokenizer.set_chat_template(load_chat_template(chat_template))
+        tokenizer = self._rank_tokenizer(loaded.path, loaded.config, chat_template)
         self._setup(loaded.model, loaded.config, loaded.path, loaded.source, tokenizer, spec,
                     spec_policy)
         self.seed = seed
         self._profile_from_env(profile, profile_interval)
+        self._follow_rank0()
 
     def _profile_from_env(self, profile: bool | None, interval: int | None) -> None:
         """profile=None follows SPECSCOPE_PROFILE=1; the summary interval defaults to 100."""
         if profile is None:
             profile = os.environ.get("SPECSCOPE_PROFILE", "") not in ("", "0")
         if profile:
-            self.enable_profiling(True, interval if interval is not None else 100)
+            self._enable_profiling(True, interval if interval is not None else 100)
 
     @classmethod
     def from_model(cls, model: TargetModel, *, tokenizer: Tokenizer | IdTokenizer | None = None,
                    spec: SpecConfig | None = None, spec_policy: SpecPolicy | None = None,
-                   name: str = "in-memory", **engine: Any) -> LLM:
+                   name: str = "in-memory", tp: TPRuntime | None = None,
+                   **engine: Any) -> LLM:
         """An engine around an already built model (e.g. random weights of a real shape for
-        benchmarks). Without a tokenizer, text is the token ids (IdTokenizer)."""
+        benchmarks). Without a tokenizer, text is the token ids (IdTokenizer). tp: the
+        group the model is a shard of (parallel.launch.start under torchrun); on a rank
+        other than 0 this never returns (the rank follows rank 0, then exits)."""
         self = cls.__new__(cls)
         self.engine_config = EngineConfig(**engine)
+        self.tp = tp
         param = next(model.parameters())
         self.device, self.dtype, self.quantization = param.device, param.dtype, "none"
+        self.load_stats = None
         self._setup(model, model.config, None, name, tokenizer or IdTokenizer(), spec,
                     spec_policy)
         self.seed = None
         self._profile_from_env(None, None)
+        self._follow_rank0()
         return self
 
     def _setup(self, model: TargetModel, config: ModelConfig, path, name: str, tokenizer,
@@ -291,20 +319,24 @@ class LLM:
         self.timer: Profiler | None = None
         self.engine: Engine | None = None
         self.spec_policy: SpecPolicy | None = None
-        self.set_spec(spec, policy)
+        self._set_spec(spec, policy)
 
     def set_spec(self, spec: SpecConfig | None, policy: SpecPolicy | None = None) -> None:
         """Switch speculative decoding on (with this configuration) or off, keeping the
         target weights loaded. A draft is loaded again only if its path or taps changed.
         policy: speculation by batch size (each step runs the configuration of its batch's
         bucket; spec gives the draft). Requests in flight carry over: their KV is
-        recomputed in the new engine."""
+        recomputed in the new engine. On every tensor-parallel rank."""
+        self._everywhere("set_spec", spec, policy)
+        self._set_spec(spec, policy)
+
+    def _set_spec(self, spec: SpecConfig | None, policy: SpecPolicy | None) -> None:
         with self._lock:
             draft = None
             if spec is not None:
                 # The last draft stays loaded while speculation is off, so switching back
                 # (or a tuner alternating plain and speculative runs) never reloads it.
-                key = (spec.draft, spec.draft_layer_ids)
+                key = (spec.draft, spec.draft_layer_ids, spec.draft_tensor_parallel_size)
                 if self._draft is not None and self._draft[0] == key:
                     draft = self._draft[1]
                 else:
@@ -328,16 +360,21 @@ class LLM:
     def _build_engine(self, draft: Eagle3Draft | None, spec: SpecConfig | None,
                       policy: SpecPolicy | None) -> Engine:
         ec, mc = self.engine_config, self.model_config
-        layouts = [self.model.kv_layout(self.dtype)]
+        layouts = [self.model.kv_layout(self.dtype)]  # this rank's KV heads
         if draft is not None:
             dc = draft.config
-            layouts.append(KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype))
+            layouts.append(KVLayout(dc.num_layers, draft.local_heads[1], dc.head_dim,
+                                    self.dtype))
         lookahead = MAX_NUM_DRAFT_TOKENS if spec is not None else 1
         budget = kv_budget(layouts, ec.block_size, self.device,
                            gpu_memory_utilization=ec.gpu_memory_utilization,
                            kv_cache_memory=ec.kv_cache_memory,
                            activation_bytes=activation_bytes(mc, ec, self.dtype),
                            max_tokens=ec.max_num_seqs * (self.max_model_len + lookahead))
+        if self.tp is not None:  # every rank holds the same block ids: what fits on all
+            n = self.tp.group.min_int(budget.num_blocks)
+            budget = dataclasses.replace(budget, num_blocks=n,
+                                         bytes=budget.bytes // budget.num_blocks * n)
         log.info("%s", budget.describe(self.max_model_len))
         self.kv_budget = budget
         cfg = BatchConfig(num_blocks=budget.num_blocks, block_size=ec.block_size,
@@ -346,18 +383,28 @@ class LLM:
                           enable_prefix_caching=ec.enable_prefix_caching,
                           cuda_graphs=ec.cuda_graphs, compile=ec.compile)
         return Engine(self.model, cfg, frozenset(self.tokenizer.eos_token_ids), draft, spec,
-                      policy)
+                      policy, tp=self.tp)
 
     def reset_simulation(self) -> None:
         """Restart the simulated-acceptance random stream (the same accept decisions on
         the same workload, e.g. profiling on vs off)."""
+        self._everywhere("reset_simulation")
         self.engine.reset_simulation()
 
     def enable_profiling(self, on: bool = True, interval: int | None = 100) -> Profiler | None:
         """Time every phase of every cycle (profiler/); log a summary every `interval`
-        cycles (None: never). Off (the default) adds no work at all. Returns the profiler."""
+        cycles (None: never). Off (the default) adds no work at all. Returns the profiler.
+        Under tensor parallelism every rank profiles itself, its collectives included."""
+        self._everywhere("enable_profiling", on, interval)
+        return self._enable_profiling(on, interval)
+
+    def _enable_profiling(self, on: bool, interval: int | None) -> Profiler | None:
+        if not self._is_rank0:
+            interval = None  # rank 0 logs the summaries
         self.timer = Profiler(self.device, interval=interval) if on else None
         self.engine.timer = self.timer
+        if self.tp is not None:
+            self.tp.group.timer = self.timer  # every collective timed into its phase
         self._label_config()
         return self.timer
 
@@ -365,21 +412,41 @@ class LLM:
         if self.timer is None:
             return
         s = self.spec
+        tp = self.tensor_parallel()
+        suffix = "" if tp is None else f" tp={tp['size']}" + (
+            "" if s is None else f" draft_tp={tp['draft_size']}")
+        self.timer.parallel = tp
         if s is None:
-            self.timer.set_config("plain")
+            self.timer.set_config("plain" + suffix)
         else:
             label = f"spec steps={s.num_steps} topk={s.topk} ndt={s.num_draft_tokens}"
             if self.spec_policy is not None:
                 label = f"spec policy [{self.spec_policy.describe()}]"
-            self.timer.set_config(label + (" SIMULATED" if s.simulated else ""), s.simulated,
-                                  s.num_steps)
+            self.timer.set_config(label + suffix + (" SIMULATED" if s.simulated else ""),
+                                  s.simulated, s.num_steps)
 
     def profile_summary(self) -> list[dict]:
-        """Per-configuration phase summaries (see profiler/profiler.py for the fields)."""
+        """Per-configuration phase summaries (see profiler/profiler.py for the fields).
+        Under tensor parallelism every rank's summary is gathered, and each configuration
+        says how much slower its slowest rank ran each phase than its fastest
+        (`ranks`)."""
         if self.timer is None:
             raise RuntimeError("profiling is off: LLM(..., profile=True), "
                                "llm.enable_profiling() or SPECSCOPE_PROFILE=1")
-        return self.timer.summary()
+        if self.tp is None or not self.tp.is_driver:
+            return self.timer.summary()
+        return with_rank_skew(self._gather("profile_summary", self.timer.summary))
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """The target's logits [T, V] (fp32) at every position of a prompt, in one forward
+        without a cache (no engine state is touched). On every tensor-parallel rank."""
+        self._check_ids(prompt_ids)
+        self._everywhere("prompt_logits", prompt_ids)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        pos = torch.arange(len(prompt_ids), device=self.device)[None]
+        with torch.inference_mode():
+            hidden, _ = self.model(ids, pos)
+            return self.model.compute_logits(hidden[0])
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -617,7 +684,7 @@ class LLM:
             prof.begin_cycle()
         t0 = time.perf_counter()
         self._admit_choices()
-        outs = self.engine.step()
+        outs = self._engine_step()
         st = self.engine.last_stats
         accepted = tuple(o.accepted for o in outs if o.accepted is not None)
         self.last_step = StepRecord(st.num_seqs, st.num_speculating, st.prefill_tokens,
@@ -702,8 +769,10 @@ class LLM:
         taps, the KV pool and the scheduler's limits."""
         c, ec = self.model_config, self.engine_config
         dtype = str(self.dtype).removeprefix("torch.")
+        where = str(self.device) if self.tp is None else \
+            f"{self.tp.size} tensor-parallel ranks ({self.device.type})"
         text = (f"{self.model_name} ({c.architecture}, {c.num_layers} layers, vocab "
-                f"{c.vocab_size}) in {dtype} on {self.device}; max_model_len "
+                f"{c.vocab_size}) in {dtype} on {where}; max_model_len "
                 f"{self.max_model_len}, max {ec.max_num_seqs} sequences, "
                 f"{ec.max_num_batched_tokens} batched tokens per step")
         if self.kv_budget is not None:
@@ -714,8 +783,10 @@ class LLM:
         how = (f"policy {self.spec_policy.flag()}" if self.spec_policy else
                f"steps={self.spec.num_steps} topk={self.spec.topk} "
                f"ndt={self.spec.num_draft_tokens}")
+        tp = self.tensor_parallel()
+        place = "" if tp is None else f", {tp['draft_placement']} (draft TP {tp['draft_size']})"
         return (text + f"; EAGLE-3 draft {self.spec.draft} tapping target layers {taps}, "
-                f"{how}" + (" (SIMULATED acceptance)" if self.spec.simulated else ""))
+                f"{how}{place}" + (" (SIMULATED acceptance)" if self.spec.simulated else ""))
 
     def info(self) -> dict[str, Any]:
         c = self.model_config

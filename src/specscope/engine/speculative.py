@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specscope.config import SpecConfig
-from specscope.draft.eagle3 import Eagle3Draft, random_draft
+from specscope.draft.eagle3 import Eagle3Draft, random_draft, shard_draft
 from specscope.draft.loader import load_draft
 from specscope.models.registry import TargetModel
 
@@ -63,7 +63,15 @@ def acceptance_by_position(accepted: list[int], depth: int) -> tuple[list[float]
 def load_spec_draft(spec: SpecConfig, target: TargetModel, dtype: torch.dtype,
                     device: torch.device) -> tuple[Eagle3Draft, str]:
     """The draft named by spec.draft: a checkpoint directory, or "random" (an EAGLE-3-shaped
-    random-weight draft for the target, for benchmarking with simulated acceptance)."""
+    random-weight draft for the target, for benchmarking with simulated acceptance).
+
+    Under tensor parallelism every rank loads the same draft; spec.draft_tensor_parallel_size
+    1 keeps it whole on each (replicated), the target's size shards it like the target."""
+    tp = getattr(target, "tp", None)
+    size, want = (1 if tp is None else tp.size), spec.draft_tensor_parallel_size
+    if want not in (1, size):
+        raise ValueError(f"draft_tensor_parallel_size {want} must be 1 (the draft replicated "
+                         f"on every rank) or the target's tensor-parallel size ({size})")
     if spec.draft is None:
         raise ValueError("speculative decoding needs a draft: pass --draft PATH (or 'random' "
                          "with --simulate-acceptance for benchmarking)")
@@ -78,6 +86,11 @@ def load_spec_draft(spec: SpecConfig, target: TargetModel, dtype: torch.dtype,
                             layer_ids=list(spec.draft_layer_ids) if spec.draft_layer_ids
                             else None)
         draft, msg = loaded.model, loaded.message
+    if want > 1:
+        draft = shard_draft(draft, tp)
+        msg += f", sharded over {want} ranks"
+    elif size > 1:
+        msg += f", replicated on each of {size} ranks"
     draft.attach_target(target)
     log.info("draft: %s", msg)
     return draft, msg

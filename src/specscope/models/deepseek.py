@@ -134,7 +134,7 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
     the checkpoint) with MLA's attention and latent cache."""
 
     def attention_for(self, layer: int) -> nn.Module:
-        return MLAttention(self.config)
+        return MLAttention(self.config, self.tp)
 
     @property
     def rope_dim(self) -> int:
@@ -193,5 +193,5 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
 
 FAMILIES = (Family("deepseek_v3", (ARCHITECTURE,),
                    {"deepseek_v3": ARCHITECTURE, "kimi_k2": ARCHITECTURE},
-                   parse_config, DeepseekV3ForCausalLM),)
+                   parse_config, DeepseekV3ForCausalLM, tensor_parallel=True),)
 

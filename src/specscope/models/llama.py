@@ -26,6 +26,9 @@ from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend
 from specscope.models.registry import Family
 from specscope.models.rope import apply_rope, rope_tables
+from specscope.parallel.group import TPGroup
+from specscope.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from specscope.parallel.shard import attention_pieces, gated_mlp_pieces
 
 
 class RMSNorm(nn.Module):
@@ -107,15 +110,35 @@ def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Te
                           mask=mask, slots=slots, kv_len=kv_len)  # cos/sin [B, 1, T, D]
 
 
+def local_heads(cfg: ModelConfig, tp: TPGroup | None) -> tuple[int, int]:
+    """The (query, KV) heads one rank attends with: all of them without tensor parallelism,
+    else its share (KV heads replicated when there are fewer than ranks)."""
+    if tp is None:
+        return cfg.num_heads, cfg.num_kv_heads
+    return attention_pieces(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp.rank,
+                            tp.size)[:2]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """GQA attention with q/k/v fused. With a TPGroup it holds only its rank's heads
+    (`shards` says which rows of the checkpoint's q/k/v and columns of o_proj), and o_proj
+    all-reduces."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, \
-            cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        D, h = cfg.head_dim, cfg.hidden_size
+        self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
+        self.head_dim = D
+        q_size, kv_size = self.num_heads * D, self.num_kv_heads * D
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        if tp is None:
+            self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
+        else:
+            _, _, qkv, o = attention_pieces(cfg.num_heads, cfg.num_kv_heads, D, tp.rank,
+                                            tp.size)
+            self.o_proj = RowParallelLinear(q_size, h, cfg.o_bias, tp, o)
+            self.shards = {"qkv_proj.weight": qkv, "qkv_proj.bias": qkv}
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -155,17 +178,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP with gate and up fused into one matmul (width: cfg's, or `intermediate`)."""
+    """SwiGLU MLP with gate and up fused into one matmul (width: cfg's, or `intermediate`).
+    With a TPGroup it holds its rank's slice of the width (gate rows and up rows alike) and
+    down_proj all-reduces."""
 
-    def __init__(self, cfg: ModelConfig, intermediate: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.intermediate = i = intermediate or cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        i, h = intermediate or cfg.intermediate_size, cfg.hidden_size
+        if tp is None:
+            self.intermediate = i
+            self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        else:
+            self.intermediate, gate_up, down = gated_mlp_pieces(i, tp.rank, tp.size)
+            self.down_proj = RowParallelLinear(self.intermediate, h, cfg.mlp_bias, tp, down)
+            self.shards = {"gate_up_proj.weight": gate_up, "gate_up_proj.bias": gate_up}
+        self.gate_up_proj = nn.Linear(h, 2 * self.intermediate, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism: this rank's part of the output, before the all-reduce
+        (and without the bias): for a caller that sums it with other parts first."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -192,9 +230,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """HF's `model.` prefix: embeddings, decoder layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module],
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else \
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -203,14 +243,20 @@ class CausalLM(nn.Module):
     """A decoder-only target model (models/registry.py's TargetModel). See the module
     docstring for the family it covers; other families subclass it, replacing a layer's
     attention or MLP (`attention_for`, `mlp_for`) and their checkpoint names
-    (`layer_layout`)."""
+    (`layer_layout`).
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    tp: run as one rank of a tensor-parallel group (parallel/): each layer's attention and
+    MLP hold the rank's heads and width, the embedding and lm_head their vocabulary block;
+    `config` stays the whole model's, `local_heads` is what this rank attends with."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
+        self.local_heads = local_heads(cfg, tp)
         self.model = Backbone(cfg, [DecoderLayer(cfg, self.attention_for(i), self.mlp_for(i))
-                                    for i in range(cfg.num_layers)])
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                                    for i in range(cfg.num_layers)], tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None \
+            else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tap_layer_ids: tuple[int, ...] = ()
@@ -218,11 +264,11 @@ class CausalLM(nn.Module):
 
     def attention_for(self, layer: int) -> nn.Module:
         """Decoder layer `layer`'s attention module."""
-        return Attention(self.config)
+        return Attention(self.config, self.tp)
 
     def mlp_for(self, layer: int) -> nn.Module:
         """Decoder layer `layer`'s MLP module."""
-        return MLP(self.config)
+        return MLP(self.config, tp=self.tp)
 
     # -- what the engine, the draft and the trainer use -------------------------------------
 
@@ -243,15 +289,16 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def kv_layout(self, dtype: torch.dtype) -> KVLayout:
-        """What the paged cache stores per token: K and V of every KV head, every layer."""
+        """What the paged cache stores per token: K and V of every KV head this rank holds,
+        every layer."""
         cfg = self.config
-        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        return KVLayout(cfg.num_layers, self.local_heads[1], cfg.head_dim, dtype)
 
     def paged_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> PagedKV:
         """The paged cache this model attends over, in its layout."""
         cfg = self.config
-        return PagedKV(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+        return PagedKV(cfg.num_layers, num_blocks, block_size, self.local_heads[1],
                        cfg.head_dim, dtype, device)
 
     # -- configuration --------------------------------------------------------------------
@@ -309,8 +356,9 @@ class CausalLM(nn.Module):
         cfg = self.config
         if self._rope is None:  # the engine builds it sized to its context; this is a fallback
             self.init_rope(cfg.max_position_embeddings)
+        heads, kv_heads = self.local_heads
         ctx = forward_context(self._rope, positions, cache, kv_len, slots, attn_mask,
-                              cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window, batch)
+                              heads // kv_heads, cfg.sliding_window, batch)
 
         h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         if return_taps and not self.tap_layer_ids:
@@ -416,4 +464,4 @@ def mlp_layout(m: str, *, hidden: int, intermediate: int, bias: bool = False,
 FAMILIES = (Family("llama", tuple(SUPPORTED_ARCHITECTURES),
                    {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"},
-                   ModelConfig.from_hf, CausalLM),)
+                   ModelConfig.from_hf, CausalLM, tensor_parallel=True),)

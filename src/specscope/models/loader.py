@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,6 +21,8 @@ from safetensors import safe_open
 from specscope.config import ModelConfig
 from specscope.models.registry import TargetModel, build_model, config_from_hf
 from specscope.models.safetensors_check import check_safetensors
+from specscope.parallel.layers import zero_padding
+from specscope.parallel.shard import param_shards, shard_reads
 
 log = logging.getLogger("specscope.loader")
 
@@ -36,6 +39,23 @@ class LoadedModel:
     config: ModelConfig
     path: Path  # HF-style directory holding config.json, weights and tokenizer files
     source: str  # what the user asked for
+    reads: LoadStats | None = None  # what load_weights read (None: a quantized load)
+
+
+@dataclass
+class LoadStats:
+    """What a load read from the checkpoint: tensors opened and elements read, per tensor
+    name (a tensor-parallel rank reads only its slices)."""
+
+    elements: dict[str, int]
+
+    @property
+    def tensors(self) -> int:
+        return len(self.elements)
+
+    @property
+    def total(self) -> int:
+        return sum(self.elements.values())
 
 
 def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | None = None) -> Path:
@@ -186,11 +206,42 @@ def wrapped_names(files: dict[str, Path], layout: dict) -> dict[str, str]:
     return {n: n for n in files}
 
 
-def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
-    """Copy checkpoint tensors into `model` (already allocated), checking names and shapes."""
+def load_weights(model: TargetModel, files: dict[str, Path]) -> LoadStats:
+    """Copy checkpoint tensors into `model` (already allocated), checking names and shapes.
+    A tensor-parallel shard reads only the slices its parameters hold (parallel/shard.py),
+    through safetensors' get_slice; a tensor it holds nothing of is never read."""
     stored = wrapped_names(files, model.checkpoint_layout())
-    present = set(stored)
-    layout = model.checkpoint_layout_for(present)
+    layout = model.checkpoint_layout_for(set(stored))
+    _check_names(model, layout, set(stored))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shards = param_shards(model)
+    by_file: dict[Path, list[str]] = {}
+    for name in layout:
+        by_file.setdefault(files[stored[name]], []).append(name)
+    bad_shapes, read = [], {}
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    tensor = f.get_slice(stored[name])
+                    shape = tuple(tensor.get_shape())
+                    target, row, want = layout[name]
+                    if shape != want:
+                        bad_shapes.append(f"{name} has shape {list(shape)}, expected {list(want)}")
+                        continue
+                    dst = params[target]
+                    for src, at in shard_reads(row, shape, shards.get(target)):
+                        part = tensor[src]
+                        dst[at].copy_(part)
+                        read[name] = read.get(name, 0) + part.numel()
+    if bad_shapes:
+        raise ValueError(f"checkpoint tensor shapes do not fit {model.config.architecture}: "
+                         + "; ".join(bad_shapes[:12]))
+    return LoadStats(read)
+
+
+def _check_names(model: TargetModel, layout: dict, present: set[str]) -> None:
+    """Every tensor the layout names is in the checkpoint, and nothing else is."""
     tied_head = model.config.tie_word_embeddings and "lm_head.weight" in present
     ignored = {n for n in present if n.endswith(_IGNORED_SUFFIXES)}
     L, extra = model.config.num_layers, model.config.unused_checkpoint_layers
@@ -209,36 +260,16 @@ def load_weights(model: TargetModel, files: dict[str, Path]) -> None:
     if errors:
         raise ValueError(f"checkpoint does not match {model.config.architecture} "
                          f"({model.config.name}): " + "; ".join(errors))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    by_file: dict[Path, list[str]] = {}
-    for name in layout:
-        by_file.setdefault(files[stored[name]], []).append(name)
-    bad_shapes = []
-    with torch.no_grad():
-        for path, names in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for name in names:
-                    shape = tuple(f.get_slice(stored[name]).get_shape())
-                    target, row, want = layout[name]
-                    if shape != want:
-                        bad_shapes.append(f"{name} has shape {list(shape)}, expected {list(want)}")
-                        continue
-                    dst = params[target]
-                    if isinstance(row, tuple):  # leading indices (an expert), then the row
-                        dst, row = dst[row[:-1]], row[-1]
-                    dst[row:row + shape[0]].copy_(f.get_tensor(stored[name]))
-    if bad_shapes:
-        raise ValueError(f"checkpoint tensor shapes do not fit {model.config.architecture}: "
-                         + "; ".join(bad_shapes[:12]))
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", cache_dir: str | None = None,
-               quantization: str = "none") -> LoadedModel:
+               quantization: str = "none", tp: Any = None) -> LoadedModel:
     """Resolve, build and load a target model; weights go straight to `device` in `dtype`.
 
     quantization "int4-gguf" keeps a GGUF's Q4_0/Q4_1 weights as packed 4-bit codes
     (CPU, bf16 activations; see models/quant.py) instead of dense dequantised weights.
+    tp: a parallel.TPGroup: build and load only this rank's shard.
     """
     from specscope.models.quant import QUANT_MODES
 
@@ -249,12 +280,15 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
                                         or dtype != torch.bfloat16):
         raise ValueError("quantization int4-gguf runs on the CPU with bf16 activations: "
                          "use --device cpu --dtype bf16 (or dtype auto)")
+    if quantization != "none" and tp is not None:
+        raise ValueError(f"quantization {quantization} runs on one rank; drop it or run with "
+                         f"--tensor-parallel-size 1")
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(model, cache_dir)
     cfg = read_config(model_dir)
     files = weight_files(model_dir)
-    m = allocate(cfg, dtype, device)
-    load_weights(m, files)
+    m = allocate(cfg, dtype, device, tp)
+    reads = load_weights(m, files)
     if quantization == "int4-gguf":
         from specscope.models.quant import quantize_from_gguf
 
@@ -264,28 +298,33 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
                              f"a converted GGUF")
         quantize_from_gguf(m, Path(source["gguf"]))
     m.eval().requires_grad_(False)
-    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", model_dir, cfg.architecture,
-             cfg.num_layers, dtype, device, time.perf_counter() - t0)
+    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs%s", model_dir, cfg.architecture,
+             cfg.num_layers, dtype, device, time.perf_counter() - t0,
+             "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.size}: "
+             f"{reads.total:,} elements of {reads.tensors} tensors read)")
     return LoadedModel(model=m, config=cfg, path=model_dir,
-                       source=str(model) if model is not None else "default")
+                       source=str(model) if model is not None else "default", reads=reads)
 
 
-def allocate(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> TargetModel:
+def allocate(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+             tp: Any = None) -> TargetModel:
     """cfg's family's module with uninitialised weights of `dtype` on `device` (built on the
-    meta device first, so nothing is allocated twice)."""
+    meta device first, so nothing is allocated twice); tp: this rank's shard."""
     with torch.device("meta"):
-        m = build_model(cfg)
+        m = build_model(cfg, tp)
     m = m.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty may untie; re-tie
         m.lm_head.weight = m.embed_tokens.weight
+    zero_padding(m)
     return m
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-                 seed: int = 0) -> TargetModel:
-    """A random-weight model of a real shape, built on the device (for benchmarks)."""
-    torch.manual_seed(seed)
-    m = allocate(cfg, dtype, device)
+                 seed: int = 0, tp: Any = None) -> TargetModel:
+    """A random-weight model of a real shape, built on the device (for benchmarks); tp:
+    this rank's shard, its own random draw (seed + rank)."""
+    torch.manual_seed(seed + (tp.rank if tp is not None else 0))
+    m = allocate(cfg, dtype, device, tp)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name:

@@ -38,4 +38,4 @@ class Mixtral(MoeCausalLM):
 
 
 FAMILIES = (Family("mixtral", ("MixtralForCausalLM",), {"mixtral": "MixtralForCausalLM"},
-                   parse, Mixtral),)
+                   parse, Mixtral, tensor_parallel=True),)

@@ -18,6 +18,12 @@ Two forms of the same function:
 
 The x-side projections (q_a_proj or q_proj, and kv_a_proj_with_mqa) are one matmul
 (`a_proj`, rows in that order; checkpoint_layout maps HF's names onto them).
+
+Tensor parallelism splits the heads: a rank holds its heads' rows of q_b_proj (or of
+q_proj), of kv_b_proj (W_uk and W_uv per head) and its heads' columns of o_proj, which
+all-reduces. What every head shares is replicated: q_a_proj and its norm, and
+kv_a_proj_with_mqa, so every rank computes the same latent and rope key, and every rank's
+latent cache holds all of it (MLA's cache has no head axis to split).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from specscope.kvcache.latent import latent_attend
 from specscope.kvcache.paged import BatchMeta
 from specscope.models.llama import ForwardContext, RMSNorm
 from specscope.models.rope import apply_rope, apply_rope_interleaved, yarn_mscale
+from specscope.parallel.group import TPGroup
+from specscope.parallel.layers import RowParallelLinear
+from specscope.parallel.shard import Shard, even_split
 
 # HF's and DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not the
 # config's rms_norm_eps.
@@ -50,13 +59,16 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MLAttention(nn.Module):
-    """One decoder layer's MLA; the same call signature as llama.Attention."""
+    """One decoder layer's MLA; the same call signature as llama.Attention. With a
+    TPGroup: this rank's heads (module docstring)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         m = cfg.mla
-        self.H, self.dn, self.dr, self.dv = cfg.num_heads, m.qk_nope_head_dim, \
-            m.qk_rope_head_dim, m.v_head_dim
+        self.dn, self.dr, self.dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        h0, h1 = (0, cfg.num_heads) if tp is None else \
+            even_split(cfg.num_heads, tp.rank, tp.size, "num_attention_heads")
+        self.H = h1 - h0
         self.c, self.lora = m.kv_lora_rank, m.q_lora_rank
         qk = self.H * (self.dn + self.dr)
         self.q_width = self.lora or qk  # a_proj's query rows: q_a_proj's, or q_proj's
@@ -67,9 +79,27 @@ class MLAttention(nn.Module):
             self.q_b_proj = nn.Linear(self.lora, qk, bias=False)
         self.kv_a_layernorm = RMSNorm(self.c, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.c, self.H * (self.dn + self.dv), bias=False)
-        self.o_proj = nn.Linear(self.H * self.dv, cfg.hidden_size, bias=cfg.o_bias)
+        if tp is None:
+            self.o_proj = nn.Linear(self.H * self.dv, cfg.hidden_size, bias=cfg.o_bias)
+        else:
+            self.o_proj = RowParallelLinear(self.H * self.dv, cfg.hidden_size, cfg.o_bias,
+                                            tp, Shard(1, ((h0 * self.dv, h1 * self.dv, 0),)))
+            self.shards = self._head_shards(cfg.num_heads, h0, h1)
         self.rope = apply_rope_interleaved if m.rope_interleave else apply_rope
         self.scale = mla_softmax_scale(cfg)
+
+    def _head_shards(self, H: int, h0: int, h1: int) -> dict[str, Shard]:
+        """Rows of heads [h0, h1): q_b_proj's (or q_proj's, the first rows of a_proj, whose
+        latent rows every rank holds), and kv_b_proj's."""
+        q, kv = self.dn + self.dr, self.dn + self.dv
+        out = {"kv_b_proj.weight": Shard(0, ((h0 * kv, h1 * kv, 0),))}
+        if self.lora:
+            out["q_b_proj.weight"] = Shard(0, ((h0 * q, h1 * q, 0),))
+        else:  # a_proj = [q_proj rows | latent and rope-key rows]
+            rows = Shard(0, ((h0 * q, h1 * q, 0), (H * q, H * q + self.c + self.dr,
+                                                   self.q_width)))
+            out["a_proj.weight"] = out["a_proj.bias"] = rows
+        return out
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

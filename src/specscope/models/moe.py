@@ -28,6 +28,8 @@ from torch import nn
 from specscope.config import ModelConfig, MoEConfig
 from specscope.models.llama import MLP, CausalLM, ForwardContext, mlp_layout
 from specscope.models.moe_experts import expert_counts, run_experts
+from specscope.parallel.group import TPGroup
+from specscope.parallel.shard import Shard, gated_mlp_pieces
 
 # -- routing ------------------------------------------------------------------------------
 
@@ -101,11 +103,21 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """E stacked SwiGLU experts: gate_up_proj [E, 2I, H] (gate rows, then up rows) and
     down_proj [E, H, I], the layout transformers uses in memory (checkpoints store them
-    per expert: the family's checkpoint layout places each into its expert's slice)."""
+    per expert: the family's checkpoint layout places each into its expert's slice).
 
-    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+    Under tensor parallelism every rank holds every expert's slice of the width I (its gate
+    and up rows, its down columns: the dense MLP's split, per expert), so each rank's
+    output is a partial sum the MoE block all-reduces (docs/tensor-parallel.md says why
+    this and not expert parallelism)."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         E, i = moe.num_experts, moe.expert_intermediate_size
+        if tp is not None:
+            i, gate_up, down = gated_mlp_pieces(i, tp.rank, tp.size)
+            # The same pieces one dimension further in (dim 0 is the expert).
+            self.shards = {"gate_up_proj": Shard(1, gate_up.pieces),
+                           "down_proj": Shard(2, down.pieces)}
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * i, hidden))
         self.down_proj = nn.Parameter(torch.empty(E, hidden, i))
 
@@ -121,13 +133,15 @@ class SparseMoe(nn.Module):
 
     takes_context = True
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.moe = moe = moe or cfg.moe
+        self.tp = tp  # the router is replicated: every rank routes every token the same
         h = cfg.hidden_size
         self.gate = Router(h, moe)
-        self.experts = Experts(h, moe)
-        self.shared_expert = (MLP(cfg, moe.shared_intermediate_size)
+        self.experts = Experts(h, moe, tp)
+        self.shared_expert = (MLP(cfg, moe.shared_intermediate_size, tp)
                               if moe.num_shared_experts else None)
         self.shared_expert_gate = (nn.Linear(h, 1, bias=False)
                                    if moe.shared_expert_gate else None)
@@ -144,10 +158,15 @@ class SparseMoe(nn.Module):
         out = run_experts(flat, ids, weights, self.experts.gate_up_proj,
                           self.experts.down_proj)
         if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
+            # Under tensor parallelism the shared expert's partial sum joins the experts'
+            # (the gate scales each token's sum, so it may scale the parts): one all-reduce.
+            shared = self.shared_expert(flat) if self.tp is None else \
+                self.shared_expert.partial(flat)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
         return out.view(shape)
 
 
@@ -205,8 +224,8 @@ class MoeCausalLM(CausalLM):
 
     def mlp_for(self, layer: int) -> nn.Module:
         if self.config.moe.sparse_layers[layer]:
-            return SparseMoe(self.config)
-        return MLP(self.config)
+            return SparseMoe(self.config, tp=self.tp)
+        return MLP(self.config, tp=self.tp)
 
     def layer_layout(self, n: int, fused: bool = False
                      ) -> dict[str, tuple[str, int | tuple[int, ...], tuple[int, ...]]]:

@@ -72,7 +72,7 @@ def parse_qwen3_moe(cfg: dict[str, Any], name: str = "") -> ModelConfig:
 
 FAMILIES = (
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), {"qwen2_moe": "Qwen2MoeForCausalLM"},
-           parse_qwen2_moe, MoeCausalLM),
+           parse_qwen2_moe, MoeCausalLM, tensor_parallel=True),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), {"qwen3_moe": "Qwen3MoeForCausalLM"},
-           parse_qwen3_moe, MoeCausalLM),
+           parse_qwen3_moe, MoeCausalLM, tensor_parallel=True),
 )

@@ -35,12 +35,16 @@ class TargetModel(Protocol):
     forward -> (hidden after the final norm, taps); compute_logits; its KV-cache layout; its
     checkpoint name map (`checkpoint_layout_for`: the map for a checkpoint holding the given
     names, where a family reads more than one form); its taps (output-of-layer ids, -1 =
-    the embedding).
+    the embedding). Under tensor parallelism `tp` is the rank's parallel.TPGroup (None:
+    unsharded), `local_heads` the (query, KV) heads this rank attends with, and
+    compute_logits returns the whole vocabulary's logits on every rank.
     """
 
     config: ModelConfig
     tap_layer_ids: tuple[int, ...]
     lm_head: nn.Linear
+    tp: Any
+    local_heads: tuple[int, int]
 
     @property
     def embed_tokens(self) -> nn.Embedding: ...
@@ -84,7 +88,9 @@ class Family:
     architectures: tuple[str, ...]
     model_types: dict[str, str]  # HF model_type -> the architecture it means
     parse: Callable[[dict[str, Any], str], ModelConfig]  # (HF config dict, name) -> config
-    build: Callable[[ModelConfig], TargetModel]
+    build: Callable[..., TargetModel]  # (config) -> module; (config, tp=TPGroup) if sharded
+    # Whether build takes tp= (parallel/): a sharded module per tensor-parallel rank.
+    tensor_parallel: bool = False
 
 
 # Modules that define families, each with a FAMILIES tuple; imported on first use.
@@ -143,10 +149,17 @@ def config_from_hf(cfg: dict[str, Any], name: str = "") -> ModelConfig:
     return family.parse(inner, name)
 
 
-def build_model(cfg: ModelConfig) -> TargetModel:
+def build_model(cfg: ModelConfig, tp: Any = None) -> TargetModel:
     """An (uninitialised) module of cfg's family; build it under torch.device("meta") to
-    allocate nothing."""
+    allocate nothing. tp: a parallel.TPGroup of more than one rank: this rank's shard."""
     for f in families():
-        if cfg.architecture in f.architectures:
+        if cfg.architecture not in f.architectures:
+            continue
+        if tp is None:
             return f.build(cfg)
+        if not f.tensor_parallel:
+            raise ValueError(f"the {f.name} family ({cfg.architecture}) has no "
+                             f"tensor-parallel sharding yet; run it with "
+                             f"--tensor-parallel-size 1")
+        return f.build(cfg, tp=tp)
     raise ValueError(f"no registered family builds architecture {cfg.architecture!r}")

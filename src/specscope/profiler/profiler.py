@@ -17,6 +17,10 @@ never averages a few eager cycles over all of them. Only the last `keep` cycles 
 configuration are held as records, for percentiles and traces (bounded memory on a
 long-running server).
 
+Under tensor parallelism the group times each collective through `collective_start` /
+`collective_end` (profiler/collectives.py): it is attributed to the phase open when it
+began, so every phase row splits into collectives and compute.
+
 Off means no Profiler object at all (callers hold None): zero added work.
 """
 
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 
+from specscope.profiler.collectives import collectives_summary, comm_rows, format_lines
 from specscope.profiler.phases import Phase
 from specscope.profiler.trace import TIMING_MODES, CycleRecord
 
@@ -46,6 +51,7 @@ class _Pending:
     tokens: int = 0
     accepted: int | None = None
     step: dict = field(default_factory=dict)  # CycleRecord's batch fields
+    comm: list[tuple[str, str, object, object, int]] = field(default_factory=list)
 
 
 # Batch-size buckets a summary splits its cycles into (the engine's CUDA-graph buckets).
@@ -67,6 +73,11 @@ class Totals:
     accepted: Counter = field(default_factory=Counter)  # accepted draft tokens -> cycles
     # MoE: "verify" (cycles that speculated) / "decode" -> [sum of experts_active, cycles]
     experts: dict[str, list[float]] = field(default_factory=dict)
+    comm_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # by phase
+    comm_n: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by phase
+    comm_b: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by phase
+    comm_count: int = 0
+    comm_bytes: int = 0
 
     def add(self, r: CycleRecord) -> None:
         if r.experts_active is not None:
@@ -79,6 +90,12 @@ class Totals:
         for name, _, dur in r.phases:
             self.phase_ms[name] += dur
         self.phase_ms["other"] += r.other_ms
+        for phase, _, _, dur, nbytes in r.collectives:
+            self.comm_ms[phase] += dur
+            self.comm_n[phase] += 1
+            self.comm_b[phase] += nbytes
+            self.comm_count += 1
+            self.comm_bytes += nbytes
         if r.accepted_all:
             self.accepted.update(r.accepted_all)
         elif r.accepted is not None:
@@ -143,6 +160,8 @@ class Profiler:
         self.loose_ms: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self._count: dict[str, int] = defaultdict(int)
         self._since_log = 0
+        # Tensor parallelism (size, draft placement) for the summaries; None without it.
+        self.parallel: dict | None = None
 
     # -- recording (hot path: no syncs) -----------------------------------------------------
 
@@ -180,6 +199,21 @@ class Profiler:
             c.start = now
         value = phase.value if isinstance(phase, Phase) else Phase(phase).value
         self._open = (value if step is None else f"{value}[{step}]", now)
+
+    def collective_start(self) -> object:
+        """A collective begins (parallel/group.py): one mark, like a phase boundary."""
+        return self._now()
+
+    def collective_end(self, start: object, op: str, nbytes: int) -> None:
+        """The collective begun at `start` ended; it belongs to the phase open now (the one
+        it started in: collectives never span a mark). Outside a cycle it is dropped with
+        the request-level phase it ran in, like that phase's per-cycle detail."""
+        end = self._now()
+        if self._cycle is not None:
+            phase = self._open[0] if self._open is not None else "other"
+            self._cycle.comm.append((phase, op, start, end, nbytes))
+        elif self.cuda:
+            self._free.extend((start, end))  # never resolved: recycle now
 
     def stop(self) -> None:
         """Close the open phase without opening another."""
@@ -247,12 +281,15 @@ class Profiler:
         used = []
         for c in self._pending:
             phases = [(n, self._at(a), self._ms(a, b)) for n, a, b in c.marks]
+            comm = [(ph, op, self._at(a), self._ms(a, b), nb) for ph, op, a, b, nb in c.comm]
             rec = CycleRecord(index=c.index, config=c.config, start_ms=self._at(c.start),
                               wall_ms=self._ms(c.start, c.end), phases=phases,
-                              tokens=c.tokens, accepted=c.accepted, **c.step)
+                              tokens=c.tokens, accepted=c.accepted, collectives=comm,
+                              **c.step)
             self.records[c.config].append(rec)
             self.totals[c.config].add(rec)
             used += [c.start, c.end] + [e for _, a, b in c.marks for e in (a, b)]
+            used += [e for _, _, a, b, _ in c.comm for e in (a, b)]
         for config, name, a, b in self._loose:
             self.loose_ms[config][name].append(self._ms(a, b))
             used += [a, b]
@@ -279,9 +316,11 @@ class Profiler:
         if config is None:
             return [self.summary(c) for c in self.records]
         recs = list(self.records.get(config, ()))
-        return summarise(config, recs, self.loose_ms.get(config, {}),
-                         self.simulated.get(config, False), self.positions.get(config, 0),
-                         totals=self.totals.get(config))
+        out = summarise(config, recs, self.loose_ms.get(config, {}),
+                        self.simulated.get(config, False), self.positions.get(config, 0),
+                        totals=self.totals.get(config))
+        out["tensor_parallel"] = self.parallel
+        return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -301,9 +340,11 @@ def _phase_rows(recs: list[CycleRecord], t: Totals) -> dict[str, dict[str, float
             per[name].append(dur)
         per["other"].append(r.other_ms)
     n = max(t.cycles, 1)
+    comm = comm_rows(t.phase_ms, t.comm_ms, t.cycles, t.comm_n, t.comm_b) if t.comm_count \
+        else {}
     return {name: {"mean_ms": total / n, "p50_ms": _pct(per.get(name, []), 0.5),
                    "p90_ms": _pct(per.get(name, []), 0.9),
-                   "share": (total / t.wall_ms) if t.wall_ms else 0.0}
+                   "share": (total / t.wall_ms) if t.wall_ms else 0.0, **comm.get(name, {})}
             for name, total in t.phase_ms.items()}
 
 
@@ -379,6 +420,8 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
         "attributed": 1.0 - (phases.get("other", {}).get("share", 0.0) if wall else 0.0),
         "request_phases_ms": {name: sum(xs) / len(xs) for name, xs in loose.items() if xs},
         "percentile_cycles": len(recs),
+        "collectives": collectives_summary(t.comm_ms, t.comm_count, t.comm_bytes, t.cycles,
+                                           wall),
     }
 
 
@@ -410,6 +453,7 @@ def format_summary(s: dict) -> str:
             lines.append(f"  {MODE_TITLES[mode]}: {m['cycles']} cycles"
                          + (f", {m['cycle_ms']:.3f} ms each" if "cycle_ms" in m else ""))
         lines.extend(_phase_table(m, m.get("experts", s.get("experts")) or {}))
+    lines.extend(format_lines(s))
     by_batch = s.get("by_batch") or {}
     if len(by_batch) > 1 or any(b > 1 for b in by_batch):
         lines.append(f"  {'batch <=':>9} {'cycles':>7} {'ms each':>9} {'tok/s':>9}   "
@@ -429,14 +473,20 @@ EXPERT_ROWS = {"verify": "verify", "verify_commit": "verify", "decode": "decode"
 
 
 def _phase_table(m: dict, experts: dict[str, float]) -> list[str]:
+    """Phase rows; under tensor parallelism with each phase's collectives (ms, share); for a
+    MoE target with the experts per MoE layer beside the target forward's rows."""
     window = m.get("percentile_cycles", m["cycles"])
+    comm = any("comm_ms" in p for p in m["phases"].values())
     lines = [f"  {'phase':<16} {'mean ms':>9} {'p50':>8} {'p90':>8} {'share':>7}"
+             + (f" {'coll ms':>9} {'coll %':>7}" if comm else "")
              + (f" {'experts/layer':>14}" if experts else "")
              + (f"   (p50/p90: the last {window} cycles)" if window < m["cycles"] else "")]
     for name, p in sorted(m["phases"].items(), key=_phase_order):
         x = experts.get(EXPERT_ROWS.get(name, ""))
         lines.append(f"  {name:<16} {p['mean_ms']:>9.3f} {p['p50_ms']:>8.3f} "
                      f"{p['p90_ms']:>8.3f} {p['share']:>6.1%}"
+                     + (f" {p.get('comm_ms', 0.0):>9.3f} {p.get('comm_share', 0.0):>6.0%}"
+                        if comm else "")
                      + (f" {x:>14.1f}" if x is not None else ""))
     return lines
 

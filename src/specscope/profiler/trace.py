@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PID = 1  # one process: the engine
@@ -42,6 +42,8 @@ class CycleRecord:
     # MoE targets: distinct experts the step's target forward activated, mean over the MoE
     # layers (None: a dense target).
     experts_active: float | None = None
+    # Tensor parallelism: each collective (phase it ran in, op, start_ms, dur_ms, bytes).
+    collectives: list[tuple[str, str, float, float, int]] = field(default_factory=list)
 
     @property
     def mode(self) -> str:
@@ -76,7 +78,8 @@ def chrome_trace(records: list[CycleRecord], last: int | None = None) -> dict:
 
     Lane (tid) k+1 is the k-th configuration seen. Within a lane, events are sorted by start
     time, a cycle before the phases it contains (longer first at equal start), which is the
-    order trace viewers need to nest complete ("X") events.
+    order trace viewers need to nest complete ("X") events; under tensor parallelism each
+    collective is a slice of its own (cat "collective") inside its phase.
     """
     groups = _last_per_config(records, last)
     events: list[dict] = [
@@ -108,6 +111,13 @@ def chrome_trace(records: list[CycleRecord], last: int | None = None) -> dict:
                     "name": name, "cat": "phase", "ph": "X", "pid": PID, "tid": tid,
                     "ts": start_ms * 1000.0, "dur": dur_ms * 1000.0,
                     "args": {"cycle": r.index, "ms": dur_ms},
+                })
+            for phase, op, start_ms, dur_ms, nbytes in r.collectives:  # nested in phase
+                lane.append({
+                    "name": op, "cat": "collective", "ph": "X", "pid": PID, "tid": tid,
+                    "ts": start_ms * 1000.0, "dur": dur_ms * 1000.0,
+                    "args": {"cycle": r.index, "phase": phase, "ms": dur_ms,
+                             "bytes": nbytes},
                 })
         lane.sort(key=lambda e: (e["ts"], -e["dur"], e["name"] != "cycle"))
         events.extend(lane)

@@ -32,10 +32,18 @@ eager phases (draft_extend + draft_step + tree_build) and graph-replayed segment
 verify_commit). CALIBRATION in tuner.py is chosen so that every term is identified; the fit
 checks the rank of each design matrix and refuses a calibration that cannot identify a term.
 Predicted speculative tok/s = tau(s, k, n) / cycle(s, k, n); plain tok/s = 1 / plain.
+
+Under tensor parallelism the profile splits each phase into collectives and compute
+(profiler/collectives.py), and so does the draft line: its terms above are fitted on the
+draft's compute, and its collectives on a line of their own (a_draft_comm for the extend,
+b_step_comm per draft step). Every calibration's collectives also fit a per-collective cost
+(comm_alpha_ms each, comm_beta_ms_per_mb per MB), so tune/placement.py can price the other draft
+placement (replicated or sharded) without having run it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,6 +65,13 @@ class Calibration:
     verify_ms: float
     other_ms: float
     experts: float | None = None
+    # Tensor parallelism: of draft_ms and verify_ms, the collectives; every collective of
+    # the cycle, counted and in bytes (0 without tensor parallelism).
+    draft_comm_ms: float = 0.0
+    verify_comm_ms: float = 0.0
+    comm_count: float = 0.0
+    comm_bytes: float = 0.0
+    comm_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,14 @@ class CostModel:
     d_tree_verify: float
     other: float
     plain: float  # ms per plain decoding step
+    # Tensor parallelism (tune/placement.py): the draft's collectives per cycle (the extend,
+    # each draft step), the cost of one collective, and the placement measured.
+    a_draft_comm: float = 0.0
+    b_step_comm: float = 0.0
+    comm_alpha_ms: float = 0.0
+    comm_beta_ms_per_mb: float = 0.0
+    tp: int = 1
+    draft_tp: int = 1
     # Calibration point -> (measured, fitted) ms of each term: how well the lines fit.
     residuals: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
     # MoE targets: ms per distinct expert per layer a verify activates, the routing's
@@ -138,8 +161,10 @@ class CostModel:
     batch: int = 1
 
     def draft_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
+        """The draft's compute, then its collectives (none when it is replicated)."""
         x = draft_columns(num_steps, topk, num_draft_tokens)
-        return sum(c * getattr(self, t) for c, t in zip(x, DRAFT_TERMS, strict=True))
+        compute = sum(c * getattr(self, t) for c, t in zip(x, DRAFT_TERMS, strict=True))
+        return compute + self.a_draft_comm + self.b_step_comm * (num_steps - 1)
 
     def experts_for(self, num_draft_tokens: int) -> float | None:
         """Expected distinct experts per MoE layer of one verify (None: a dense target)."""
@@ -191,11 +216,18 @@ def calibration_from_summary(summary: dict[str, Any], num_steps: int, topk: int,
     def total(names: tuple[str, ...]) -> float:
         return sum(p["mean_ms"] for name, p in phases.items() if base(name) in names)
 
+    def comm(names: tuple[str, ...], key: str = "comm_ms") -> float:
+        return sum(p.get(key, 0.0) for name, p in phases.items() if base(name) in names)
+
     draft, verify = total(DRAFT_PHASES), total(VERIFY_PHASES)
     other = sum(p["mean_ms"] for name, p in phases.items()
                 if base(name) not in DRAFT_PHASES + VERIFY_PHASES + ("prefill",))
     experts = steady_experts(summary).get("verify")
-    return Calibration(num_steps, topk, num_draft_tokens, draft, verify, other, experts)
+    every = tuple({base(n) for n in phases})
+    return Calibration(num_steps, topk, num_draft_tokens, draft, verify, other, experts,
+                       draft_comm_ms=comm(DRAFT_PHASES), verify_comm_ms=comm(VERIFY_PHASES),
+                       comm_count=comm(every, "comm_count"),
+                       comm_bytes=comm(every, "comm_bytes"), comm_ms=comm(every))
 
 
 def steady_phases(summary: dict[str, Any]) -> dict[str, Any]:
@@ -266,15 +298,18 @@ def _fit_line(name: str, terms: tuple[str, ...], columns, cals: list[Calibration
 
 
 def fit_cost_model(cals: list[Calibration], plain_ms: float,
-                   moe: tuple[int, int] | None = None, batch: int = 1) -> CostModel:
+                   moe: tuple[int, int] | None = None, batch: int = 1, tp: int = 1,
+                   draft_tp: int = 1) -> CostModel:
     """Non-negative least-squares fit of the cycle terms (module docstring), with each
     calibration point's residual kept. Raises, naming what is missing, when the calibration
     cannot identify every term (e.g. no tree, or trees of one depth only).
 
     moe: (num_experts, top_k) of a MoE target whose calibrations measured their experts:
     the expert model is fitted to them (each verify routed batch * n tokens) and the verify
-    line gets its b_expert term."""
-    d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, cals, "draft_ms")
+    line gets its b_expert term. tp, draft_tp: the tensor-parallel placement the calibration
+    ran under (the draft's collectives are fitted apart from its compute)."""
+    compute = [dataclasses.replace(c, draft_ms=c.draft_ms - c.draft_comm_ms) for c in cals]
+    d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, compute, "draft_ms")
     experts = None
     v_terms, v_columns = VERIFY_TERMS, verify_columns
     if moe is not None and cals and all(c.experts is not None for c in cals):
@@ -289,5 +324,18 @@ def fit_cost_model(cals: list[Calibration], plain_ms: float,
     # of a millisecond that moves by as much from run to run, and no shape explains it.
     terms = dict(zip(DRAFT_TERMS + v_terms, d + v, strict=True))
     return CostModel(**terms, other=sum(c.other_ms for c in cals) / len(cals), plain=plain_ms,
+                     **_comm_terms(cals), tp=tp, draft_tp=draft_tp,
                      residuals={"draft": d_res, "verify": v_res}, experts=experts,
                      batch=batch)
+
+
+def _comm_terms(cals: list[Calibration]) -> dict[str, float]:
+    """Tensor parallelism: the draft's collectives per cycle (the extend, each draft step)
+    and one collective's cost (per call, per MB), fitted to what the calibrations measured;
+    {} when they ran none."""
+    if not any(c.comm_count for c in cals):
+        return {}
+    dc = _lstsq([[1.0, c.num_steps - 1.0] for c in cals], [c.draft_comm_ms for c in cals])
+    ab = _lstsq([[c.comm_count, c.comm_bytes / 1e6] for c in cals], [c.comm_ms for c in cals])
+    return dict(a_draft_comm=dc[0], b_step_comm=dc[1], comm_alpha_ms=ab[0],
+                comm_beta_ms_per_mb=ab[1])
