@@ -194,7 +194,7 @@ class Engine:
         self.tp, self.sender = tp, None
         if tp is not None and not tp.is_driver:
             self.scheduler: Scheduler = MirrorScheduler(pools, rank=tp.rank, device=dev,
-                                                        **sizes)
+                                                        prepare=self._prepare, **sizes)
         else:
             self.scheduler = Scheduler(pools, **sizes)
             self.sender = PlanSender(tp.channel) if tp is not None else None
@@ -251,10 +251,14 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         if seq.generator is None and not seq.params.greedy:
             seq.generator = make_generator(seq.params.seed, self.device)
-        # Built from the host tokens: also right for a sequence carried from another engine.
+        self._prepare(seq)
+        self.scheduler.add(seq)
+
+    def _prepare(self, seq: Sequence) -> None:
+        """A new sequence's device state. Built from the host tokens: also right for a
+        sequence carried from another engine, or a tensor-parallel rank's copy."""
         seq.logits_state = token_state(seq, self.model.config.vocab_size, self.eos,
                                        self.device)
-        self.scheduler.add(seq)
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End a sequence now (client gone, cancelled): its blocks are free for the next step."""

@@ -596,7 +596,13 @@ class LLM(TensorParallelRanks):
     # -- the request-level API (the server's) ------------------------------------------------
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against the vocabulary."""
+        """What SamplingParams cannot check alone: token ids against the vocabulary; a
+        structured output under tensor parallelism (the other ranks hold no tokenizer to
+        run its grammar)."""
+        if params.structured_outputs is not None and self.tp is not None \
+                and self.tp.group.size > 1:
+            raise ValueError("structured outputs (response_format, tool_choice required or "
+                             "named) are not supported with --tensor-parallel-size > 1 yet")
         V = self.model_config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= V]
         if bad:

@@ -18,6 +18,7 @@ so the mirrors never schedule, allocate or hash anything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +105,13 @@ class MirrorScheduler(Scheduler):
     """A rank other than 0: the plans rank 0 sends, applied to copies of its sequences.
     `incoming` is set by the rank's loop (engine/tp_worker.py) before each step."""
 
-    def __init__(self, *args, rank: int, device: torch.device, **kwargs) -> None:
+    def __init__(self, *args, rank: int, device: torch.device,
+                 prepare: Callable[[Sequence], None] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rank, self.device = rank, device
+        # The engine's per-sequence device state (the logits adjustments' token counts),
+        # built for a new copy as rank 0's engine built it at admission.
+        self.prepare = prepare
         self.incoming: StepMessage | None = None
         self.spec: SpecConfig | None = None
         self.seqs: dict[str, Sequence] = {}
@@ -155,6 +160,8 @@ class MirrorScheduler(Scheduler):
             gen.set_state(new.generator)
         seq = Sequence(seq_id, list(new.prompt_ids), new.params, gen)
         seq.output_ids = list(new.output_ids)
+        if self.prepare is not None:
+            self.prepare(seq)
         self.seqs[seq_id] = seq
         return seq
 
