@@ -31,8 +31,11 @@ demo: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks recipes
 
+# Two workers (CI's 2 cores), a file to one worker so module fixtures are built once.
+# One process: make test PYTEST_ARGS=
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/decode.py

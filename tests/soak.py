@@ -596,9 +596,14 @@ def sampling_cases(context: int) -> list[Case]:
         ("n", 2)]]
     # Fields whose behaviour is not implemented are refused by name, never ignored.
     cases += [bad(f"chat {k}={_short(v)} refused", CHAT, chat(**{k: v}), param=k)
-              for k, v in [("response_format", {"type": "json_object"}),
-                           ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                           ("frobnicate", 1)]]
+              for k, v in [("functions", [{"name": "f"}]), ("frobnicate", 1)]]
+    cases += [bad("completions best_of=2 refused", CMPL, cmpl(best_of=2), param="best_of"),
+              bad("chat response_format of an unknown type", CHAT,
+                  chat(response_format={"type": "xml"}), param=ANY),
+              bad("chat tool_choice naming no tool", CHAT,
+                  chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                       tool_choice={"type": "function", "function": {"name": "g"}}),
+                  param=ANY)]
     cases.append(ok("completions echo with logprobs accepted", CMPL,
                     cmpl(echo=True, logprobs=1)))
     cases += [

@@ -46,9 +46,14 @@ def test_phases_plus_other_equal_wall(llm: LLM, spec) -> None:
         for _, start, dur in r.phases:
             assert prev - 1e-6 <= start and start + dur <= end + 1e-6
             prev = start + dur
-        # Unnamed time is the host read and loop overhead: ~0.1 ms a cycle. On this tiny
-        # model that is a few % of a ~1.5 ms cycle; on real models it is < 1 % (benchmarks).
-        assert r.other_ms <= 0.1 * r.wall_ms + 0.3
+    # Unnamed time is the host read and loop overhead: ~0.1 ms a cycle. On this tiny model
+    # that is a few % of a ~1.5 ms cycle; on real models it is < 1 % (benchmarks). Checked
+    # over the run and at the median cycle: one cycle the OS descheduled (a shared CPU,
+    # parallel tests) may stall anywhere, the systematic overhead may not.
+    others = sorted(r.other_ms for r in recs)
+    walls_ms = sorted(r.wall_ms for r in recs)
+    assert sum(others) <= 0.1 * sum(walls_ms) + 0.3 * len(recs)
+    assert others[len(others) // 2] <= 0.1 * walls_ms[len(recs) // 2] + 0.3
     # Cycles tile the decode period the request measured on its own clock.
     walls = sum(r.wall_ms for r in recs) / 1e3
     assert walls == pytest.approx(out.metrics.decode_s, rel=0.02, abs=2e-3)
