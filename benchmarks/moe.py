@@ -38,6 +38,7 @@ from serving import build_engine, prompts_for, run_batch  # noqa: E402
 from shapes import SHAPES, layers  # noqa: E402
 
 from specscope.config import SamplingParams  # noqa: E402
+from specscope.engine.engine import end_profiled_cycle  # noqa: E402
 from specscope.engine.sequence import Sequence  # noqa: E402
 from specscope.kvcache.budget import parse_bytes  # noqa: E402
 from specscope.models.loader import random_model  # noqa: E402
@@ -106,16 +107,7 @@ def profiled(engine, prof: Profiler, prompt: list[int], output_len: int) -> dict
     while engine.has_work:
         prof.begin_cycle()
         outs = engine.step()
-        st = engine.last_stats
-        if st.decode_tokens == 0 and st.verify_tokens == 0:
-            prof.end_as_request_phase()
-        else:
-            acc = [o.accepted for o in outs if o.accepted is not None]
-            prof.end_cycle(sum(len(o.new_tokens) for o in outs), acc[0] if acc else None,
-                           batch=st.num_seqs, speculating=st.num_speculating,
-                           prefill_tokens=st.prefill_tokens, decode_tokens=st.decode_tokens,
-                           verify_tokens=st.verify_tokens, accepted_all=tuple(acc),
-                           experts_active=st.experts_active)
+        end_profiled_cycle(prof, engine.last_stats, outs)
         if any(o.new_tokens for o in outs):
             stamps.append(time.perf_counter())
     n = len(seq.output_ids)

@@ -70,21 +70,18 @@ SHAPES: dict[str, dict[str, Any]] = {
                          "mscale": 1.0, "mscale_all_dim": 1.0,
                          "original_max_position_embeddings": 4096},
     },
-    "kimi-k2": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-        "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
-        "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
-        "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-        "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
-        "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
-        "scoring_func": "sigmoid", "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
-        "max_position_embeddings": 131072, "tie_word_embeddings": False,
-        "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
-                         "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "original_max_position_embeddings": 4096},
-    },
+}
+
+# Kimi-K2: DeepSeek-V3's architecture, with half the heads, 384 experts in one group, one
+# dense layer, its own vocabulary and YaRN factor.
+SHAPES["kimi-k2"] = {
+    **SHAPES["deepseek-v3"], "model_type": "kimi_k2", "vocab_size": 163840,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+    "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "rope_theta": 50000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096},
 }
 
 

@@ -65,6 +65,7 @@ from specscope.kvcache.paged import (
 from specscope.parallel.launch import TPRuntime
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import (
+    LogitsAdjustment,
     make_generator,
     path_counts,
     processed_logits,
@@ -146,6 +147,20 @@ class _Verdicts:
     emitted: torch.Tensor
     path_taps: torch.Tensor
     logprobs: LogprobRows | None = None
+
+
+def end_profiled_cycle(prof: Profiler, stats: StepStats, outs: list[StepOutput]) -> None:
+    """Close the profiler's cycle of one engine step: a decode/verify cycle with the step's
+    counts, or, for a prefill-only step, a request phase (not a decode cycle)."""
+    if stats.decode_tokens == 0 and stats.verify_tokens == 0:
+        prof.end_as_request_phase()
+        return
+    spec = [o.accepted for o in outs if o.accepted is not None]
+    prof.end_cycle(sum(len(o.new_tokens) for o in outs), spec[0] if len(spec) == 1 else None,
+                   batch=stats.num_seqs, speculating=stats.num_speculating,
+                   prefill_tokens=stats.prefill_tokens, decode_tokens=stats.decode_tokens,
+                   verify_tokens=stats.verify_tokens, accepted_all=tuple(spec),
+                   experts_active=stats.experts_active)
 
 
 class Engine:
@@ -320,12 +335,15 @@ class Engine:
             return self._graph_spec(items)
         if self._graphable(items):
             return self._graph_decode(plan)
-        tree = None
+        tree = adjust = None
         if self.draft is not None:
             self._mark(Phase.DRAFT_EXTEND)
             heads = self.drafter.extend(items, spec_idx, self.scheduler)
             if spec_idx:
-                tree = self._draft_trees([items[i].seq for i in spec_idx], *heads)
+                # Built once: the draft and the verify adjust by the same state.
+                seqs = [items[i].seq for i in spec_idx]
+                adjust = adjustment(seqs, self.device)
+                tree = self._draft_trees(seqs, *heads, adjust)
         batch = self._target_batch(items, spec_idx, tree)
         prefill = any(it.num_tokens > 1 and not it.speculative for it in items)
         self._mark(Phase.VERIFY if spec_idx else Phase.PREFILL if prefill else Phase.DECODE)
@@ -339,7 +357,7 @@ class Engine:
         prompt_lps = self._prompt_logprobs(hidden[0], batch)
         verdicts = None
         if spec_idx:
-            verdicts = self._verify(items, spec_idx, tree, hidden[0, batch.tree_base:],
+            verdicts = self._verify(items, spec_idx, tree, adjust, hidden[0, batch.tree_base:],
                                     taps[0, batch.tree_base:])
         counts, emitted, logprobs = self._read(sampled, verdicts, lps, prompt_lps)
         if self.timer is not None:
@@ -468,14 +486,13 @@ class Engine:
         path_taps = taps.view(S, N, -1).gather(1, node)
         return _Verdicts(a, emitted_tokens_batch(tree.tokens, path, a, bonus), path_taps)
 
-    def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor,
-                     logits0: torch.Tensor) -> DraftTree:
+    def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor, logits0: torch.Tensor,
+                     adjust: LogitsAdjustment | None) -> DraftTree:
         """Every speculating sequence's chain or tree (the seam tests replace), its draft
         distributions adjusted as the target's will be at each node, and constrained
         sequences' draft steps masked by their grammars."""
         mask = draft_constraint([s.grammar for s in seqs], self.draft)
-        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer,
-                                  adjustment(seqs, self.device), mask)
+        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer, adjust, mask)
 
     # -- 3. the target forward ----------------------------------------------------------------
 
@@ -536,13 +553,16 @@ class Engine:
     # -- 4. sample and verify -----------------------------------------------------------------
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence],
-                 tree: DraftTree | None = None) -> torch.Tensor:
+                 tree: DraftTree | None = None, adj: LogitsAdjustment | None = None
+                 ) -> torch.Tensor:
         """The one place a batch's target logits are adjusted before sampling or verify
         (penalties, logit_bias, min_tokens; rows without any pass as they were). logits
         [B, V], one row per sequence sampling; or [S, N, V] with `tree`: node i of tree s
         adjusted for its own prefix, the sequence's tokens then the path to i (its counts,
-        and its depth for min_tokens), exactly what plain decoding uses there."""
-        adj = adjustment(seqs, self.device)
+        and its depth for min_tokens), exactly what plain decoding uses there. adj: the
+        batch's adjustment when the caller has it (a verify: the draft's), else built."""
+        if tree is None:
+            adj = adjustment(seqs, self.device)
         if adj is None:
             return logits
         if tree is None:
@@ -586,13 +606,15 @@ class Engine:
         return out
 
     def _verify(self, items: list[Scheduled], spec_idx: list[int], tree: DraftTree,
-                hidden: torch.Tensor, taps: torch.Tensor) -> _Verdicts:
+                adjust: LogitsAdjustment | None, hidden: torch.Tensor, taps: torch.Tensor
+                ) -> _Verdicts:
         """Verify every tree, commit the accepted paths, gather their taps."""
         seqs = [items[i].seq for i in spec_idx]
         S, N = len(seqs), tree.size
         raw = self.model.compute_logits(hidden).view(S, N, -1)
         # Adjusted per node by its own prefix, then masked by its path's grammar state.
-        logits = constrain_trees(self._process(raw, seqs, tree), tree.tokens, tree.parents,
+        logits = constrain_trees(self._process(raw, seqs, tree, adjust), tree.tokens,
+                                 tree.parents,
                                  [s.grammar for s in seqs])
         path, a, bonus = self._accept(seqs, tree, logits)
         self._mark(Phase.KV_COMMIT)

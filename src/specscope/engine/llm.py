@@ -48,7 +48,7 @@ from specscope.config import (
     spec_fields_from_vllm,
 )
 from specscope.draft.eagle3 import Eagle3Draft
-from specscope.engine.engine import BatchConfig, Engine, StepOutput
+from specscope.engine.engine import BatchConfig, Engine, StepOutput, end_profiled_cycle
 from specscope.engine.grammar import Grammar, GrammarCompiler
 from specscope.engine.ranks import TensorParallelRanks
 from specscope.engine.request import (
@@ -702,17 +702,7 @@ class LLM(TensorParallelRanks):
             prof.mark(Phase.DETOKENIZE)
         deltas = ready + [d for o in outs if (d := self._delta(o)) is not None]
         if prof:
-            if st.decode_tokens == 0 and st.verify_tokens == 0:
-                prof.end_as_request_phase()  # a prefill-only step is not a decode cycle
-            else:
-                tokens = sum(len(o.new_tokens) for o in outs)
-                spec = [o.accepted for o in outs if o.accepted is not None]
-                prof.end_cycle(tokens, spec[0] if len(spec) == 1 else None,
-                               batch=st.num_seqs, speculating=st.num_speculating,
-                               prefill_tokens=st.prefill_tokens,
-                               decode_tokens=st.decode_tokens,
-                               verify_tokens=st.verify_tokens, accepted_all=tuple(spec),
-                               experts_active=st.experts_active)
+            end_profiled_cycle(prof, st, outs)
         return deltas
 
     def _delta(self, o: StepOutput) -> StreamDelta | None:
