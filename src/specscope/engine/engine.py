@@ -491,7 +491,7 @@ class Engine:
         """Every speculating sequence's chain or tree (the seam tests replace), its draft
         distributions adjusted as the target's will be at each node, and constrained
         sequences' draft steps masked by their grammars."""
-        mask = draft_constraint([s.grammar for s in seqs], self.draft)
+        mask = draft_constraint([s.grammar for s in seqs], self.drafter.target_ids)
         return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer, adjust, mask)
 
     # -- 3. the target forward ----------------------------------------------------------------

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from specscope.config import StructuredOutputs
+from specscope.kvcache.paged import upload
 
 log = logging.getLogger("specscope.grammar")
 
@@ -219,7 +220,7 @@ def constrain_rows(logits: torch.Tensor, grammars: Sequence[Grammar | None]) -> 
     bits = np.empty((len(rows), grammars[rows[0]].words), np.int32)
     for j, r in enumerate(rows):
         grammars[r].fill_mask(bits[j])
-    idx = torch.tensor(rows, device=logits.device)
+    idx = upload(rows, torch.long, logits.device)
     return logits.index_copy(0, idx, _masked(logits.index_select(0, idx), bits))
 
 
@@ -231,7 +232,7 @@ def constrain_trees(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     rows = [s for s, g in enumerate(grammars) if g is not None]
     if not rows:
         return logits
-    idx = torch.tensor(rows, device=logits.device)
+    idx = upload(rows, torch.long, logits.device)
     host = torch.stack([tokens.index_select(0, idx), parents.index_select(0, idx)]).tolist()
     N = tokens.shape[1]
     bits = np.empty((len(rows), N, grammars[rows[0]].words), np.int32)
@@ -250,11 +251,11 @@ class DraftConstraint:
         self.grammars = grammars
         self.rows = [s for s, g in enumerate(grammars) if g is not None]
         self.draft_ids = draft_ids  # [Vd]: the target id of each draft-vocabulary id
+        self.idx = upload(self.rows, torch.long, draft_ids.device)  # once, not per step
 
     def __call__(self, logits: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
         S, B, _ = logits.shape
-        dev = logits.device
-        idx = torch.tensor(self.rows, device=dev)
+        dev, idx = logits.device, self.idx
         # The draft tokens so far, read to the host (the constrained rows' extra read).
         host = paths.index_select(0, idx).tolist() if paths.shape[-1] else \
             [[[] for _ in range(B)] for _ in self.rows]
@@ -270,11 +271,10 @@ class DraftConstraint:
 
 
 def draft_constraint(grammars: Sequence[Grammar | None],
-                     draft: Any) -> DraftConstraint | None:
+                     draft_ids: torch.Tensor) -> DraftConstraint | None:
     """The draft steps' mask for these sequences, or None when none is constrained (the
-    drafter then runs its unchanged, sync-free path)."""
+    drafter then runs its unchanged, sync-free path). draft_ids [Vd]: each draft token's
+    target id (DraftRunner.target_ids, built once)."""
     if all(g is None for g in grammars):
         return None
-    Vd = draft.config.draft_vocab_size
-    dev = draft.d2t.device
-    return DraftConstraint(grammars, draft.to_target(torch.arange(Vd, device=dev)))
+    return DraftConstraint(grammars, draft_ids)
