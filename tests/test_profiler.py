@@ -54,9 +54,15 @@ def test_phases_plus_other_equal_wall(llm: LLM, spec) -> None:
     walls_ms = sorted(r.wall_ms for r in recs)
     assert sum(others) <= 0.1 * sum(walls_ms) + 0.3 * len(recs)
     assert others[len(others) // 2] <= 0.1 * walls_ms[len(recs) // 2] + 0.3
-    # Cycles tile the decode period the request measured on its own clock.
+    # Cycles tile the decode period: each starts where the last ended, exactly...
+    for a, b in zip(recs, recs[1:]):
+        assert b.start_ms == pytest.approx(a.start_ms + a.wall_ms, abs=1e-6)
+    # ...and cover the period the request measured on its own clock, less the one gap between
+    # its first token (in the prefill step) and the first cycle's first mark: a few host
+    # operations, or more where a shared CPU descheduled them, hence the absolute slack.
     walls = sum(r.wall_ms for r in recs) / 1e3
-    assert walls == pytest.approx(out.metrics.decode_s, rel=0.02, abs=2e-3)
+    assert walls <= out.metrics.decode_s + 1e-3
+    assert walls == pytest.approx(out.metrics.decode_s, rel=0.02, abs=1e-2)
     s = prof.summary(prof.config)
     assert s["attributed"] >= 0.85
     assert s["tokens"] == len(out.token_ids) - 1  # the first token comes from the prefill
@@ -74,7 +80,7 @@ def test_summary_covers_every_cycle_beyond_the_kept_window(llm: LLM) -> None:
     s = prof.summary(prof.config)
     assert s["cycles"] > 7 and s["percentile_cycles"] == 7
     assert s["tokens"] == len(out.token_ids) - 1
-    assert s["wall_ms"] / 1e3 == pytest.approx(out.metrics.decode_s, rel=0.02, abs=2e-3)
+    assert s["wall_ms"] / 1e3 == pytest.approx(out.metrics.decode_s, rel=0.02, abs=1e-2)  # as above
     # every cycle emits accepted + 1 tokens; only the last can be cut short by max_tokens
     assert s["tokens"] <= s["cycles"] * s["accept_length"] <= s["tokens"] + 4
     assert sum(p["mean_ms"] for p in s["phases"].values()) * s["cycles"] == \
