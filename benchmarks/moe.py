@@ -149,6 +149,7 @@ def run(args) -> dict:
     ctx = args.prompt_len + args.output_len // 2
     floor_ms = step_bytes(model, e_decode, ctx) / args.bandwidth * 1e3
     out = {"shape": args.shape, "layers": cfg.num_layers, "dtype": args.dtype,
+           "compile": args.compile,
            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "decode": {"tok_s": 1e3 / decode_ms, "ms": decode_ms, "floor_ms": floor_ms,
                       "of_floor": floor_ms / decode_ms, "experts_per_layer": e_decode,
@@ -168,8 +169,8 @@ def run(args) -> dict:
 
 def fmt(out: dict) -> str:
     d = out["decode"]
-    lines = [f"{out['shape']} ({out['layers']} layers, {out['dtype']}, {out['device']}), "
-             f"batch 1",
+    lines = [f"{out['shape']} ({out['layers']} layers, {out['dtype']}, {out['device']}"
+             f"{', compiled' if out['compile'] else ''}), batch 1",
              f"decode {d['tok_s']:.1f} tok/s = {d['ms']:.2f} ms/step; floor {d['floor_ms']:.2f} "
              f"ms ({d['bytes'] / 1e9:.2f} GB at {d['experts_per_layer']:.1f} experts/layer): "
              f"{100 * d['of_floor']:.0f} % of the floor",
@@ -200,10 +201,11 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--kv-cache-memory", type=parse_bytes, default=None)
     ap.add_argument("--activation-reserve", type=parse_bytes, default=4 << 30)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the target")
     args = ap.parse_args()
     args.dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
     args.rates = args.spec_policy = None
-    args.max_num_batched_tokens, args.max_num_seqs, args.compile = 2048, 8, False
+    args.max_num_batched_tokens, args.max_num_seqs = 2048, 8
     torch.manual_seed(0)
     out = run(args)
     print(fmt(out))

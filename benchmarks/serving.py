@@ -162,8 +162,11 @@ def fit_policy(args, model) -> str:
     base = SpecConfig(draft="random", simulate_acceptance=args.rates)
     res = tune(llm, "random", prompts, max_tokens=96, base=base, warmup_tokens=96,
                batch_sizes=args.fit_policy, log=lambda x: print(x, file=sys.stderr))
-    flag = res.policy.flag() if res.policy is not None else res.recommendation()
-    print(f"tuner ({time.perf_counter() - t:.0f} s): {flag}", file=sys.stderr)
+    # No policy: speculation lost to plain decoding at every batch size.
+    flag = (res.policy.flag() if res.policy is not None
+            else ";".join(f"{b}:off" for b in args.fit_policy))
+    print(f"tuner ({time.perf_counter() - t:.0f} s): {flag}; {res.recommendation()}",
+          file=sys.stderr)
     del llm, res
     gc.collect()
     if torch.cuda.is_available():

@@ -203,8 +203,10 @@ def test_ttt_sdpa_equals_dense_on_cuda_at_changing_lengths():
             got[mode] = (out, [p.grad for p in draft.parameters() if p.grad is not None])
         for a, b in zip(got["dense"][0], got["sdpa"][0], strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        # Gradients by their norm: the fused backward sums many fp32 terms in another order,
+        # which moves a few near-zero elements by more than any elementwise rtol.
         for a, b in zip(got["dense"][1], got["sdpa"][1], strict=True):
-            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+            assert (a - b).norm() <= 1e-4 * b.norm() + 1e-6
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -351,3 +353,57 @@ def test_cuda_moe_decode_step_has_no_host_sync_but_its_read():
     llm.step()  # the prefill
     assert _reads_in_one_step(llm) == 1
     assert llm.engine.last_stats.experts_active == 4  # one token: exactly top_k a layer
+
+
+DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 512, "hidden_size": 128,
+    "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 3,
+    "num_attention_heads": 8, "kv_lora_rank": 64, "q_lora_rank": 96, "qk_rope_head_dim": 16,
+    "v_head_dim": 32, "qk_nope_head_dim": 32, "n_routed_experts": 32, "n_shared_experts": 1,
+    "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+    "max_position_embeddings": 1024, "routed_scaling_factor": 2.5,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+
+
+def _mla_model(dtype, device, seed=5):
+    from specscope.models.registry import config_from_hf
+
+    m = random_model(config_from_hf(DEEPSEEK), dtype, device, seed=seed)
+    with torch.no_grad():
+        for block in m.moe_blocks():
+            block.gate.weight.normal_(0, 1.0)
+    return m
+
+
+def test_cuda_mla_greedy_equals_cpu_fp32():
+    """MLA's latent cache and absorbed decode on CUDA against the CPU (grouped routing,
+    the correction bias and the Triton expert GEMM on the way)."""
+    cpu = _mla_model(torch.float32, "cpu")
+    gpu = _mla_model(torch.float32, "cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompt = list(range(3, 40))
+    assert _greedy(cpu, prompt, 32) == _greedy(gpu, prompt, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_mla_graphs_equal_eager_plain_and_speculative(dtype):
+    from specscope.config import SpecConfig
+
+    model = _mla_model(dtype, "cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = [" ".join(str(i) for i in range(5, 5 + n)) for n in (25, 3, 60, 11)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for spec in (None, SpecConfig(draft="random", num_steps=3, topk=2, num_draft_tokens=6)):
+        graphs, eager = _llm(model, spec=spec), _llm(model, spec=spec, graphs=False)
+        got = [o.token_ids for o in graphs.generate(prompts, params)]
+        assert got == [o.token_ids for o in eager.generate(prompts, params)]
+
+
+def test_cuda_mla_decode_step_has_no_host_sync_but_its_read():
+    llm = _llm(_mla_model(torch.bfloat16, "cuda"), graphs=False)
+    llm.add_request(list(range(10)), SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.step()  # the prefill
+    assert _reads_in_one_step(llm) == 1

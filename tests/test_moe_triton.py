@@ -21,6 +21,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
 
 from specscope.config import MoEConfig  # noqa: E402
+from specscope.models import moe_triton  # noqa: E402
 from specscope.models.moe import route  # noqa: E402
 from specscope.models.moe_experts import experts_looped  # noqa: E402
 from specscope.models.moe_triton import block_rows, dispatch, experts_grouped  # noqa: E402
@@ -64,12 +65,21 @@ def test_dispatch_layout(N, E, k):
         assert torch.equal(r, r.sort().values)
 
 
+@pytest.fixture(params=["sorted", "pairs"])
+def path(request, monkeypatch) -> str:
+    """Force experts_grouped's path whatever the pair count: the sorted, block-padded GEMMs
+    or the few-pairs GEMVs."""
+    monkeypatch.setattr(moe_triton, "use_pairs", lambda *a: request.param == "pairs")
+    return request.param
+
+
 @pytest.mark.parametrize(("N", "E", "k", "H", "i"), [
     (1, 8, 2, 32, 16),  # decode: one token
+    (1, 32, 8, 200, 72),  # decode at k = 8, widths past one tile and not multiples of it
     (6, 16, 4, 48, 24),  # a verify tree: widths that are not tile multiples
     (33, 4, 2, 32, 40, ),  # prefill-like: several blocks per expert
 ])
-def test_grouped_equals_looped_fp32(N, E, k, H, i):
+def test_grouped_equals_looped_fp32(N, E, k, H, i, path):
     x, ids, w, gate_up, down = _case(N, E, k, H, i, seed=N + E, skew=N > 30)
     ref = experts_looped(x, ids, w, gate_up, down)
     out = experts_grouped(*(t.to(DEV) for t in (x, ids, w, gate_up, down))).cpu()
@@ -77,7 +87,7 @@ def test_grouped_equals_looped_fp32(N, E, k, H, i):
     assert (out - ref).abs().max() <= 1e-5
 
 
-def test_grouped_bf16_close_to_fp32_reference():
+def test_grouped_bf16_close_to_fp32_reference(path):
     x, ids, w, gate_up, down = _case(9, 8, 2, 32, 32, seed=5)
     ref = experts_looped(x, ids, w, gate_up, down)
     out = experts_grouped(x.to(DEV, torch.bfloat16), ids.to(DEV), w.to(DEV),
@@ -91,7 +101,19 @@ def test_block_rows_by_batch():
     assert block_rows(8) == 16 and block_rows(16384) == 64
 
 
-def test_a_moe_model_forward_through_the_kernel(monkeypatch):
+def test_path_by_pair_count(monkeypatch):
+    """Few pairs take the two-launch pair path, more the sorted GEMMs."""
+    calls = []
+    monkeypatch.setattr(moe_triton, "experts_pairs", lambda *a: calls.append("pairs"))
+    monkeypatch.setattr(moe_triton, "dispatch", lambda *a: calls.append("sorted") or 1 / 0)
+    experts_grouped(*_case(4, 64, 8, 16, 16, seed=0))  # 32 pairs of 64 experts
+    for N, E in ((5, 64), (2, 16)):  # 40 pairs; 16 pairs but more than half the experts
+        with pytest.raises(ZeroDivisionError):
+            experts_grouped(*_case(N, E, 8, 16, 16, seed=0))
+    assert calls == ["pairs", "sorted", "sorted"]
+
+
+def test_a_moe_model_forward_through_the_kernel(monkeypatch, path):
     """A whole tiny Qwen2-MoE forward with the grouped kernel (as CUDA runs it) against the
     looped path (the CPU's)."""
     from specscope.models import moe as moe_module
@@ -103,9 +125,11 @@ def test_a_moe_model_forward_through_the_kernel(monkeypatch):
         "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32})
-    model = random_model(cfg, torch.float32, "cpu", seed=3)
-    ids = torch.randint(0, 64, (1, 13), generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(13)[None]
+    model = random_model(cfg, torch.float32, DEV, seed=3)
+    ids = torch.randint(0, 64, (1, 13), generator=torch.Generator().manual_seed(1)).to(DEV)
+    pos = torch.arange(13, device=DEV)[None]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(moe_module, "run_experts", experts_looped)
     with torch.no_grad():
         ref = model.compute_logits(model(ids, pos)[0])
         monkeypatch.setattr(moe_module, "run_experts", experts_grouped)

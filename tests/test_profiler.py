@@ -55,7 +55,7 @@ def test_phases_plus_other_equal_wall(llm: LLM, spec) -> None:
     assert sum(others) <= 0.1 * sum(walls_ms) + 0.3 * len(recs)
     assert others[len(others) // 2] <= 0.1 * walls_ms[len(recs) // 2] + 0.3
     # Cycles tile the decode period: each starts where the last ended, exactly...
-    for a, b in zip(recs, recs[1:]):
+    for a, b in zip(recs, recs[1:], strict=False):
         assert b.start_ms == pytest.approx(a.start_ms + a.wall_ms, abs=1e-6)
     # ...and cover the period the request measured on its own clock, less the one gap between
     # its first token (in the prefill step) and the first cycle's first mark: a few host

@@ -107,6 +107,20 @@ def test_mixed_batch(group: int, bs: int, d: int) -> None:
     _check(q, kc, vc, meta, d ** -0.5, tiles=build_tiles(pieces, group * hkv, hkv, DEV))
 
 
+@pytest.mark.parametrize("d", [24, 48])
+def test_head_dims_not_a_power_of_two(d: int) -> None:
+    """Head dims such as 48, 80, 192 (DeepSeek's 128 + 64) or 576 (MLA's absorbed latent plus
+    rope key) run in a power-of-two range with the padding columns masked; split key ranges
+    and their combine too."""
+    bs, hkv = 16, 2
+    W = -(-130 // bs) + 1
+    kc, vc = _cache(6 * W + 3, bs, hkv, d, torch.float32, seed=d)
+    meta, pieces = _mixed_meta(_tables(6, W, 6 * W + 3, seed=d), bs)
+    q = torch.randn(meta.num_tokens, 2 * hkv, d, device=DEV)
+    _check(q, kc, vc, meta, d ** -0.5, tiles=build_tiles(pieces, 2 * hkv, hkv, DEV))
+    _check(q, kc, vc, meta, d ** -0.5, num_splits=3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bs", [4, 16])
 def test_sliding_window(bs: int) -> None:

@@ -195,12 +195,15 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _attend(acc, m_i, l_i, q, start, stop, lo, k_end, k_ptr, v_ptr, bt_row, kvh,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T, qk_scale,
-            D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-            HAS_TREE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+            MASKED: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
+            UPCAST: tl.constexpr):
     """Online softmax over keys [start, stop), BLOCK_N a step, each key's physical block
     read from the block-table row. MASKED steps apply every row's visibility; unmasked ones
-    hold only keys all rows see (no mask arithmetic, no predicated loads)."""
-    d = tl.arange(0, D)
+    hold only keys all rows see (no mask arithmetic, no predicated loads). DP: D padded to
+    a power of two (Triton's ranges), the padding columns loaded as zeros."""
+    d = tl.arange(0, DP)
+    d_ok = d < D
     for kb in range(start, stop, BLOCK_N):
         pos = kb + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -211,9 +214,12 @@ def _attend(acc, m_i, l_i, q, start, stop, lo, k_end, k_ptr, v_ptr, bt_row, kvh,
         k_off = blk * stride_kb + (pos % BS) * stride_kt + kvh * stride_kh
         v_off = blk * stride_vb + (pos % BS) * stride_vt + kvh * stride_vh
         if MASKED:
-            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        elif DP != D:
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         else:
-            k = tl.load(k_ptr + k_off[:, None] + d[None, :])  # [BLOCK_N, D]
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :])  # [BLOCK_N, DP]
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             seen = _row_mask(pos, kv_ok, tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T,
@@ -225,7 +231,10 @@ def _attend(acc, m_i, l_i, q, start, stop, lo, k_end, k_ptr, v_ptr, bt_row, kvh,
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
-            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        elif DP != D:
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         else:
             v = tl.load(v_ptr + v_off[:, None] + d[None, :])
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
@@ -241,8 +250,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
                  max_len, chunk, qk_scale, T, W,
                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
                  stride_vb, stride_vt, stride_vh, stride_on, stride_bt, stride_tm,
-                 G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, T_PAD: tl.constexpr, HAS_TREE: tl.constexpr,
+                 G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_PAD: tl.constexpr,
+                 HAS_TREE: tl.constexpr,
                  SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One (tile, KV head, key chunk) program: flash attention of the tile's rows over the
     chunk of its key range, in three runs of key steps: masked up to the first step every
@@ -263,37 +273,38 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
     b = tl.minimum(tl.maximum(vis_min // BLOCK_N * BLOCK_N, a), k_end)
     seq = tl.load(seq_ptr + first, mask=first < end, other=0)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    row_d = row_ok[:, None] & (d < D)[None, :]
     head = kvh * G + g
     q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qn + head[:, None] * stride_qh
-                + d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+                + d[None, :], mask=row_d, other=0.0)  # [BLOCK_M, DP]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
     for phase in tl.static_range(3):
         start = k_begin if phase == 0 else (a if phase == 1 else b)
         stop = a if phase == 0 else (b if phase == 1 else k_end)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, start, stop, lo, k_end, k_ptr, v_ptr,
                                 bt_row, kvh, stride_kb, stride_kt, stride_kh, stride_vb,
                                 stride_vt, stride_vh, tok, row_ok, vis, ws, ts, tm_ptr,
-                                stride_tm, T, qk_scale, D, BS, BLOCK_N, phase != 1,
+                                stride_tm, T, qk_scale, D, DP, BS, BLOCK_N, phase != 1,
                                 HAS_TREE, PRECISION, UPCAST)
     if SPLIT:
         part = ((split * tl.num_programs(0) + tile) * tl.num_programs(1) + kvh) * BLOCK_M + r
         tl.store(part_acc_ptr + part[:, None].to(tl.int64) * D + d[None, :], acc,
-                 mask=row_ok[:, None])
+                 mask=row_d)
         tl.store(part_ml_ptr + 2 * part, m_i, mask=row_ok)
         tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=row_ok)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_on + head[:, None] * D
-                 + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_d)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tiles_ptr, num_splits, stride_on,
-                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    SPLIT_STEP: tl.constexpr):
+                    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, SPLIT_STEP: tl.constexpr):
     """Merge one tile row's per-chunk partial (max, sum, acc) into its output row. One
     program per row, SPLIT_STEP chunks a load, so the merge is a few wide loads, not a
     serial walk over the chunks (which was latency-bound at batch-1 decode)."""
@@ -303,10 +314,10 @@ def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tiles_ptr, num_splits, s
     tok = first + r // G
     ok = (tok < end) & (r < BLOCK_M // G * G)
     n_splits = tl.where(ok, num_splits, 0)  # a padding row reads and writes nothing
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
     m_run = tl.full((), float("-inf"), tl.float32)
     l_run = tl.zeros((), tl.float32)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([DP], tl.float32)
     for s0 in range(0, num_splits, SPLIT_STEP):
         s = s0 + tl.arange(0, SPLIT_STEP)
         s_ok = s < n_splits
@@ -314,7 +325,7 @@ def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tiles_ptr, num_splits, s
         m_s = tl.load(part_ml_ptr + 2 * part, mask=s_ok, other=float("-inf"))  # [STEP]
         l_s = tl.load(part_ml_ptr + 2 * part + 1, mask=s_ok, other=0.0)
         a_s = tl.load(part_acc_ptr + part[:, None].to(tl.int64) * D + d[None, :],
-                      mask=s_ok[:, None], other=0.0)  # [STEP, D]
+                      mask=s_ok[:, None] & (d < D)[None, :], other=0.0)  # [STEP, DP]
         m_new = tl.maximum(m_run, tl.max(m_s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_safe)
@@ -412,7 +423,8 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hkv
     block_m = max(16, triton.next_power_of_2(group.tokens_per_tile * G))
-    block_n, warps, stages = _kernel_config(block_m, D, k_cache.element_size())
+    DP = max(16, triton.next_power_of_2(D))  # the kernels' head range (D itself when a power of 2)
+    block_n, warps, stages = _kernel_config(block_m, DP, k_cache.element_size())
     splits, chunk = _split_plan(group.num_tiles * Hkv, meta.max_len, block_n, q.device,
                                 num_splits)
     rows = splits * group.num_tiles * Hkv * block_m
@@ -427,13 +439,13 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), bt.stride(0),
         tm.stride(0) if T else 0,
-        G=G, D=D, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
+        G=G, D=D, DP=DP, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         T_PAD=max(16, triton.next_power_of_2(max(T, 1))), HAS_TREE=T > 0, SPLIT=splits > 1,
         PRECISION=precision, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages)
     if splits > 1:
         _combine_kernel[(group.num_tiles, Hkv, block_m)](
-            out, part_acc, part_ml, group.tiles, splits, out.stride(0), G=G, D=D,
+            out, part_acc, part_ml, group.tiles, splits, out.stride(0), G=G, D=D, DP=DP,
             BLOCK_M=block_m, SPLIT_STEP=min(COMBINE_STEP, triton.next_power_of_2(splits)),
             num_warps=4)
 

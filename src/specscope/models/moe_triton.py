@@ -14,6 +14,14 @@ bucket and one device->host read:
 3. down kernel: act [P, I] times the block's expert's down -> y [P, H].
 4. Combine (torch): out[n] = sum_j w[n, j] * y[pair_row[n, j]]: a gather, not an atomic
    scatter, so the sum's order (and the result) is deterministic.
+
+A step of few pairs (decode at small batch sizes: `experts_pairs`) skips the dispatch:
+its ~20 small sort/scan/scatter launches cost more than its GEMMs there. One program per
+(pair, column tile) runs the pair's gate_up as a GEMV straight from the routing ids, one
+per (pair, column tile) its down, and a batched matmul sums each token's k outputs by
+their weights (in pick order: deterministic). Each pair reads its
+expert's rows itself, so pairs that share an expert read it again (from L2 when close):
+the sorted path wins once pairs share experts enough (PAIR_PATH_MAX_PAIRS, measured).
 """
 
 from __future__ import annotations
@@ -134,6 +142,98 @@ def _down_kernel(a_ptr, w_ptr, blk_ptr, out_ptr, H, I, E,
                  acc.to(out_ptr.dtype.element_ty), mask=cols[None, :] < H)
 
 
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, H, I, K,
+                         stride_x, stride_we, stride_wr, stride_o,
+                         BN: tl.constexpr, BK: tl.constexpr):
+    """act[p, c] = silu(x[p // K] . gate[e, c]) * (x[p // K] . up[e, c]), e = ids[p], for
+    pair p = program_id(0) and the columns c of tile program_id(1): a GEMV in fp32."""
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    x_row = x_ptr + (p // K).to(tl.int64) * stride_x
+    cols = pid_n * BN + tl.arange(0, BN)
+    w_base = w_ptr + e * stride_we
+    acc_g = tl.zeros((BN,), dtype=tl.float32)
+    acc_u = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(x_row + ks, mask=ks < H, other=0.0).to(tl.float32)  # [BK]
+        wmask = (cols[:, None] < I) & (ks[None, :] < H)
+        wg = tl.load(w_base + cols[:, None] * stride_wr + ks[None, :], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (cols[:, None] + I) * stride_wr + ks[None, :], mask=wmask,
+                     other=0.0)  # [BN, BK]: rows contiguous along K
+        acc_g += tl.sum(wg.to(tl.float32) * a[None, :], 1)
+        acc_u += tl.sum(wu.to(tl.float32) * a[None, :], 1)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(out_ptr + p.to(tl.int64) * stride_o + cols, act.to(out_ptr.dtype.element_ty),
+             mask=cols < I)
+
+
+@triton.jit
+def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, H, I,
+                      stride_a, stride_we, stride_wr, stride_o,
+                      BN: tl.constexpr, BK: tl.constexpr):
+    """y[p, c] = act[p] . down[ids[p], c] in fp32, for pair p = program_id(0) and the
+    columns c of tile program_id(1)."""
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    w_base = w_ptr + e * stride_we
+    a_row = a_ptr + p.to(tl.int64) * stride_a
+    cols = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_row + ks, mask=ks < I, other=0.0).to(tl.float32)
+        w = tl.load(w_base + cols[:, None] * stride_wr + ks[None, :],
+                    mask=(cols[:, None] < H) & (ks[None, :] < I), other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+    tl.store(out_ptr + p.to(tl.int64) * stride_o + cols, acc, mask=cols < H)
+
+
+# Up to this many token-expert pairs, and no more than half the experts, a forward runs
+# `experts_pairs` (module docstring). Measured on the H200 (benchmarks/moe_experts.py): the
+# pair path is 30 % faster for Qwen3-30B-A3B's experts at 1-4 tokens and even at 16;
+# DeepSeek-V3's win at 2-4 tokens (8-32 pairs) and lose from 8; Mixtral's 8 experts are
+# shared by any few tokens, and the sorted GEMMs win from 4 pairs.
+PAIR_PATH_MAX_PAIRS = 32
+
+
+def use_pairs(num_pairs: int, num_experts: int) -> bool:
+    return num_pairs <= min(PAIR_PATH_MAX_PAIRS, num_experts // 2)
+
+
+# (BN, BK, num_warps) of the pair kernels: bytes in flight per program are what a GEMV of
+# one row needs to stream at full bandwidth (benchmarks/moe_experts.py --sweep, H200).
+# Best on Qwen3-30B-A3B's and DeepSeek-V3's experts at 1 and 4 tokens (Mixtral's within 5 %).
+PAIR_GATE_UP_TILE = (64, 256, 8)
+PAIR_DOWN_TILE = (16, 128, 4)
+
+
+@torch.compiler.disable  # as experts_grouped
+def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """experts_grouped's contract for a few pairs: x [N, H], ids/weights [N, k], gate_up
+    [E, 2I, H], down [E, H, I] -> [N, H]. Two GEMV launches over the pairs, then each
+    token's k outputs summed by its weights in pick order (one batched matmul)."""
+    N, H = x.shape
+    k = ids.shape[1]
+    i = gate_up.shape[1] // 2
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    ids = ids.contiguous()
+    act = torch.empty(N * k, i, dtype=x.dtype, device=x.device)
+    BN, BK, warps = PAIR_GATE_UP_TILE
+    _pair_gate_up_kernel[(N * k, triton.cdiv(i, BN))](
+        x, gate_up, ids, act, H, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        act.stride(0), BN=BN, BK=_tile(H, BK), num_warps=warps)
+    y = torch.empty(N * k, H, dtype=torch.float32, device=x.device)
+    BN, BK, warps = PAIR_DOWN_TILE
+    _pair_down_kernel[(N * k, triton.cdiv(H, BN))](
+        act, down, ids, y, H, i, act.stride(0), down.stride(0), down.stride(1),
+        y.stride(0), BN=BN, BK=_tile(i, BK), num_warps=warps)
+    out = torch.bmm(weights.float()[:, None, :], y.view(N, k, H))  # [N, 1, H]
+    return out.view(N, H).to(x.dtype)
+
+
 def _tile(n: int, largest: int) -> int:
     """A power-of-two tile width in [16, largest] covering n where it can (tl.dot needs
     at least 16)."""
@@ -143,7 +243,10 @@ def _tile(n: int, largest: int) -> int:
 @torch.compiler.disable  # kernel launches with host-side grids; CUDA graphs still capture
 def experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [N, H], ids/weights [N, k], gate_up [E, 2I, H], down [E, H, I] -> [N, H]."""
+    """x [N, H], ids/weights [N, k], gate_up [E, 2I, H], down [E, H, I] -> [N, H]: the
+    pair path for few pairs (use_pairs), else the sorted, block-padded GEMMs."""
+    if use_pairs(ids.numel(), gate_up.shape[0]):
+        return experts_pairs(x, ids, weights, gate_up, down)
     N, H = x.shape
     E, two_i, _ = gate_up.shape
     i = two_i // 2
