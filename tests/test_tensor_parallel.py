@@ -181,6 +181,39 @@ def test_two_ranks_match_one_and_read_only_their_slices(tmp_path):
                 assert reads[e] == h * cfg.moe.expert_intermediate_size // 2
 
 
+@pytest.mark.parametrize("own_embed", [False, True])
+def test_sharded_draft_reads_only_its_slices(tmp_path, own_embed):
+    """--draft-tp-size N: each rank's draft, loaded from the checkpoint with tp, equals the
+    whole draft's slices, and reads exactly what it holds (its heads, its MLP columns, its
+    block of the draft vocabulary; an odd vocabulary so the blocks are uneven)."""
+    from specscope.draft.eagle3 import random_draft, shard_draft
+    from specscope.draft.formats import save_draft
+    from specscope.draft.loader import load_draft
+
+    cfg = _config("odd_vocab_bias")
+    extra = {"hidden_size": 48} if own_embed else {}  # a width of its own: own embedding
+    full = random_draft(cfg, torch.float32, "cpu", draft_vocab_size=501, seed=4, **extra)
+    d = save_draft(full, full.config, tmp_path / "draft", "sglang")
+    whole = load_draft(d, cfg)
+    held_total = 0
+    for rank in range(2):
+        tp = TPGroup(rank, 2)
+        got = load_draft(d, cfg, tp=tp)
+        want = shard_draft(whole.model, tp)
+        assert got.model.config.own_embed_tokens == own_embed
+        for (n, a), (_, b) in zip(got.model.named_parameters(), want.named_parameters(),
+                                  strict=True):
+            assert torch.equal(a, b), n
+        assert torch.equal(got.model.d2t, whole.model.d2t)
+        assert sum(got.reads.values()) == _held_elements(got.model)
+        held_total += sum(got.reads.values())
+        assert got.reads["midlayer.self_attn.q_proj.weight"] == \
+            whole.reads["midlayer.self_attn.q_proj.weight"] // 2
+    replicated = sum(p.numel() for n, p in whole.model.named_parameters()
+                     if "norm" in n or n == "fc.weight")
+    assert held_total == sum(whole.reads.values()) + replicated
+
+
 def test_shard_reads_place_fused_rows_and_columns():
     # qkv rows of a rank: q rows [2, 4) at 0, k rows [5, 6) at 2 (of a fused [q 4 | k 2 | v 2])
     shard = Shard(0, ((2, 4, 0), (5, 6, 2), (7, 8, 3)))
@@ -324,6 +357,26 @@ def test_greedy_plain_and_speculative_output_equal_one_rank(pair):
             two.set_spec(SpecConfig(**cfg, draft_tensor_parallel_size=draft_tp))
             assert _tokens(two) == want, (steps, topk, draft_tp)
     one.set_spec(None)
+    two.set_spec(None)
+
+
+def test_a_draft_checkpoint_over_two_ranks_is_lossless(pair, tmp_path):
+    """A draft from a checkpoint, replicated (each rank reads it whole) and sharded (each
+    reads its slices): greedy output equals one rank's with the same draft."""
+    from specscope.draft.eagle3 import random_draft
+    from specscope.draft.formats import save_draft
+
+    one, two = pair
+    full = random_draft(one.model_config, torch.float32, "cpu", draft_vocab_size=300, seed=9,
+                        std=0.2)
+    path = str(save_draft(full, full.config, tmp_path / "draft", "sglang"))
+    cfg = dict(draft=path, num_steps=3, topk=2, num_draft_tokens=6)
+    one.set_spec(SpecConfig(**cfg))
+    want = _tokens(one)
+    assert want == (one.set_spec(None) or _tokens(one))  # lossless on one rank too
+    for draft_tp in (1, 2):
+        two.set_spec(SpecConfig(**cfg, draft_tensor_parallel_size=draft_tp))
+        assert _tokens(two) == want, draft_tp
     two.set_spec(None)
     # Sampled, seeded: every rank draws from the same generator over the same logits.
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)

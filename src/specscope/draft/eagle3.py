@@ -381,9 +381,10 @@ class Eagle3Draft(nn.Module):
 
 
 def shard_draft(full: Eagle3Draft, tp: TPGroup) -> Eagle3Draft:
-    """The rank's shard of a whole draft (`--draft-tp-size N`): the draft is small, so every
-    rank loads it whole and keeps its slices (the target, which is not, reads only its
-    slices from the checkpoint). Not attached: call attach_target."""
+    """The rank's shard of a draft held whole in memory (a random draft, a draft being
+    trained): its slices, copied. A checkpoint loads sharded without this
+    (load_draft(..., tp=...) reads only the rank's slices). Not attached: call
+    attach_target."""
     p = next(full.parameters())
     with torch.device("meta"):
         local = Eagle3Draft(full.config, tp)

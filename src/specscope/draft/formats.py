@@ -245,6 +245,14 @@ class TensorSource:
         with safe_open(str(self.files[name]), framework="pt") as f:
             return f.get_tensor(name)
 
+    def read(self, name: str, index: tuple) -> torch.Tensor:
+        """tensor[index] (slices), reading only that part of a safetensors file (a
+        pytorch_model.bin is memory-mapped where its format allows)."""
+        if self._bin is not None:
+            return self._bin[name][index]
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_slice(name)[index]
+
 
 # -- writers ------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,9 @@ from specscope.draft.formats import (
 from specscope.draft.vocab import check_vocab_maps
 from specscope.models.loader import name_list, weight_files
 from specscope.models.safetensors_check import check_safetensors
+from specscope.parallel.group import TPGroup
+from specscope.parallel.layers import zero_padding
+from specscope.parallel.shard import param_shards, shard_reads
 
 log = logging.getLogger("specscope.draft")
 
@@ -53,6 +56,7 @@ class LoadedDraft:
     config: DraftConfig
     source_format: str  # sglang | eagle | speculators
     message: str  # the layer-id resolution, then notes on borrowed or ignored weights
+    reads: dict[str, int] = field(default_factory=dict)  # elements read, per tensor name
 
 
 def resolve_layer_ids(parsed: ParsedConfig, num_target_layers: int,
@@ -179,10 +183,12 @@ def _check_torch_file(path: Path) -> None:
 
 def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               layer_ids: list[int] | None = None) -> LoadedDraft:
+               layer_ids: list[int] | None = None, tp: TPGroup | None = None
+               ) -> LoadedDraft:
     """Read, check and load the draft at `path` for a target of `target_config`.
 
-    layer_ids: output-of-layer ids overriding whatever the checkpoint says.
+    layer_ids: output-of-layer ids overriding whatever the checkpoint says. tp: load this
+    rank's shard (`--draft-tp-size N`), reading only its slices of each tensor.
     """
     model_dir = _resolve_dir(path)
     cfg_path = model_dir / "config.json"
@@ -238,8 +244,9 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
                       source_format=fmt, layer_ids_source=ids_source,
                       layer_ids_convention=ids_conv)
     with torch.device("meta"):
-        model = Eagle3Draft(cfg)
+        model = Eagle3Draft(cfg, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
+    zero_padding(model)
 
     layout = model.checkpoint_layout()
     missing = [k for k in layout if k not in files]
@@ -272,9 +279,14 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
                          f"config and target: " + "; ".join(bad_shapes[:12]))
 
     params = dict(model.named_parameters())
+    shards = param_shards(model)
+    reads: dict[str, int] = {}
     with torch.no_grad():
         for canon, (param, row, want) in layout.items():
-            params[param][row:row + want[0]].copy_(source.get(files[canon]))
+            for src, at in shard_reads(row, want, shards.get(param)):
+                part = source.read(files[canon], src)
+                params[param][at].copy_(part)
+                reads[files[canon]] = reads.get(files[canon], 0) + part.numel()
         if d2t_name is not None:
             d2t, t2d = source.get(d2t_name), source.get(t2d_name)
             check_vocab_maps(d2t, t2d, cfg.vocab_size, cfg.draft_vocab_size)
@@ -286,7 +298,7 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
     model.eval().requires_grad_(False)
     full = ". ".join([message] + notes)
     log.info("%s", full)
-    return LoadedDraft(model=model, config=cfg, source_format=fmt, message=full)
+    return LoadedDraft(model=model, config=cfg, source_format=fmt, message=full, reads=reads)
 
 
 def _shape_hint(canon: str, cfg: DraftConfig) -> str:

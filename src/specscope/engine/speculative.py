@@ -82,12 +82,14 @@ def load_spec_draft(spec: SpecConfig, target: TargetModel, dtype: torch.dtype,
         if not spec.simulated:
             log.warning("a random draft accepts almost nothing; use --simulate-acceptance")
     else:
+        # Sharded (want > 1): each rank reads only its slices, as the target does.
         loaded = load_draft(spec.draft, target.config, dtype=dtype, device=device,
                             layer_ids=list(spec.draft_layer_ids) if spec.draft_layer_ids
-                            else None)
+                            else None, tp=tp if want > 1 else None)
         draft, msg = loaded.model, loaded.message
     if want > 1:
-        draft = shard_draft(draft, tp)
+        if spec.draft == "random":
+            draft = shard_draft(draft, tp)
         msg += f", sharded over {want} ranks"
     elif size > 1:
         msg += f", replicated on each of {size} ranks"
