@@ -1,0 +1,177 @@
+"""MoE routing in one Triton kernel (CUDA): the fast path of `route` (models/moe.py).
+
+`route` is ~20 small torch kernels (softmax or sigmoid, the bias add, the group top-2 and
+its sort, the mask, the expert sort, the gather, the renormalisation); at decode sizes
+their launches, not their work, are the router's cost. Here one launch does it all in
+registers, a block of BLOCK_T tokens per program, with exactly `route`'s semantics (route
+stays its reference, tests/test_moe_route_triton.py checks one against the other):
+
+1. a token's E logits are a [G_PAD, PER_PAD] tile (groups x experts in a group, each
+   padded to a power of two; padding is never eligible), held flat as one row of
+   G_PAD * PER_PAD positions, group-major, so positions ascend with expert ids. Without
+   grouped selection (n_group == 1, or topk_group == n_group, which keeps every group)
+   the tile is [1, next_pow2(E)];
+2. scores = softmax or sigmoid in fp32; choice = scores + bias (for the choice only);
+3. grouped: the row viewed as [G_PAD, PER_PAD]; a group's score is the sum of its two best
+   choices (its one best when it has one expert); the topk_group best groups are kept by
+   iterative max, ties to the lower group id; the other groups' choices become -inf;
+4. top_k experts by iterative max, ties to the lower expert id, best first. Each max is
+   one argmax (leftmost on ties) over an int32 key that orders like the fp32 choice and
+   has one value below -inf for "not pickable" (padding, already picked). So the experts
+   of dropped groups (choice -inf) stay selectable after every eligible one, in id order,
+   as `route`'s stable sort orders them (reachable only when topk_group * per < top_k);
+5. weights = the picked experts' scores (never the bias-shifted choice), recomputed from
+   their logits by the same ops, renormalised w / (sum + 1e-20) when norm_topk_prob,
+   times routed_scaling_factor.
+
+Static shapes, a grid from the shape alone, no host reads: CUDA-graph capturable. Not yet
+timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specscope.config import MoEConfig
+
+# Below every fp32 value's _order_key (-inf's is -2**31 + 2**23 - 1): not pickable.
+_UNAVAIL = -(2**31)
+# Scores held per program at most (BLOCK_T tokens x a token's padded tile): bounds the
+# registers a program needs. A choice, not a measurement: no GPU has timed this kernel yet.
+_MAX_TILE = 4096
+
+
+# Helpers are called once per program, never inside a loop: under Triton's CPU interpreter
+# every device-function call (tl.max and tl.sum included) re-patches triton.language, which
+# costs milliseconds; so each step below is one reduction where it can be.
+
+
+@triton.jit
+def _order_key(v):
+    """fp32 [...] -> int32 [...] in the same order, equal values equal (-0.0 is first made
+    +0.0, defensively: a choice is never -0.0), so that INT32_MIN ranks below every value,
+    -inf included: `_UNAVAIL`, the mark of what may not be picked (padding, rows past N,
+    what was picked already)."""
+    bits = (v + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negatives: larger magnitude lower
+
+
+@triton.jit
+def _group_keep(choice, G: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                PER_PAD: tl.constexpr, TOP2: tl.constexpr, UNAVAIL: tl.constexpr):
+    """choice [BT, G_PAD, PER_PAD] (-inf on padding) -> keep [BT, G_PAD, 1]: each token's
+    TOPK_GROUP best groups by the sum of their two best choices, ties to the lower group."""
+    best, first = tl.max(choice, axis=2, return_indices=True,
+                         return_indices_tie_break_left=True)  # [BT, G_PAD] each
+    score = best
+    if TOP2:
+        # Drop only the first position holding the best: a tied second best still counts,
+        # as torch.topk(2).values does.
+        j = tl.arange(0, PER_PAD)[None, None, :]
+        score = best + tl.max(tl.where(j == first[:, :, None], float("-inf"), choice), axis=2)
+    gid = tl.arange(0, G_PAD)[None, :]  # [1, G_PAD]
+    key = tl.where(gid < G, _order_key(score), UNAVAIL)  # [BT, G_PAD]
+    for _ in tl.static_range(TOPK_GROUP):
+        _, sel = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        key = tl.where(gid == sel[:, None], UNAVAIL, key)  # taken
+    return ((key == UNAVAIL) & (gid < G))[:, :, None]  # the taken real groups
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, stride_l, scale,
+                  G: tl.constexpr, PER: tl.constexpr, K: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr,
+                  PER_PAD: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
+                  NORM: tl.constexpr, UNAVAIL: tl.constexpr):
+    """Tokens [pid * BLOCK_T, +BLOCK_T): logits [N, E] (E = G * PER) -> ids [N, K] int64,
+    weights [N, K] fp32. A token's experts are one row of T = G_PAD * PER_PAD positions,
+    group-major (pos = g * PER_PAD + j), so positions ascend with expert ids."""
+    T: tl.constexpr = G_PAD * PER_PAD
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    live = (tok < N)[:, None]  # [BT, 1]
+    row = logits_ptr + tok.to(tl.int64)[:, None] * stride_l  # [BT, 1]
+    pos = tl.arange(0, T)[None, :]  # [1, T]
+    valid = (pos // PER_PAD < G) & (pos % PER_PAD < PER)  # [1, T]: a real expert
+    e = (pos // PER_PAD) * PER + pos % PER_PAD  # its id, where valid
+    x = tl.load(row + e, mask=live & valid, other=float("-inf")).to(tl.float32)  # [BT, T]
+    x = tl.where(live, x, 0.0)  # rows past N: finite (never stored), so no NaN softmax
+    if SIGMOID:
+        scores = tl.sigmoid(x)
+    else:
+        mx = tl.max(x, axis=1)[:, None]  # [BT, 1]
+        ex = tl.exp(x - mx)  # padding: exp(-inf) = 0
+        den = tl.sum(ex, axis=1)[:, None]
+        scores = ex / den
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if GROUPED:
+        keep = _group_keep(tl.reshape(choice, [BLOCK_T, G_PAD, PER_PAD]), G, TOPK_GROUP,
+                           G_PAD, PER_PAD, TOP2, UNAVAIL)  # [BT, G_PAD, 1]
+        keep = tl.reshape(tl.broadcast_to(keep, [BLOCK_T, G_PAD, PER_PAD]), [BLOCK_T, T])
+        choice = tl.where(keep, choice, float("-inf"))
+    # Dropped groups' experts are -inf, still above UNAVAIL: selectable after every
+    # eligible expert, in id order, as route()'s stable sort has them.
+    key = tl.where(live & valid, _order_key(choice), UNAVAIL)  # [BT, T]
+    kk = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
+    picked = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)  # positions, best first
+    for t in tl.static_range(K):
+        # The best available, the lowest position (= expert id) among equals.
+        _, p = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        picked = tl.where(kk == t, p[:, None], picked)
+        key = tl.where(pos == p[:, None], UNAVAIL, key)
+    ids = (picked // PER_PAD) * PER + picked % PER_PAD  # [BT, K_PAD]
+    store = live & (kk < K)
+    # The weights are the picked experts' scores: recomputed from their logits by the same
+    # ops (the same values), a gather instead of K more reductions over the row.
+    xs = tl.load(row + ids, mask=store, other=0.0).to(tl.float32)  # [BT, K_PAD]
+    w = tl.sigmoid(xs) if SIGMOID else tl.exp(xs - mx) / den
+    w = tl.where(store, w, 0.0)
+    if NORM:
+        w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)  # sigmoid sums may be ~0, as route()
+    w = w * scale
+    out = tok.to(tl.int64)[:, None] * K + kk
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=store)
+    tl.store(w_ptr + out, w, mask=store)
+
+
+@torch.compiler.disable  # as experts_grouped: a launch with a host-side grid
+def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """route()'s contract in one launch: logits [N, E] (fp32) -> ids [N, k] int64, weights
+    [N, k] fp32: the same ids, token for token, and the same weights to rounding."""
+    N, E = logits.shape
+    k = moe.top_k
+    ids = torch.empty(N, k, dtype=torch.long, device=logits.device)
+    w = torch.empty(N, k, dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return ids, w  # a grid of 0 programs is not a launch
+    grouped = moe.n_group > 1 and moe.topk_group < moe.n_group
+    G = moe.n_group if grouped else 1
+    per = E // G
+    G_PAD, PER_PAD = triton.next_power_of_2(G), triton.next_power_of_2(per)
+    BT = min(triton.next_power_of_2(N), max(1, _MAX_TILE // (G_PAD * PER_PAD)))
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    _route_kernel[(triton.cdiv(N, BT),)](
+        logits, logits if bias is None else bias, ids, w, N, logits.stride(0),
+        float(moe.routed_scaling_factor),
+        G=G, PER=per, K=k, TOPK_GROUP=moe.topk_group if grouped else 1, BLOCK_T=BT,
+        G_PAD=G_PAD, PER_PAD=PER_PAD, K_PAD=triton.next_power_of_2(k),
+        SIGMOID=moe.scoring == "sigmoid", HAS_BIAS=bias is not None, GROUPED=grouped,
+        TOP2=per >= 2, NORM=moe.norm_topk_prob, UNAVAIL=_UNAVAIL,
+        # One warp while a block is a few hundred scores (decode: every reduction stays
+        # in-warp shuffles), more for bigger blocks. Not measured yet either.
+        num_warps=_warps(BT * G_PAD * PER_PAD))
+    return ids, w
+
+
+def _warps(tile: int) -> int:
+    """Warps for a program of `tile` scores (BLOCK_T x the padded row)."""
+    return 1 if tile <= 512 else 4 if tile <= 2048 else 8

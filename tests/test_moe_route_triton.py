@@ -1,0 +1,162 @@
+"""The fused Triton routing kernel (models/moe_route_triton.py) against route().
+
+route() (models/moe.py, itself checked against a plain-Python selection in test_moe.py) is
+the reference: the kernel must give the same ids exactly, in the same order, and the same
+weights to 1e-6 relative, for every routing variant, on random logits and on crafted ties
+(which must go to the lower expert / group id). Runs the compiled kernel on CUDA when
+there is a GPU, else Triton's CPU interpreter (TRITON_INTERPRET=1, as
+tests/test_moe_triton.py); skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
+
+from specscope.config import MoEConfig  # noqa: E402
+from specscope.models import moe as moe_module  # noqa: E402
+from specscope.models.moe import Router, route  # noqa: E402
+from specscope.models.moe_route_triton import route_fused  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+def moe_cfg(**kw) -> MoEConfig:
+    base = dict(num_experts=16, top_k=4, expert_intermediate_size=8, sparse_layers=(True,))
+    return MoEConfig(**{**base, **kw})
+
+
+ROUTINGS = {
+    "mixtral": dict(num_experts=8, top_k=2),
+    "qwen2_moe": dict(num_experts=60, top_k=4, norm_topk_prob=False),  # E not a power of 2
+    "qwen3_moe": dict(num_experts=128, top_k=8),
+    "deepseek_v3": dict(num_experts=256, top_k=8, scoring="sigmoid", n_group=8, topk_group=4,
+                        correction_bias=True, routed_scaling_factor=2.5),
+    "kimi_k2": dict(num_experts=384, top_k=8, scoring="sigmoid", correction_bias=True,
+                    routed_scaling_factor=2.827),  # one group of a non power of 2
+    "groups_of_one": dict(num_experts=8, top_k=3, n_group=8, topk_group=4, scoring="sigmoid",
+                          norm_topk_prob=False, routed_scaling_factor=1.5),
+    "softmax_bias_odd_groups": dict(num_experts=36, top_k=4, n_group=3, topk_group=2,
+                                    correction_bias=True),  # 3 groups of 12: both padded
+    "every_group_kept": dict(num_experts=16, top_k=4, n_group=4, topk_group=4),
+    # Fewer eligible experts (1 group of 2) than top_k: the rest from the dropped groups.
+    "too_few_eligible": dict(num_experts=8, top_k=3, n_group=4, topk_group=1,
+                             scoring="sigmoid", correction_bias=True),
+}
+
+
+def _bias(moe: MoEConfig, g: torch.Generator) -> torch.Tensor | None:
+    # About a score gap in size, so the bias really changes the choice.
+    return torch.randn(moe.num_experts, generator=g) * 0.1 if moe.correction_bias else None
+
+
+def check(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None) -> torch.Tensor:
+    """route_fused on DEV equals route() on the CPU; returns the ids."""
+    ref_ids, ref_w = route(logits, moe, bias)
+    ids, w = route_fused(logits.to(DEV), moe, None if bias is None else bias.to(DEV))
+    assert ids.dtype == torch.long and w.dtype == torch.float32
+    assert ids.shape == w.shape == (logits.shape[0], moe.top_k)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-6, atol=0)
+    return ref_ids
+
+
+@pytest.mark.parametrize("N", [1, 7, 64])
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_random_logits(name, N):
+    moe = moe_cfg(**ROUTINGS[name])
+    g = torch.Generator().manual_seed(N)
+    check(torch.randn(N, moe.num_experts, generator=g), moe, _bias(moe, g))
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_ties_go_to_the_lower_id(name):
+    """Equal logits everywhere (every expert and every group tied): the lowest ids, in
+    order. Then logits from {0, 1, 2} (most tokens tied within and across groups), and
+    groups that are permutations of one another (every group score tied)."""
+    moe = moe_cfg(**ROUTINGS[name])
+    E, k = moe.num_experts, moe.top_k
+    bias = torch.zeros(E) if moe.correction_bias else None
+    ids = check(torch.zeros(7, E), moe, bias)
+    assert torch.equal(ids, torch.arange(k).expand(7, k))
+    g = torch.Generator().manual_seed(1)
+    levels = torch.randint(0, 3, (64, E), generator=g).float()
+    bias = None if bias is None else torch.randint(0, 2, (E,), generator=g) * 0.25
+    check(levels, moe, bias)
+    if moe.n_group > 1:
+        per = E // moe.n_group
+        one = torch.randn(per, generator=g)
+        perms = [one[torch.randperm(per, generator=g)] for _ in range(moe.n_group)]
+        ids = check(torch.cat(perms)[None], moe, None)
+        if moe.topk_group * per >= k:  # else some come from the dropped groups by design
+            assert (ids // per < moe.topk_group).all()
+
+
+def test_strided_and_bf16_inputs():
+    """Logits that are a column slice of a wider tensor (row stride != E) and a bf16 bias
+    (a model cast to bf16): route's .float() reading of both."""
+    moe = moe_cfg(**ROUTINGS["deepseek_v3"])
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(7, moe.num_experts + 5, generator=g)
+    bias = (torch.randn(moe.num_experts, generator=g) * 0.1).bfloat16()
+    ref_ids, ref_w = route(wide[:, :moe.num_experts], moe, bias)
+    ids, w = route_fused(wide.to(DEV)[:, :moe.num_experts], moe, bias.to(DEV))
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-6, atol=0)
+
+
+def test_no_tokens():
+    ids, w = route_fused(torch.zeros(0, 16, device=DEV), moe_cfg())
+    assert ids.shape == w.shape == (0, 4)
+
+
+def test_router_takes_the_kernel_on_cuda_only(monkeypatch):
+    """Router.forward routes through route_fused where the logits are on CUDA, route()
+    elsewhere; the backend is the cached import of route_fused."""
+    assert moe_module._route_backend() is route_fused
+    calls = []
+
+    def spy(*a):
+        calls.append(1)
+        return route_fused(*a)
+
+    monkeypatch.setattr(moe_module, "_route_backend", lambda: spy)
+    moe = moe_cfg(**ROUTINGS["deepseek_v3"])
+    router = Router(32, moe).to(DEV)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(0, 0.1)
+        x = torch.randn(5, 32, device=DEV)
+        ids, w = router(x)
+        logits = torch.nn.functional.linear(x, router.weight)
+        ref_ids, ref_w = route(logits.cpu(), moe, router.e_score_correction_bias.cpu())
+    assert calls == ([1] if CUDA else [])
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture():
+    """Static shapes, no host read: the launch captures into a CUDA graph and its replay
+    on new logits equals route()."""
+    moe = moe_cfg(**ROUTINGS["deepseek_v3"])
+    logits = torch.randn(8, moe.num_experts, device=DEV)
+    bias = torch.randn(moe.num_experts, device=DEV) * 0.1
+    route_fused(logits, moe, bias)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, w = route_fused(logits, moe, bias)
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    ref_ids, ref_w = route(logits, moe, bias)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=0)
