@@ -14,6 +14,7 @@ from typing import Any
 from specscope.config import ModelConfig
 from specscope.draft.eagle3 import INPUT_TO_LAYER, OUTPUT_OF_LAYER
 from specscope.draft.formats import (
+    ParsedConfig,
     TensorSource,
     canonical_name,
     detect_format,
@@ -75,18 +76,45 @@ def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None 
                         "vLLM speculators format)")]
     f = parsed.fields
     out.append(Finding("static.format", INFO, f"{fmt} format ({cfg_path})"))
+    out += _architecture(raw, fmt)
+    out += _widths(f, target)
+    ids, found = _layer_id_checks(raw, parsed, target, layer_ids)
+    out += found
+    try:
+        src = TensorSource(draft_dir)
+    except (OSError, ValueError) as e:
+        out.append(Finding("static.weights", ERROR, f"cannot read the draft weights: {e}",
+                           "the checkpoint directory needs model.safetensors (or "
+                           "pytorch_model.bin)"))
+        return out
+    names = {canonical_name(n): n for n in src.names if not is_ignored(n)}
+    out += _fc_width(src, names, target, ids)
+    out += _head_and_embedding(src, names, f)
+    out += _vocab_maps(src, names, f)
+    out += _numerics(raw, f, target)
+    out += _special_tokens(raw, target_dir)
+    return out
+
+
+def _architecture(raw: dict[str, Any], fmt: str) -> list[Finding]:
+    """The draft's decoder layer must be a Llama-style EAGLE-3 layer (llama or qwen3)."""
     archs = raw.get("architectures") or []
     # An sglang/eagle draft's layer is Llama's by its architecture, whatever model_type says
     # (SpecForge copies the target's there, e.g. kimi_k2); speculators names the layer's own.
     layer_type = (raw["transformer_layer_config"].get("model_type", "llama")
                   if fmt == "speculators" else "llama")
     if layer_type not in ("llama", "qwen3"):
-        out.append(Finding("static.architecture", ERROR,
-                           f"draft layer model_type {layer_type!r} (architectures {archs}) is "
-                           f"not a Llama-style EAGLE-3 layer",
-                           "use a LlamaForCausalLMEagle3 / Eagle3Speculator draft"))
+        return [Finding("static.architecture", ERROR,
+                        f"draft layer model_type {layer_type!r} (architectures {archs}) is "
+                        f"not a Llama-style EAGLE-3 layer",
+                        "use a LlamaForCausalLMEagle3 / Eagle3Speculator draft")]
+    return []
 
-    # Vocabulary and widths.
+
+def _widths(f: dict[str, Any], target: ModelConfig) -> list[Finding]:
+    """The vocabulary and the tap width must be the target's: otherwise the draft was made
+    for another model (or tokenizer)."""
+    out: list[Finding] = []
     if f["vocab_size"] != target.vocab_size:
         out.append(Finding("static.vocab_size", ERROR,
                            f"draft vocab_size {f['vocab_size']} != the target's "
@@ -97,8 +125,16 @@ def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None 
                            f"draft target_hidden_size {f['target_hidden_size']} != the "
                            f"target's hidden_size {target.hidden_size}",
                            "use a draft trained for this target"))
+    return out
 
-    # Layer ids.
+
+def _layer_id_checks(raw: dict[str, Any], parsed: ParsedConfig, target: ModelConfig,
+                     layer_ids: tuple[int, ...] | None
+                     ) -> tuple[tuple[int, ...] | None, list[Finding]]:
+    """(the tap ids the loader would use, or None when they are out of range; the findings
+    on them): how they were resolved, a default or an embedding tap (both suspicious), and
+    a mismatch with the ids the draft's provenance says it was trained on."""
+    out: list[Finding] = []
     ids: tuple[int, ...] | None = None
     try:
         ids, source, conv, message = resolve_layer_ids(parsed, target.num_layers, layer_ids)
@@ -121,32 +157,37 @@ def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None 
                            f"tap ids must be output-of-layer 0..{target.num_layers - 1} "
                            f"(SGLang) or input-to-layer 1..{target.num_layers} (vLLM); "
                            f"override with --draft-layer-ids"))
+    return ids, out
 
-    # Tensors.
-    try:
-        src = TensorSource(draft_dir)
-    except (OSError, ValueError) as e:
-        out.append(Finding("static.weights", ERROR, f"cannot read the draft weights: {e}",
-                           "the checkpoint directory needs model.safetensors (or "
-                           "pytorch_model.bin)"))
-        return out
-    names = {canonical_name(n): n for n in src.names if not is_ignored(n)}
+
+def _fc_width(src: TensorSource, names: dict[str, str], target: ModelConfig,
+              ids: tuple[int, ...] | None) -> list[Finding]:
+    """fc.weight must be there and take num_taps x target hidden inputs (3 taps assumed
+    when the ids are unknown); a wrong width says how many taps it was built for."""
     n_taps = len(ids) if ids else 3
     fc = names.get("fc.weight")
     if fc is None:
-        out.append(Finding("static.fc_missing", ERROR, "fc.weight is missing",
-                           "the draft checkpoint is incomplete"))
-    else:
-        shape = src.shape(fc)
-        want = n_taps * target.hidden_size
-        if len(shape) != 2 or shape[1] != want:
-            out.append(Finding("static.fc_width", ERROR,
-                               f"fc.weight has input width {shape[-1]}, but {n_taps} taps x "
-                               f"target hidden {target.hidden_size} = {want}",
-                               f"the draft was built for {shape[-1] / target.hidden_size:g} "
-                               f"taps or another hidden size: use a draft for this target, "
-                               f"or give it exactly {shape[-1] // max(1, target.hidden_size)} "
-                               f"layer ids"))
+        return [Finding("static.fc_missing", ERROR, "fc.weight is missing",
+                        "the draft checkpoint is incomplete")]
+    shape = src.shape(fc)
+    want = n_taps * target.hidden_size
+    if len(shape) != 2 or shape[1] != want:
+        return [Finding("static.fc_width", ERROR,
+                        f"fc.weight has input width {shape[-1]}, but {n_taps} taps x "
+                        f"target hidden {target.hidden_size} = {want}",
+                        f"the draft was built for {shape[-1] / target.hidden_size:g} "
+                        f"taps or another hidden size: use a draft for this target, "
+                        f"or give it exactly {shape[-1] // max(1, target.hidden_size)} "
+                        f"layer ids")]
+    return []
+
+
+def _head_and_embedding(src: TensorSource, names: dict[str, str], f: dict[str, Any]
+                        ) -> list[Finding]:
+    """The draft's own lm_head (unless draft_vocab_size is null: the target's is borrowed)
+    with the shape the config says, and its own embedding when it is narrower or wider than
+    the target (otherwise the target's is borrowed, as SGLang does)."""
+    out: list[Finding] = []
     Vd = f["draft_vocab_size"]
     head = names.get("lm_head.weight")
     if Vd is None:
@@ -172,24 +213,37 @@ def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None 
         out.append(Finding("static.embedding", INFO, "token embedding borrowed from the "
                            "target" + (" (the checkpoint's copy is ignored, as SGLang does)"
                                        if "embed_tokens.weight" in names else "")))
-    if Vd is not None and Vd < f["vocab_size"]:
-        d2t, t2d = names.get("d2t"), names.get("t2d")
-        if d2t is None or t2d is None:
-            out.append(Finding("static.vocab_map_missing", ERROR,
-                               f"draft_vocab_size {Vd} < vocab_size {f['vocab_size']} but "
-                               f"{'d2t' if d2t is None else 't2d'} is missing",
-                               "re-export the draft with its d2t/t2d maps"))
-        else:
-            try:
-                check_vocab_maps(src.get(d2t), src.get(t2d), f["vocab_size"], Vd)
-            except ValueError as e:
-                out.append(Finding("static.vocab_map", ERROR,
-                                   f"vocabulary map broken: {e}; draft tokens would be "
-                                   f"mapped to the wrong target tokens",
-                                   "rebuild d2t from the draft vocabulary (ascending target "
-                                   "ids): d2t[i] = id_i - i, t2d[id_i] = True"))
+    return out
 
-    # Numerics against the target.
+
+def _vocab_maps(src: TensorSource, names: dict[str, str], f: dict[str, Any]
+                ) -> list[Finding]:
+    """A draft vocabulary smaller than the target's needs d2t/t2d, and they must be
+    consistent: a broken map sends draft tokens to the wrong target tokens."""
+    Vd = f["draft_vocab_size"]
+    if Vd is None or Vd >= f["vocab_size"]:
+        return []
+    d2t, t2d = names.get("d2t"), names.get("t2d")
+    if d2t is None or t2d is None:
+        return [Finding("static.vocab_map_missing", ERROR,
+                        f"draft_vocab_size {Vd} < vocab_size {f['vocab_size']} but "
+                        f"{'d2t' if d2t is None else 't2d'} is missing",
+                        "re-export the draft with its d2t/t2d maps")]
+    try:
+        check_vocab_maps(src.get(d2t), src.get(t2d), f["vocab_size"], Vd)
+    except ValueError as e:
+        return [Finding("static.vocab_map", ERROR,
+                        f"vocabulary map broken: {e}; draft tokens would be "
+                        f"mapped to the wrong target tokens",
+                        "rebuild d2t from the draft vocabulary (ascending target "
+                        "ids): d2t[i] = id_i - i, t2d[id_i] = True")]
+    return []
+
+
+def _numerics(raw: dict[str, Any], f: dict[str, Any], target: ModelConfig) -> list[Finding]:
+    """Numerics against the target: norm eps, rope and context length that differ from the
+    target's are warnings (a draft may be trained so); the stored dtype is noted."""
+    out: list[Finding] = []
     if abs(f["rms_norm_eps"] - target.rms_norm_eps) > 1e-12:
         out.append(Finding("static.norm_eps", WARNING,
                            f"draft rms_norm_eps {f['rms_norm_eps']} != target's "
@@ -211,7 +265,13 @@ def static_checks(draft_dir: Path, target: ModelConfig, target_dir: Path | None 
         "torch_dtype")
     out.append(Finding("static.dtype", INFO, f"draft weights stored as {dtype or 'unknown'}; "
                        "they run in the engine's dtype"))
-    # Special tokens: a draft config that names bos/eos ids must agree with the target's.
+    return out
+
+
+def _special_tokens(raw: dict[str, Any], target_dir: Path | None) -> list[Finding]:
+    """Special tokens: a draft config that names bos/eos/pad ids must agree with the
+    target's config (when the target's directory is known)."""
+    out: list[Finding] = []
     if target_dir is not None and (target_dir / "config.json").exists():
         tcfg = json.loads((target_dir / "config.json").read_text())
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -20,6 +20,7 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -198,45 +199,11 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
     tc = target_config
     fields = dict(parsed.fields)
     ids, ids_source, ids_conv, message = resolve_layer_ids(parsed, tc.num_layers, layer_ids)
+    _check_fit(model_dir, fields, tc)
 
-    # Fit to the target: vocabulary and the width the taps arrive with.
-    errors = []
-    if fields["vocab_size"] != tc.vocab_size:
-        errors.append(f"vocab_size {fields['vocab_size']} != the target's {tc.vocab_size}")
-    if fields["target_hidden_size"] != tc.hidden_size:
-        errors.append(f"target_hidden_size {fields['target_hidden_size']} != the target's "
-                      f"hidden_size {tc.hidden_size} (fc input width)")
-    if errors:
-        raise ValueError(f"draft {model_dir} does not fit the target {tc.name or ''}: "
-                         + "; ".join(errors))
-
-    # Map checkpoint names to canonical ones; d2t/t2d and ignorable tensors aside.
     source = TensorSource(model_dir)
-    files: dict[str, str] = {}  # canonical -> name in the checkpoint
-    dupes = []
-    for name in source.names:
-        if is_ignored(name):
-            continue
-        canon = canonical_name(name)
-        if canon in files:
-            dupes.append(" and ".join(sorted((files[canon], name))))
-        files[canon] = name
-    if dupes:
-        raise ValueError(f"draft checkpoint {model_dir} holds the same tensor twice: "
-                         + "; ".join(dupes))
-
-    notes = []
-    has_lm_head = fields["draft_vocab_size"] is not None
-    if not has_lm_head:  # SGLang: draft_vocab_size null -> the target's lm_head, always
-        fields["draft_vocab_size"] = tc.vocab_size
-        notes.append("lm_head borrowed from the target (draft_vocab_size is null)")
-        if files.pop("lm_head.weight", None):
-            notes.append("the checkpoint's lm_head.weight is ignored, as SGLang does")
-    own_embed = fields["hidden_size"] != fields["target_hidden_size"]
-    if not own_embed and files.pop("embed_tokens.weight", None):
-        # SGLang replaces a draft's embedding with the target's whenever the widths match.
-        notes.append("the checkpoint's embed_tokens.weight is ignored: the draft uses the "
-                     "target's embedding, as SGLang does")
+    files = _canonical_files(model_dir, source)
+    has_lm_head, own_embed, notes = _drop_borrowed(fields, files, tc)
     d2t_name, t2d_name = files.pop("d2t", None), files.pop("t2d", None)
 
     cfg = DraftConfig(**fields, target_num_layers=tc.num_layers, aux_layer_ids=ids,
@@ -249,6 +216,79 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
     zero_padding(model)
 
     layout = model.checkpoint_layout()
+    _check_names(model_dir, fmt, cfg, layout, files, d2t_name, t2d_name)
+    _check_shapes(model_dir, cfg, layout, files, source)
+    reads = _copy_weights(model, layout, files, source, d2t_name, t2d_name)
+    model.eval().requires_grad_(False)
+    full = ". ".join([message] + notes)
+    log.info("%s", full)
+    return LoadedDraft(model=model, config=cfg, source_format=fmt, message=full, reads=reads)
+
+
+# Eagle3Draft.checkpoint_layout: canonical tensor name -> (parameter name, first row in it,
+# the tensor's shape in the checkpoint).
+_Layout = dict[str, tuple[str, int, tuple[int, ...]]]
+
+
+def _check_fit(model_dir: Path, fields: dict[str, Any], tc: ModelConfig) -> None:
+    """The draft fits the target: the same vocabulary, and taps as wide as the target's
+    hidden size (the fc input). Checked from the config, before any tensor is read."""
+    errors = []
+    if fields["vocab_size"] != tc.vocab_size:
+        errors.append(f"vocab_size {fields['vocab_size']} != the target's {tc.vocab_size}")
+    if fields["target_hidden_size"] != tc.hidden_size:
+        errors.append(f"target_hidden_size {fields['target_hidden_size']} != the target's "
+                      f"hidden_size {tc.hidden_size} (fc input width)")
+    if errors:
+        raise ValueError(f"draft {model_dir} does not fit the target {tc.name or ''}: "
+                         + "; ".join(errors))
+
+
+def _canonical_files(model_dir: Path, source: TensorSource) -> dict[str, str]:
+    """Canonical tensor name -> the name in the checkpoint, ignorable tensors left out. Two
+    checkpoint names for one canonical tensor (formats mixed in one file) are an error:
+    which one the draft would get is not knowable."""
+    files: dict[str, str] = {}  # canonical -> name in the checkpoint
+    dupes = []
+    for name in source.names:
+        if is_ignored(name):
+            continue
+        canon = canonical_name(name)
+        if canon in files:
+            dupes.append(" and ".join(sorted((files[canon], name))))
+        files[canon] = name
+    if dupes:
+        raise ValueError(f"draft checkpoint {model_dir} holds the same tensor twice: "
+                         + "; ".join(dupes))
+    return files
+
+
+def _drop_borrowed(fields: dict[str, Any], files: dict[str, str], tc: ModelConfig
+                   ) -> tuple[bool, bool, list[str]]:
+    """Apply SGLang's borrowing rules: a draft_vocab_size of null means the target's lm_head
+    (fields' draft_vocab_size becomes the target's vocabulary), and a draft as wide as the
+    target uses the target's embedding; a checkpoint's own copy of either is dropped from
+    `files`. Returns (has_lm_head, own_embed, notes for the load message)."""
+    notes = []
+    has_lm_head = fields["draft_vocab_size"] is not None
+    if not has_lm_head:  # SGLang: draft_vocab_size null -> the target's lm_head, always
+        fields["draft_vocab_size"] = tc.vocab_size
+        notes.append("lm_head borrowed from the target (draft_vocab_size is null)")
+        if files.pop("lm_head.weight", None):
+            notes.append("the checkpoint's lm_head.weight is ignored, as SGLang does")
+    own_embed = fields["hidden_size"] != fields["target_hidden_size"]
+    if not own_embed and files.pop("embed_tokens.weight", None):
+        # SGLang replaces a draft's embedding with the target's whenever the widths match.
+        notes.append("the checkpoint's embed_tokens.weight is ignored: the draft uses the "
+                     "target's embedding, as SGLang does")
+    return has_lm_head, own_embed, notes
+
+
+def _check_names(model_dir: Path, fmt: str, cfg: DraftConfig, layout: _Layout,
+                 files: dict[str, str], d2t_name: str | None, t2d_name: str | None) -> None:
+    """Strictness on names: every tensor the layout needs is there (the vocabulary maps too,
+    for a draft vocabulary smaller than the target's, or both or neither otherwise), and
+    nothing is left over. All of the missing and unexpected tensors are named at once."""
     missing = [k for k in layout if k not in files]
     if cfg.draft_vocab_size < cfg.vocab_size:  # a real draft vocabulary needs its maps
         missing += [n for n, have in (("d2t", d2t_name), ("t2d", t2d_name)) if have is None]
@@ -268,6 +308,11 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
         raise ValueError(f"draft checkpoint {model_dir} ({fmt} format) does not match its "
                          f"config: " + "; ".join(problems))
 
+
+def _check_shapes(model_dir: Path, cfg: DraftConfig, layout: _Layout, files: dict[str, str],
+                  source: TensorSource) -> None:
+    """Every tensor's shape (from the file header; no tensor read) is the one the draft
+    config and target imply; the first 12 misfits are named, each with what it depends on."""
     bad_shapes = []
     for canon, (_, _, want) in layout.items():
         shape = source.shape(files[canon])
@@ -278,6 +323,13 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
         raise ValueError(f"draft checkpoint {model_dir} tensor shapes do not fit the draft "
                          f"config and target: " + "; ".join(bad_shapes[:12]))
 
+
+def _copy_weights(model: Eagle3Draft, layout: _Layout, files: dict[str, str],
+                  source: TensorSource, d2t_name: str | None, t2d_name: str | None
+                  ) -> dict[str, int]:
+    """Copy the checkpoint into the (empty) model: each parameter reads only this rank's
+    slices under tensor parallelism, then the vocabulary maps, checked (identity maps when
+    the checkpoint has none). Returns the elements read per checkpoint tensor name."""
     params = dict(model.named_parameters())
     shards = param_shards(model)
     reads: dict[str, int] = {}
@@ -289,16 +341,13 @@ def load_draft(path: str | os.PathLike, target_config: ModelConfig, *,
                 reads[files[canon]] = reads.get(files[canon], 0) + part.numel()
         if d2t_name is not None:
             d2t, t2d = source.get(d2t_name), source.get(t2d_name)
-            check_vocab_maps(d2t, t2d, cfg.vocab_size, cfg.draft_vocab_size)
+            check_vocab_maps(d2t, t2d, model.config.vocab_size, model.config.draft_vocab_size)
             model.d2t.copy_(d2t.long())
             model.t2d.copy_(t2d.bool())
         else:
             model.d2t.zero_()
             model.t2d.fill_(True)
-    model.eval().requires_grad_(False)
-    full = ". ".join([message] + notes)
-    log.info("%s", full)
-    return LoadedDraft(model=model, config=cfg, source_format=fmt, message=full, reads=reads)
+    return reads
 
 
 def _shape_hint(canon: str, cfg: DraftConfig) -> str:

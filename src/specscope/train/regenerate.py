@@ -135,16 +135,52 @@ def regenerate(model: TargetModel, tokenizer: Any, conversations: list[Messages]
     chunk = chunk or batch_size * 8
     dev = model.device
     todo_all = list(range(len(conversations)))
-    generator: BatchGenerator | None = None  # built on first use: one cache for all batches
-    skipped = 0
+    answerer = _Answerer(model, tokenizer, params, batch_size, max_new_tokens, max_prompt_len)
     t0 = time.perf_counter()
-    new_tokens = 0
     for c0 in range(0, len(todo_all), chunk):
         ids = [i for i in todo_all[c0:c0 + chunk] if i not in done]
         if not ids:
             continue
+        # Per-chunk seeds: a resumed run draws what an uninterrupted one would have.
         gen = make_generator(seed * 1_000_003 + c0, dev) if not params.greedy else None
-        hist = {i: [] for i in ids}
+        finished = answerer.answer_chunk(conversations, ids, gen)
+        done.update(finished)
+        _append_chunk(out_path, finished)
+        if progress:
+            dt = time.perf_counter() - t0
+            print(f"\rregenerate: {len(done)}/{len(conversations)} conversations, "
+                  f"{answerer.new_tokens} new tokens, "
+                  f"{answerer.new_tokens / max(dt, 1e-9):.0f} tok/s",
+                  end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    if answerer.skipped:
+        log.warning("regenerate: skipped %d conversations whose prompt exceeds %d tokens",
+                    answerer.skipped, max_prompt_len)
+    return [done[i] for i in sorted(done)]
+
+
+@dataclasses.dataclass
+class _Answerer:
+    """Answers the user turns of a chunk of conversations, round by round (every
+    conversation's first user turn, then every second one, ...), in batches of similar
+    prompt length over one BatchGenerator built on first use (one KV cache for all
+    batches). Counts the conversations skipped for a too long prompt and the new tokens."""
+
+    model: TargetModel
+    tokenizer: Any
+    params: SamplingParams
+    batch_size: int
+    max_new_tokens: int
+    max_prompt_len: int
+    generator: BatchGenerator | None = None
+    skipped: int = 0
+    new_tokens: int = 0
+
+    def answer_chunk(self, conversations: list[Messages], ids: list[int],
+                     gen: torch.Generator | None) -> dict[int, Messages]:
+        """The regenerated conversations `ids` (in that order), less the skipped ones."""
+        hist: dict[int, list[str]] = {i: [] for i in ids}
         users = {}
         for i in ids:
             kept, n_user = _user_rounds(conversations[i])
@@ -152,62 +188,71 @@ def regenerate(model: TargetModel, tokenizer: Any, conversations: list[Messages]
         rounds = max(n for _, n in users.values())
         alive = set(ids)
         for r in range(rounds):
-            prompts = {}
-            for i in sorted(alive):
-                kept, n_user = users[i]
-                if r >= n_user:
-                    continue
-                # history so far + everything up to and including user turn r
-                seen = 0
-                prefix: Messages = []
-                for m in kept:
-                    if m["role"] == "user":
-                        if seen == r:
-                            prefix.append(m)
-                            break
-                        seen += 1
-                    prefix.append(m)
-                msgs = _interleave(prefix, hist[i])
-                p_ids = tokenizer.apply_chat_template(msgs)
-                if len(p_ids) > max_prompt_len:
-                    alive.discard(i)
-                    skipped += 1
-                    continue
-                prompts[i] = (msgs, p_ids)
-            order = sorted(prompts, key=lambda i: len(prompts[i][1]))
-            for b0 in range(0, len(order), batch_size):
-                rows = order[b0:b0 + batch_size]
-                if generator is None:
-                    generator = BatchGenerator(model, batch_size,
-                                               max_prompt_len + max_new_tokens)
-                outs = generator.generate([prompts[i][1] for i in rows], max_new_tokens,
-                                          params, tokenizer.eos_token_ids, gen)
-                for i, o in zip(rows, outs, strict=True):
-                    hist[i].append(tokenizer.decode(o, skip_special_tokens=True))
-                    new_tokens += len(o)
-        lines = []
-        for i in ids:
-            if i not in alive:
+            prompts = self._round_prompts(r, users, hist, alive)
+            self._answer(prompts, hist, gen)
+        return {i: _interleave(users[i][0], hist[i]) for i in ids if i in alive}
+
+    def _round_prompts(self, r: int, users: dict[int, tuple[Messages, int]],
+                       hist: dict[int, list[str]], alive: set[int]
+                       ) -> dict[int, tuple[Messages, list[int]]]:
+        """Round r's prompts, (messages, token ids) by conversation: the conversation up to
+        and including its user turn r, with the answers so far. A conversation whose prompt
+        exceeds max_prompt_len is dropped from `alive` (and counted as skipped)."""
+        prompts = {}
+        for i in sorted(alive):
+            kept, n_user = users[i]
+            if r >= n_user:
                 continue
-            kept, _ = users[i]
-            msgs = _interleave(kept, hist[i])
-            done[i] = msgs
-            lines.append(json.dumps({"id": i, "messages": msgs}, ensure_ascii=False) + "\n")
-        with out_path.open("a", encoding="utf-8") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        if progress:
-            dt = time.perf_counter() - t0
-            print(f"\rregenerate: {len(done)}/{len(conversations)} conversations, "
-                  f"{new_tokens} new tokens, {new_tokens / max(dt, 1e-9):.0f} tok/s",
-                  end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
-    if skipped:
-        log.warning("regenerate: skipped %d conversations whose prompt exceeds %d tokens",
-                    skipped, max_prompt_len)
-    return [done[i] for i in sorted(done)]
+            msgs = _interleave(_through_user_turn(kept, r), hist[i])
+            p_ids = self.tokenizer.apply_chat_template(msgs)
+            if len(p_ids) > self.max_prompt_len:
+                alive.discard(i)
+                self.skipped += 1
+                continue
+            prompts[i] = (msgs, p_ids)
+        return prompts
+
+    def _answer(self, prompts: dict[int, tuple[Messages, list[int]]],
+                hist: dict[int, list[str]], gen: torch.Generator | None) -> None:
+        """Generate an answer to every prompt, shortest first in batches of batch_size
+        (similar lengths pad least), appending each decoded answer to its history."""
+        order = sorted(prompts, key=lambda i: len(prompts[i][1]))
+        for b0 in range(0, len(order), self.batch_size):
+            rows = order[b0:b0 + self.batch_size]
+            if self.generator is None:
+                self.generator = BatchGenerator(self.model, self.batch_size,
+                                                self.max_prompt_len + self.max_new_tokens)
+            outs = self.generator.generate([prompts[i][1] for i in rows], self.max_new_tokens,
+                                           self.params, self.tokenizer.eos_token_ids, gen)
+            for i, o in zip(rows, outs, strict=True):
+                hist[i].append(self.tokenizer.decode(o, skip_special_tokens=True))
+                self.new_tokens += len(o)
+
+
+def _through_user_turn(kept: Messages, r: int) -> Messages:
+    """The messages of `kept` (a conversation without assistant turns) up to and including
+    its user turn r (counted from 0)."""
+    seen = 0
+    prefix: Messages = []
+    for m in kept:
+        if m["role"] == "user":
+            if seen == r:
+                prefix.append(m)
+                break
+            seen += 1
+        prefix.append(m)
+    return prefix
+
+
+def _append_chunk(out_path: Path, finished: dict[int, Messages]) -> None:
+    """Append the chunk's conversations, one JSON line each with its input index, fsynced:
+    a kill can leave at most a truncated last line, which read_regenerated drops."""
+    lines = [json.dumps({"id": i, "messages": msgs}, ensure_ascii=False) + "\n"
+             for i, msgs in finished.items()]
+    with out_path.open("a", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _interleave(kept: Messages, answers: list[str]) -> Messages:

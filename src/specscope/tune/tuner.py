@@ -278,6 +278,41 @@ def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | 
     return fit_cost_model(cals, plain_ms_from_summary(plain_summary), moe_shape(llm)), run_s
 
 
+def _predict(acc: AcceptanceModel, cost: CostModel, depth: int, log: Any
+             ) -> tuple[dict[Config, tuple[float, float]], float]:
+    """(tau, tok/s) predicted for every configuration up to `depth` steps (as deep as the
+    acceptance model reaches), logged with the best; returns them and the seconds taken."""
+    t = time.perf_counter()
+    preds: dict[Config, tuple[float, float]] = {}
+    configs = all_configs(min(depth, acc.depth))
+    for cfg, tau in acc.taus(configs).items():
+        preds[cfg] = (tau, cost.tok_per_s(tau, *cfg))
+    seconds = time.perf_counter() - t
+    ranked = sorted(preds, key=lambda c: -preds[c][1])
+    log(f"[tune] predicted {len(preds)} configurations ({seconds:.1f} s); best "
+        f"{ranked[0]}: tau {preds[ranked[0]][0]:.2f}, {preds[ranked[0]][1]:.1f} tok/s vs plain "
+        f"{cost.plain_tok_per_s:.1f}")
+    return preds, seconds
+
+
+def _confirm(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
+             base: SpecConfig | None, warmup_tokens: int, must: list[Config],
+             more: list[Config], budget_seconds: float | None, t_start: float, log: Any
+             ) -> list[Measured]:
+    """The confirmation runs: every `must` configuration, then the `more` ones until the
+    budget (counted from `t_start`, the tuner's start) is spent."""
+    measured: list[Measured] = []
+    for i, cfg in enumerate(must + more):
+        if i >= len(must) and budget_seconds is not None and \
+                time.perf_counter() - t_start > budget_seconds:
+            log(f"[tune] budget of {budget_seconds:.0f} s spent: confirmed {i} of "
+                f"{len(must) + len(more)}")
+            break
+        measured.append(run_config(llm, cfg, draft, prompts, params, base,
+                                   warmup_tokens)[0])
+    return measured
+
+
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          confirm: int = 1, depth: int = 10, calibration_prompts: int = 1,
          calibration_tokens: int = 48, budget_seconds: float | None = None,
@@ -324,29 +359,14 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
         f"({cal_s:.1f} s; runs, s: {', '.join(run_s)}): {cost.as_dict()}; "
         f"worst calibration residual {cost.worst_residual():.1%}")
 
-    t = time.perf_counter()
-    preds: dict[Config, tuple[float, float]] = {}
-    configs = all_configs(min(depth, acc.depth))
-    for cfg, tau in acc.taus(configs).items():
-        preds[cfg] = (tau, cost.tok_per_s(tau, *cfg))
-    timings["prediction"] = time.perf_counter() - t
-    ranked = sorted(preds, key=lambda c: -preds[c][1])
-    log(f"[tune] predicted {len(preds)} configurations ({timings['prediction']:.1f} s); best "
-        f"{ranked[0]}: tau {preds[ranked[0]][0]:.2f}, {preds[ranked[0]][1]:.1f} tok/s vs plain "
-        f"{cost.plain_tok_per_s:.1f}")
+    preds, timings["prediction"] = _predict(acc, cost, depth, log)
 
     t = time.perf_counter()
     result = TuneResult(cost=cost, acceptance=acc, predictions=preds)
     result.measured.append(plain)
     must, more = confirmation_set(preds, confirm, served)
-    for i, cfg in enumerate(must + more):
-        if i >= len(must) and budget_seconds is not None and \
-                time.perf_counter() - t_start > budget_seconds:
-            log(f"[tune] budget of {budget_seconds:.0f} s spent: confirmed {i} of "
-                f"{len(must) + len(more)}")
-            break
-        result.measured.append(run_config(llm, cfg, draft, prompts, params, base,
-                                          warmup_tokens)[0])
+    result.measured += _confirm(llm, draft, prompts, params, base, warmup_tokens, must, more,
+                                budget_seconds, t_start, log)
     timings["confirmation"] = time.perf_counter() - t
     best = pick(result.measured, preds, cost.plain_tok_per_s, tie_margin)
     result.recommended = best.config
