@@ -313,20 +313,28 @@ QWEN3_MOE = {
 }
 
 
-def _moe_model(dtype, device, seed=3):
+def _random_moe(raw, dtype, device, seed):
     from specscope.models.registry import config_from_hf
 
-    m = random_model(config_from_hf(QWEN3_MOE), dtype, device, seed=seed)
+    m = random_model(config_from_hf(raw), dtype, device, seed=seed)
     with torch.no_grad():  # a spread-out router: tokens pick different experts
         for block in m.moe_blocks():
             block.gate.weight.normal_(0, 1.0)
     return m
 
 
+def _moe_model(dtype, device, seed=3):
+    return _random_moe(QWEN3_MOE, dtype, device, seed)
+
+
 def test_cuda_moe_grouped_kernel_equals_cpu_fp32():
     """The Triton grouped expert GEMM (CUDA) against the CPU's per-expert loop."""
-    cpu = _moe_model(torch.float32, "cpu")
-    gpu = _moe_model(torch.float32, "cuda")
+    _greedy_cuda_equals_cpu(_moe_model)
+
+
+def _greedy_cuda_equals_cpu(build) -> None:
+    """The same weights (fp32, no TF32) on the CPU and on CUDA: the same greedy tokens."""
+    cpu, gpu = build(torch.float32, "cpu"), build(torch.float32, "cuda")
     gpu.load_state_dict(cpu.state_dict())
     torch.backends.cuda.matmul.allow_tf32 = False
     prompt = list(range(3, 40))
@@ -368,24 +376,13 @@ DEEPSEEK = {
 
 
 def _mla_model(dtype, device, seed=5):
-    from specscope.models.registry import config_from_hf
-
-    m = random_model(config_from_hf(DEEPSEEK), dtype, device, seed=seed)
-    with torch.no_grad():
-        for block in m.moe_blocks():
-            block.gate.weight.normal_(0, 1.0)
-    return m
+    return _random_moe(DEEPSEEK, dtype, device, seed)
 
 
 def test_cuda_mla_greedy_equals_cpu_fp32():
     """MLA's latent cache and absorbed decode on CUDA against the CPU (grouped routing,
     the correction bias and the Triton expert GEMM on the way)."""
-    cpu = _mla_model(torch.float32, "cpu")
-    gpu = _mla_model(torch.float32, "cuda")
-    gpu.load_state_dict(cpu.state_dict())
-    torch.backends.cuda.matmul.allow_tf32 = False
-    prompt = list(range(3, 40))
-    assert _greedy(cpu, prompt, 32) == _greedy(gpu, prompt, 32)
+    _greedy_cuda_equals_cpu(_mla_model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
