@@ -61,7 +61,7 @@ def shape_rows(name: str, tokens: list[int]) -> dict:
     gate_up = torch.randn(E, 2 * i, H, device=dev, dtype=dt) * 0.02
     down = torch.randn(E, H, i, device=dev, dtype=dt) * 0.02
     per_expert = 3 * i * H * 2
-    rows = []
+    rows, default_choice = [], moe_triton.use_pairs
     for N in tokens:
         g = torch.Generator(device=dev).manual_seed(N)
         ids = torch.rand(N, E, device=dev, generator=g).argsort(-1)[:, :k].contiguous()
@@ -70,12 +70,13 @@ def shape_rows(name: str, tokens: list[int]) -> dict:
         distinct = int(ids.unique().numel())
         row = {"tokens": N, "pairs": N * k, "distinct_experts": distinct,
                "bytes": distinct * per_expert}
-        for path in ("sorted", "pairs"):
+        for path in ("sorted", "pairs"):  # each path forced, whatever the pair count
             moe_triton.use_pairs = lambda *a, p=path: p == "pairs"
             args = (x, ids, w, gate_up, down)
             us = graph_us(lambda a=args: moe_triton.experts_grouped(*a))
             row[path + "_us"] = us
             row[path + "_gb_s"] = row["bytes"] / us / 1e3
+        moe_triton.use_pairs = default_choice
         rows.append(row)
     router = Router(H, moe).to(dev, dt)
     x1 = torch.randn(1, H, device=dev, dtype=dt)

@@ -33,14 +33,18 @@ def _greedy(model, prompt, n, **kw):
     return _llm(model, **kw).generate(" ".join(map(str, prompt)), params)[0].token_ids
 
 
-def test_cuda_greedy_equals_cpu_fp32():
-    cfg = ModelConfig.from_hf(TINY)
-    cpu = random_model(cfg, torch.float32, "cpu", seed=1)
-    gpu = random_model(cfg, torch.float32, "cuda", seed=1)
+def _greedy_cuda_equals_cpu(build, n: int = 32) -> None:
+    """The same weights (fp32, no TF32) on the CPU and on CUDA: the same greedy tokens."""
+    cpu, gpu = build(torch.float32, "cpu"), build(torch.float32, "cuda")
     gpu.load_state_dict(cpu.state_dict())
     torch.backends.cuda.matmul.allow_tf32 = False
     prompt = list(range(3, 40))
-    assert _greedy(cpu, prompt, 48) == _greedy(gpu, prompt, 48)
+    assert _greedy(cpu, prompt, n) == _greedy(gpu, prompt, n)
+
+
+def test_cuda_greedy_equals_cpu_fp32():
+    cfg = ModelConfig.from_hf(TINY)
+    _greedy_cuda_equals_cpu(lambda dtype, dev: random_model(cfg, dtype, dev, seed=1), 48)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -330,15 +334,6 @@ def _moe_model(dtype, device, seed=3):
 def test_cuda_moe_grouped_kernel_equals_cpu_fp32():
     """The Triton grouped expert GEMM (CUDA) against the CPU's per-expert loop."""
     _greedy_cuda_equals_cpu(_moe_model)
-
-
-def _greedy_cuda_equals_cpu(build) -> None:
-    """The same weights (fp32, no TF32) on the CPU and on CUDA: the same greedy tokens."""
-    cpu, gpu = build(torch.float32, "cpu"), build(torch.float32, "cuda")
-    gpu.load_state_dict(cpu.state_dict())
-    torch.backends.cuda.matmul.allow_tf32 = False
-    prompt = list(range(3, 40))
-    assert _greedy(cpu, prompt, 32) == _greedy(gpu, prompt, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
