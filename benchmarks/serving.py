@@ -177,9 +177,12 @@ def fit_policy(args, model) -> str:
 def long_context(args, model) -> dict:
     """Batch 1: TTFT of a long prompt, then decode tok/s at that context."""
     engine = build_engine(args, model, False, args.long_context + 256)
-    p = prompts_for(1, args.long_context, model.config.vocab_size, 7)
-    run_batch(engine, [p[0][:2048]], 4)  # warm-up
-    r = run_batch(engine, p, 129)
+    p = prompts_for(2, args.long_context, model.config.vocab_size, 7)
+    # Warm-up on another prompt of the same length (the measured one must miss the prefix
+    # cache): every KV window the measured request reaches has its graphs, and the kernels
+    # for this context are compiled, as in a server that has served long prompts before.
+    run_batch(engine, p[1:], 129)
+    r = run_batch(engine, p[:1], 129)
     decode = 128 / (r["wall_s"] - r["ttft_ms_p50"] / 1000)
     return {"context": args.long_context, "ttft_ms": r["ttft_ms_p50"],
             "decode_tok_s": decode, "tpot_ms": r["tpot_ms_p50"]}

@@ -327,6 +327,40 @@ def _fast_attend(fast, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return fast(q[0].transpose(0, 1), k_cache, v_cache, meta, scale, tiles=meta.tiles)[None]
 
 
+def paged_attend_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                     scale: float, num_heads: int, num_kv_heads: int,
+                     norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     eps: float = 0.0) -> torch.Tensor | None:
+    """paged_attend from the fused q/k/v projection's rows qkv [N, (H + 2 Hkv) D]: per-head
+    norms (`norms`: q_norm and k_norm weights), rotary by cos/sin [N, D] and the KV write
+    in one kernel (kvcache/rope_write_triton.py), then the attention kernel. Returns
+    [N, H * D], or None where this path does not apply (not CUDA, no Triton, a head dim
+    whose half is not a power of two, a cache in another dtype): the caller then runs
+    the reference (project, paged_attend)."""
+    D = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    fast, fused = _fast_backend(), _rope_write_backend()
+    if fast is None or fused is None or D & (D - 1) or D < 4 or k_cache.dtype != qkv.dtype:
+        return None
+    q = _rope_write(fused, qkv.contiguous(), cos.contiguous(), sin.contiguous(), meta.slots,
+                    k_cache, v_cache, num_heads, num_kv_heads, norms, eps)
+    return fast(q, k_cache, v_cache, meta, scale, tiles=meta.tiles)
+
+
+@torch.compiler.disable
+def _rope_write(fused, *args) -> torch.Tensor:
+    return fused(*args)
+
+
+@cache
+def _rope_write_backend():
+    try:
+        from specscope.kvcache.rope_write_triton import rope_write
+    except ImportError:
+        return None
+    return rope_write
+
+
 def fast_backend_available() -> bool:
     return _fast_backend() is not None
 

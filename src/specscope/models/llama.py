@@ -13,6 +13,7 @@ layer k, 0-based, i.e. HF's hidden_states[k + 1]).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -23,12 +24,31 @@ from specscope.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specscope.kvcache import KVCache, attention, causal_mask, write_kv
 from specscope.kvcache.attention import fold_mask
 from specscope.kvcache.budget import KVLayout
-from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend
+from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, paged_attend_qkv
 from specscope.models.registry import Family
 from specscope.models.rope import apply_rope, rope_tables
 from specscope.parallel.group import TPGroup
 from specscope.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from specscope.parallel.shard import attention_pieces, gated_mlp_pieces
+
+
+@cache
+def _fused_backend():
+    """The fused Triton kernels (models/fused_triton.py), or None without Triton. Cached:
+    the import is tried once, not per layer per step."""
+    try:
+        from specscope.models import fused_triton
+    except ImportError:
+        return None
+    return fused_triton
+
+
+def fused_kernels(x: torch.Tensor):
+    """The fused kernels where they apply to x: on CUDA, at inference (they have no
+    backward), outside torch.compile's tracing (inductor fuses the reference itself)."""
+    if not x.is_cuda or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    return _fused_backend()
 
 
 class RMSNorm(nn.Module):
@@ -40,9 +60,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = fused_kernels(x)
+        if fast is not None:
+            return fast.rms_norm(x.contiguous(), self.weight, self.eps)[0]
         # One fused op instead of pow/mean/add/rsqrt/mul: same result, fewer kernels.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of h, h) for h = residual + x: the residual add and the norm after it
+        in one kernel on CUDA."""
+        fast = fused_kernels(x)
+        if fast is not None:
+            return fast.rms_norm(x.contiguous(), self.weight, self.eps, residual.contiguous())
+        h = residual + x
+        return self(h), h
 
 
 @dataclass
@@ -163,6 +196,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        if ctx.paged is not None and ctx.ttt is None and fused_kernels(x) is not None:
+            out = self._paged_fused(x, ctx, kv)
+            if out is not None:
+                return self.o_proj(out)
         q, k, v = self.project(x, ctx.cos, ctx.sin)
         if ctx.ttt is not None:
             return self.o_proj(ctx.ttt.attend(self, q, k, v, self.scale))
@@ -175,6 +212,19 @@ class Attention(nn.Module):
             k, v = k_cache[:, :, :ctx.kv_len], v_cache[:, :, :ctx.kv_len]
         out = attention(q, k, v, ctx.mask, self.scale)  # [B, T, H*D]
         return self.o_proj(out)
+
+
+    def _paged_fused(self, x: torch.Tensor, ctx: ForwardContext,
+                     kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """A paged forward's attention from the projection rows in two launches (norms,
+        rotary and the KV write fused; then the attention kernel), or None where the
+        fused kernel does not apply (kvcache/paged.py paged_attend_qkv)."""
+        qkv = self.qkv_proj(x)[0]  # [N, (H + 2 Hkv) D]
+        norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        out = paged_attend_qkv(qkv, ctx.cos[0, 0], ctx.sin[0, 0], kv[0], kv[1], ctx.paged,
+                               self.scale, self.num_heads, self.num_kv_heads, norms, eps)
+        return None if out is None else out[None]
 
 
 class MLP(nn.Module):
@@ -196,14 +246,20 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * self.intermediate, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: one kernel on CUDA."""
+        fast = fused_kernels(gate_up)
+        if fast is not None:
+            return fast.silu_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """Under tensor parallelism: this rank's part of the output, before the all-reduce
         (and without the bias): for a caller that sums it with other parts first."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return F.linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -222,8 +278,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, kv)
-        x = self.post_attention_layernorm(h)
+        a = self.self_attn(self.input_layernorm(h), ctx, kv)
+        x, h = self.post_attention_layernorm.add(a, h)  # h + a, and its norm
         return h + (self.mlp(x, ctx) if self._mlp_context else self.mlp(x))
 
 
