@@ -34,8 +34,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     """fp32: to rounding. bf16 on CUDA: almost every element bit-equal (an fp32 reduction in
-    another order can move a rounding), none more than a bf16 step apart. Triton's CPU
-    interpreter rounds fp32 -> bf16 by truncation, not to nearest: there, a step or two
+    another order can move a rounding; seen on the H200: 2 of 1,280 rotary outputs, each a
+    sum that cancels to near zero), none more than a bf16 step of an operand apart. Triton's
+    CPU interpreter rounds fp32 -> bf16 by truncation, not to nearest: there, a step or two
     apart."""
     assert a.shape == b.shape and a.dtype == b.dtype
     a, b = a.float().cpu(), b.float().cpu()
@@ -43,7 +44,7 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     elif CUDA:
-        torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-3)
+        torch.testing.assert_close(a, b, rtol=8e-3, atol=4e-3)
         assert (a == b).float().mean() > 0.99
     else:
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=2e-2)
