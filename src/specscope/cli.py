@@ -93,7 +93,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "decode_tok_per_s": round(m.decode_tokens_per_s, 2)}))
     else:
         sys.stdout.write("\n")
-        print(f"[{llm.model_config.architecture} {llm.dtype} {llm.device} | load {load_s:.1f}s | "
+        weights = llm.quantization if llm.quantization != "none" else str(llm.dtype)
+        note = f" ({llm.config_note})" if llm.config_note else ""
+        print(f"[{llm.model_config.architecture} {weights}{note} {llm.device} | "
+              f"load {load_s:.1f}s | "
               f"prompt {m.prompt_tokens} tok | {m.completion_tokens} tok | ttft "
               f"{m.ttft_s * 1e3:.0f} ms | decode {m.decode_tokens_per_s:.1f} tok/s | "
               f"finish {final.finish_reason}]", file=sys.stderr)

