@@ -26,6 +26,7 @@ from specscope.cli_args import (
     policy_from_args,
     positive_float,
     positive_int,
+    quantization_for,
     spec_from_args,
 )
 from specscope.cli_draft import add_draft_commands
@@ -150,7 +151,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+              quantization=quantization_for(args, bool(specs)), cuda_graphs=args.cuda_graphs,
               **engine_kwargs(args),
               compile=args.compile, profile=False, spec=None)
     configs = ([None] if not args.no_baseline else []) + specs

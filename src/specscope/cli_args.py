@@ -142,6 +142,13 @@ def fail(prog: str, message: str) -> int:
 # -- flags shared by several commands -----------------------------------------------------
 
 
+def quantization_for(args: argparse.Namespace, speculative: bool) -> str:
+    """--quantization for a command that builds its engine without a draft and speculates
+    later (profile, tune, serve): "auto" cannot see the draft then, and a speculative run
+    is never faster on int4-gguf (engine/llm.py resolve_quantization), so it is "none"."""
+    return "none" if args.quantization == "auto" and speculative else args.quantization
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model dir, .gguf file or hub id (default: the embedded "
@@ -154,7 +161,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int4-gguf"],
                    help="int4-gguf: run a GGUF's Q4_0/Q4_1 weights natively as packed 4-bit "
                         "(CPU, bf16 activations) instead of dequantising them; auto: int4-gguf "
-                        "for a GGUF on a CPU without native bf16 (AVX2), else none")
+                        "for such a GGUF on the CPU when decoding plainly, dense weights when "
+                        "speculating (faster there)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the decode step eagerly on CUDA (the reference path)")
     p.add_argument("--compile", action="store_true",

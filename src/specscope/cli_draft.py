@@ -21,6 +21,7 @@ from specscope.cli_args import (
     policy_from_args,
     positive_float,
     positive_int,
+    quantization_for,
 )
 from specscope.config import SpecConfig
 
@@ -147,7 +148,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
+              quantization=quantization_for(args, True), cuda_graphs=args.cuda_graphs,
               **engine_kwargs(args),
               compile=args.compile, spec=None)
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, confirm=args.confirm,

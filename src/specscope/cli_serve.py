@@ -25,6 +25,7 @@ from specscope.cli_args import (
     port,
     positive_float,
     positive_int,
+    quantization_for,
     spec_from_args,
     tensor_parallel_size,
 )
@@ -107,8 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
                   max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-                  quantization=args.quantization, cuda_graphs=args.cuda_graphs,
-                  **engine_kwargs(args),
+                  quantization=quantization_for(args, spec is not None),
+                  cuda_graphs=args.cuda_graphs, **engine_kwargs(args),
                   compile=args.compile, spec=None, profile=args.profile,
                   profile_interval=args.profile_interval, tensor_parallel_size=tp,
                   dist_timeout=args.dist_timeout)

@@ -173,29 +173,31 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_quantization(quantization: str, model: str | None, device: torch.device,
                          dtype: str, tensor_parallel_size: int = 1,
-                         cache_dir: str | None = None) -> tuple[str, str]:
+                         cache_dir: str | None = None, speculative: bool = False
+                         ) -> tuple[str, str]:
     """(mode, why) for quantization "auto": the faster way to run this model's weights on
-    this machine, measured by CPU class (docs/cpu.md). A GGUF's Q4_0/Q4_1 linears run
-    natively as packed 4-bit where the CPU has no native bf16 (AVX2 laptops: plain decoding
-    2x fp32, a speculative cycle ~1.3x); where it has (avx512_bf16/AMX) dense bf16 is kept,
-    since the int4 kernel's cost grows with the tokens of a verify forward and the
-    speculative cycle is then slower (119.7 against 80.5 ms a cycle). Anything else (CUDA,
-    an HF checkpoint, an explicit --dtype other than bf16, tensor parallelism): none. An
-    explicit mode is returned as it is, with no reason."""
+    this CPU, as measured (docs/cpu.md). A candidate for int4-gguf is a GGUF whose layer
+    linears are Q4_0/Q4_1: plain decoding of the default model runs 1.4-1.6x faster on the
+    4-bit kernel than on dense weights, with or without native bf16. A speculative run is
+    slower on it (the kernel's cost grows with a verify's tokens), so with `speculative`
+    the weights stay dense (bf16 where the CPU computes it natively, else fp32). Anything
+    else (CUDA, an HF checkpoint, an explicit --dtype other than bf16, tensor parallelism):
+    none, no reason given. An explicit mode is returned as it is."""
     if quantization != "auto":
         return quantization, ""
     gguf = model is None or str(model).endswith(".gguf")
     if device.type != "cpu" or not gguf or dtype not in ("auto", "bf16") \
             or tensor_parallel_size != 1:
         return "none", ""
-    if cpu_has_native_bf16():
-        return "none", "auto: dense bf16, this CPU computes bf16 natively"
     from specscope.models.gguf import q4_linears
     from specscope.models.loader import resolve_model_dir
 
     if not q4_linears(resolve_model_dir(model, cache_dir)):  # converts once, then cached
         return "none", ""
-    return "int4-gguf", "auto: the GGUF's 4-bit weights natively, no native bf16 on this CPU"
+    if speculative:
+        return "none", ("auto: dense weights, speculative decoding runs faster on them than "
+                        "on the 4-bit kernel")
+    return "int4-gguf", "auto: the GGUF's 4-bit weights natively, the fastest plain decoding"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -227,7 +229,8 @@ class LLM(TensorParallelRanks):
     model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
     (SmolLM2-135M-Instruct). dtype: auto | fp32 | bf16 | fp16. device: auto | cpu | cuda.
     quantization: auto | none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on
-    CPU); auto (the default) picks by the CPU (resolve_quantization), `config_note` says what.
+    CPU); auto (the default) picks by the CPU and by whether `spec` speculates
+    (resolve_quantization); `config_note` says what it picked.
     cuda_graphs: replay plain decode and pure speculative steps as CUDA graphs per
     batch-size bucket (CUDA only).
     max_num_batched_tokens / max_num_seqs: a step's token and sequence budgets (longer
@@ -270,16 +273,16 @@ class LLM(TensorParallelRanks):
         if self.tp is not None:
             self.device = self.tp.group.device if self.device.type == "cuda" else self.device
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
+        spec = _resolve_spec(spec, speculative_config, model)
         quantization, self.config_note = resolve_quantization(
             quantization, model, self.device, self.engine_config.dtype, tensor_parallel_size,
-            cache_dir)
+            cache_dir, speculative=spec is not None)
         if quantization == "int4-gguf" and self.engine_config.dtype == "auto":
             self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
         self.quantization = quantization
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization,
                             tp=self.tp.group if self.tp is not None else None)
         self.load_stats = loaded.reads
-        spec = _resolve_spec(spec, speculative_config, model)
         tokenizer = self._rank_tokenizer(loaded.path, loaded.config, chat_template)
         self._setup(loaded.model, loaded.config, loaded.path, loaded.source, tokenizer, spec,
                     spec_policy)
