@@ -69,7 +69,7 @@ from specscope.engine.tokenizer import (
 )
 from specscope.kvcache.budget import KVLayout, activation_bytes, kv_budget
 from specscope.models.loader import load_model
-from specscope.models.packed import pack_linears
+from specscope.models.packed import pack_fp32_rows, pack_linears
 from specscope.models.registry import TargetModel
 from specscope.parallel import launch as tp_launch
 from specscope.parallel.launch import DEFAULT_DIST_TIMEOUT, TPRuntime
@@ -390,12 +390,24 @@ class LLM(TensorParallelRanks):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.engine = self._build_engine(draft, spec, policy if spec is not None else None)
+            self._pack_verify_rows(spec)
             for seq in carried:
                 self.engine.add(seq)
             self.spec, self.draft = spec, draft
             self.spec_policy = policy if spec is not None else None
             self.engine.timer = self.timer
             self._label_config()
+
+    def _pack_verify_rows(self, spec: SpecConfig | None) -> None:
+        """CPU fp32: the target's linears serve a verify's rows (num_draft_tokens, the
+        batch-1 verify) from MKL-packed weights (models/packed.py pack_fp32_rows); plain
+        decoding drops the copy. Not under torch.compile, which traces F.linear."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or \
+                self.engine_config.compile:
+            return
+        rows = spec.num_draft_tokens if spec is not None else None
+        if pack_fp32_rows(self.model, rows):
+            log.info("fp32 linears serve %d-row verify GEMMs from MKL-packed weights", rows)
 
     def _build_engine(self, draft: Eagle3Draft | None, spec: SpecConfig | None,
                       policy: SpecPolicy | None) -> Engine:

@@ -1,4 +1,5 @@
-"""bf16 linears on the CPU with weights pre-packed in oneDNN's blocked layout.
+"""Linears on the CPU with weights pre-packed: bf16 in oneDNN's blocked layout, fp32 in
+MKL's packed-GEMM layout for one row count.
 
 At batch 1 every linear is a GEMV or a thin GEMM (M = tokens in the step). `F.linear`
 on a plain [N, K] bf16 weight does not get a cached copy in oneDNN's preferred blocked
@@ -10,6 +11,15 @@ so swapping it in changes no output, no acceptance. The runner packs the target 
 step of the default model 30 -> 24 ms, a 6-token verify 36 -> 25 ms: the thin GEMMs gain
 most), the speculative decoder its draft. The price is a second copy of the linear weights.
 
+fp32 (CPUs without native bf16): a GEMM of a few rows on a plain weight re-packs the weight
+every call; measured on AVX2 kernels (2 threads, the default model's five linear shapes, one
+of each), 6 rows take 12.3 ms with F.linear and 7.1 ms on MKL-packed weights, 1 row 5.5 and
+5.2 ms. MKL's packed GEMM runs only at the row count it was packed for (any other falls back
+to F.linear), and each count is a full copy of the weights, so the runner packs the target
+for one count only: a speculative verify's tokens (num_draft_tokens), the step that is
+slowest against its bytes. These results are not bit-identical to F.linear (a different
+GEMM kernel; they differ in the last bits, as F.linear's own M = 1 and M = 6 kernels do).
+
 `PackedLinear` is an `nn.Linear` (same parameters, same state_dict names, so checkpoint
 layouts and training see nothing new) whose forward uses the packed copy when it can and
 `F.linear` — the reference path — otherwise: on other devices or dtypes, and whenever
@@ -20,6 +30,7 @@ an in-place update (load_state_dict, an optimizer step) repacks instead of going
 from __future__ import annotations
 
 import logging
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +39,7 @@ from torch import nn
 log = logging.getLogger("specscope.packed")
 
 
+@cache
 def packing_available() -> bool:
     """Whether this torch build has the oneDNN packed-linear ops and this CPU runs oneDNN's
     bf16 kernels (F.linear then takes the same kernel family, which is what makes the two
@@ -36,6 +48,17 @@ def packing_available() -> bool:
     try:
         return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") \
             and hasattr(ops, "_reorder_linear_weight") and ops._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@cache
+def mkl_packing_available() -> bool:
+    """Whether this torch build has MKL's packed fp32 GEMM ops (x86 builds)."""
+    ops = torch.ops.mkl
+    try:
+        return torch.backends.mkl.is_available() and hasattr(ops, "_mkl_linear") \
+            and hasattr(ops, "_mkl_reorder_linear_weight")
     except (AttributeError, RuntimeError):
         return False
 
@@ -59,13 +82,31 @@ class PackedLinear(nn.Linear):
         self.bias = linear.bias
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
+        self.fp32_rows: int | None = None  # the row count an fp32 MKL pack serves
+        self._mkl: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     def __getstate__(self) -> dict:
-        # The packed copy is an opaque oneDNN tensor (no storage to copy or pickle): copies
-        # and pickles drop it and repack on first use.
+        # The packed copies are opaque oneDNN tensors (no storage to copy or pickle): copies
+        # and pickles drop them and repack on first use.
         state = self.__dict__.copy()
-        state["_packed"], state["_key"] = None, None
+        state["_packed"], state["_key"], state["_mkl"] = None, None, None
         return state
+
+    def set_fp32_rows(self, rows: int | None) -> None:
+        """Serve fp32 GEMMs of exactly `rows` rows from an MKL-packed copy (None: none);
+        a copy for another count is dropped."""
+        if rows != self.fp32_rows:
+            self.fp32_rows, self._mkl = rows, None
+
+    def mkl_weight(self) -> torch.Tensor:
+        """The fp32 weight packed for fp32_rows rows, repacked when the weight changed."""
+        w = self.weight
+        key = (w.data_ptr(), _version(w), self.fp32_rows)
+        if self._mkl is None or self._mkl[0] != key:
+            with torch.no_grad():
+                self._mkl = (key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(),
+                                                                          self.fp32_rows))
+        return self._mkl[1]
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's blocked layout, repacked when the weight changed."""
@@ -80,10 +121,14 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        fast = (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == torch.bfloat16
-                and w.dtype == torch.bfloat16
+        fast = (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
-        if not fast:
+        if fast and w.dtype == torch.float32 and self.fp32_rows is not None \
+                and x.numel() == self.fp32_rows * self.in_features:
+            y = torch.ops.mkl._mkl_linear(x.reshape(self.fp32_rows, -1), self.mkl_weight(), w,
+                                          self.bias, self.fp32_rows)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if not fast or w.dtype != torch.bfloat16 or not packing_available():
             return F.linear(x, w, self.bias)
         x2 = x[None] if x.dim() == 1 else x  # the op wants [..., M, K]; a GEMV is M = 1
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight(), self.bias, "none",
@@ -138,3 +183,35 @@ def pack_linears(module: nn.Module, memory_fraction: float | None = None) -> int
                 setattr(parent, name, PackedLinear(child))
                 swapped += 1
     return swapped
+
+
+def pack_fp32_rows(module: nn.Module, rows: int | None,
+                   memory_fraction: float | None = 0.25) -> int:
+    """Serve `module`'s CPU fp32 linears' GEMMs of `rows` rows from MKL-packed copies (None:
+    drop them), swapping plain nn.Linears for PackedLinears first. A copy costs the linear
+    weights' bytes once more, so with `memory_fraction` it is made only if it takes at most
+    that share of the memory available now. Returns how many linears serve `rows`."""
+    if rows is not None and not mkl_packing_available():
+        return 0
+    lins = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            # Plain nn.Linears and PackedLinears only: a subclass (a tensor-parallel
+            # linear's all-reduce) keeps its own forward.
+            if type(child) in (nn.Linear, PackedLinear) and child.weight.device.type == "cpu" \
+                    and child.weight.dtype == torch.float32:
+                if type(child) is nn.Linear:
+                    child = PackedLinear(child)
+                    setattr(parent, name, child)
+                lins.append(child)
+    if rows is not None and memory_fraction is not None:
+        avail = available_memory_bytes()
+        need = sum(m.weight.numel() * 4 for m in {id(m.weight): m for m in lins}.values())
+        if avail is not None and need > memory_fraction * avail:
+            log.info("fp32 linears not packed for %d rows: a copy (%.1f GB) would take over "
+                     "%.0f %% of the free memory (%.1f GB)", rows, need / 1e9,
+                     100 * memory_fraction, avail / 1e9)
+            rows = None
+    for m in lins:
+        m.set_fp32_rows(rows)
+    return len(lins) if rows is not None else 0
