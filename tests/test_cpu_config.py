@@ -5,6 +5,7 @@ dtype "auto" is bf16 only where the CPU computes it natively, and the AVX2 emula
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
@@ -81,3 +82,24 @@ def test_default_model_plain_runs_int4_and_speculation_stays_lossless(specscope_
     plain = llm.generate(prompt, params)[0].token_ids
     llm.set_spec(SpecConfig(draft="default", num_steps=3))
     assert llm.generate(prompt, params)[0].token_ids == plain
+
+
+def test_the_doctor_probes_the_draft_on_dense_weights(monkeypatch):
+    """doctor builds its engine without a draft, then probes one: auto must resolve as
+    speculating (on the 4-bit weights the shipped draft's wiring probe misreads the taps)."""
+    import specscope.engine.llm as llm_mod
+    from specscope.cli import main
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(llm_mod, "LLM", fake_llm)
+    with contextlib.suppress(Stop):
+        main(["doctor", "--draft", "default", "--num-prompts", "1"])
+    assert seen["quantization"] == "none"

@@ -144,8 +144,9 @@ def fail(prog: str, message: str) -> int:
 
 def quantization_for(args: argparse.Namespace, speculative: bool) -> str:
     """--quantization for a command that builds its engine without a draft and speculates
-    later (profile, tune, serve): "auto" cannot see the draft then, and a speculative run
-    is never faster on int4-gguf (engine/llm.py resolve_quantization), so it is "none"."""
+    later or probes one (profile, tune, serve, doctor): "auto" cannot see the draft then,
+    and a speculative run is never faster on int4-gguf (engine/llm.py
+    resolve_quantization), so it is "none"."""
     return "none" if args.quantization == "auto" and speculative else args.quantization
 
 

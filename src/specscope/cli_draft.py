@@ -99,7 +99,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     prompts = doctor_prompts(args.prompts, args.num_prompts)
     llm = LLM(args.target or args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=args.quantization, cuda_graphs=args.cuda_graphs, spec=None,
+              # The draft is probed on the weights it will be served with: dense, as
+              # auto's choice for a speculating engine (cli_args.quantization_for).
+              quantization=quantization_for(args, True), cuda_graphs=args.cuda_graphs,
+              spec=None,
               **engine_kwargs(args))
     report = doctor_report(llm, args.draft, prompts, layer_ids, args.max_new_tokens)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
