@@ -11,7 +11,8 @@ import json
 import torch
 
 from specscope.config import SamplingParams, SpecConfig
-from specscope.engine.llm import LLM, cpu_has_native_bf16, resolve_quantization
+from specscope.engine.llm import LLM
+from specscope.engine.machine import cpu_has_native_bf16, resolve_quantization
 from specscope.models.gguf import q4_linears
 
 CPU = torch.device("cpu")

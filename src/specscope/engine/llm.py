@@ -27,12 +27,10 @@ import gc
 import itertools
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,12 +42,17 @@ from specscope.config import (
     SamplingParams,
     SpecConfig,
     SpecPolicy,
-    normalize_dtype,
     spec_fields_from_vllm,
 )
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput, end_profiled_cycle
 from specscope.engine.grammar import Grammar, GrammarCompiler
+from specscope.engine.machine import (  # noqa: F401  (re-exported: the engine's API)
+    cpu_has_native_bf16,
+    resolve_device,
+    resolve_dtype,
+    resolve_quantization,
+)
 from specscope.engine.ranks import TensorParallelRanks
 from specscope.engine.request import (
     Request,
@@ -138,74 +141,6 @@ class StreamDelta:
     logprobs: SampleLogprobs | None = None  # the entries of the tokens this delta kept
     # With SamplingParams.prompt_logprobs: on the request's first delta (RequestOutput's).
     prompt_logprobs: list | None = None
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"invalid device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but torch sees no CUDA device "
-                         "(CPU build of torch, or no GPU); use --device cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (x86 avx512_bf16 or AMX). There bf16
-    halves the weight bytes a decode step streams and oneDNN's bf16 kernels keep the small-M
-    verify GEMMs efficient; elsewhere bf16 is emulated and slower than fp32. Kernels held to
-    AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2: how an AVX2 laptop is emulated)
-    count as no native bf16, whatever the CPU's flags."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or \
-            os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith(("AVX2", "SSE")):
-        return False
-    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
-
-
-def resolve_quantization(quantization: str, model: str | None, device: torch.device,
-                         dtype: str, tensor_parallel_size: int = 1,
-                         cache_dir: str | None = None, speculative: bool = False
-                         ) -> tuple[str, str]:
-    """(mode, why) for quantization "auto": the faster way to run this model's weights on
-    this CPU, as measured (docs/cpu.md). A candidate for int4-gguf is a GGUF whose layer
-    linears are Q4_0/Q4_1: plain decoding of the default model runs 1.4-1.6x faster on the
-    4-bit kernel than on dense weights, with or without native bf16. A speculative run is
-    slower on it (the kernel's cost grows with a verify's tokens), so with `speculative`
-    the weights stay dense (bf16 where the CPU computes it natively, else fp32). Anything
-    else (CUDA, an HF checkpoint, an explicit --dtype other than bf16, tensor parallelism):
-    none, no reason given. An explicit mode is returned as it is."""
-    if quantization != "auto":
-        return quantization, ""
-    gguf = model is None or str(model).endswith(".gguf")
-    if device.type != "cpu" or not gguf or dtype not in ("auto", "bf16") \
-            or tensor_parallel_size != 1:
-        return "none", ""
-    from specscope.models.gguf import q4_linears
-    from specscope.models.loader import resolve_model_dir
-
-    if not q4_linears(resolve_model_dir(model, cache_dir)):  # converts once, then cached
-        return "none", ""
-    if speculative:
-        return "none", ("auto: dense weights, speculative decoding runs faster on them than "
-                        "on the 4-bit kernel")
-    return "int4-gguf", "auto: the GGUF's 4-bit weights natively, the fastest plain decoding"
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        if device.type == "cuda" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    return getattr(torch, normalize_dtype(dtype))
 
 
 def _resolve_spec(spec: SpecConfig | None | str, speculative_config: dict | None,
