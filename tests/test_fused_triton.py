@@ -10,25 +10,16 @@ CPU interpreter; skipped where triton is not installed.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_env import CUDA, DEV  # noqa: F401  (imported first: it skips without triton)
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
+from specscope.kvcache.rope_write_triton import rope_write
+from specscope.models.fused_triton import rms_norm, silu_mul
+from specscope.models.llama import RMSNorm
+from specscope.models.rope import apply_rope, rope_tables
 
-from specscope.kvcache.rope_write_triton import rope_write  # noqa: E402
-from specscope.models.fused_triton import rms_norm, silu_mul  # noqa: E402
-from specscope.models.llama import RMSNorm  # noqa: E402
-from specscope.models.rope import apply_rope, rope_tables  # noqa: E402
-
-DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -10,24 +10,14 @@ tests/test_moe_triton.py); skipped where triton is not installed.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from triton_env import CUDA, DEV  # noqa: F401  (imported first: it skips without triton)
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
-
-from specscope.config import MoEConfig  # noqa: E402
-from specscope.models import moe as moe_module  # noqa: E402
-from specscope.models.moe import Router, route  # noqa: E402
-from specscope.models.moe_route_triton import route_fused  # noqa: E402
-
-DEV = torch.device("cuda" if CUDA else "cpu")
+from specscope.config import MoEConfig
+from specscope.models import moe as moe_module
+from specscope.models.moe import Router, route
+from specscope.models.moe_route_triton import route_fused
 
 
 def moe_cfg(**kw) -> MoEConfig:

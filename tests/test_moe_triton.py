@@ -8,25 +8,15 @@ block, padding rows empty, within the static bound.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from triton_env import CUDA, DEV  # noqa: F401  (imported first: it skips without triton)
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
-
-from specscope.config import MoEConfig  # noqa: E402
-from specscope.models import moe_triton  # noqa: E402
-from specscope.models.moe import route  # noqa: E402
-from specscope.models.moe_experts import experts_looped  # noqa: E402
-from specscope.models.moe_triton import block_rows, dispatch, experts_grouped  # noqa: E402
-
-DEV = torch.device("cuda" if CUDA else "cpu")
+from specscope.config import MoEConfig
+from specscope.models import moe_triton
+from specscope.models.moe import route
+from specscope.models.moe_experts import experts_looped
+from specscope.models.moe_triton import block_rows, dispatch, experts_grouped
 
 
 def _case(N: int, E: int, k: int, H: int, i: int, seed: int, skew: bool = False):

@@ -41,6 +41,8 @@ def test_rows_served_packed_and_others_by_the_reference():
     assert torch.equal(got1, want1)  # another row count: F.linear itself
     assert pack_fp32_rows(m, None) == 0
     assert m.a.fp32_rows is None and m.a._mkl is None
+    plain = Block()
+    assert pack_fp32_rows(plain, None) == 0 and type(plain.a) is nn.Linear  # none to drop
 
 
 def test_a_new_row_count_replaces_the_copy_and_weights_repack():
@@ -77,7 +79,8 @@ def test_the_memory_share_is_respected(monkeypatch):
 
     monkeypatch.setattr(packed, "available_memory_bytes", lambda: 1000)
     m = nn.Sequential(nn.Linear(64, 64))
-    assert pack_fp32_rows(m, 6) == 0 and m[0].fp32_rows is None
+    assert pack_fp32_rows(m, 6) == 0
+    assert type(m[0]) is nn.Linear  # nothing packed, nothing swapped
 
 
 def test_greedy_speculation_on_a_packed_fp32_target_equals_plain(tiny_model_dir):

@@ -8,23 +8,13 @@ on the same inputs, by relative norm, on fresh random data and shuffled block ta
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from triton_env import CUDA, DEV  # noqa: F401  (imported first: it skips without triton)
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Read when triton is first imported (conftest.py sets it before any test module can:
-    # torch.compile imports triton too); here for a run of this file alone.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from specscope.kvcache import triton_attention  # noqa: E402
-from specscope.kvcache.paged import BatchMeta, attention_reference, tree_meta  # noqa: E402
-from specscope.kvcache.triton_attention import (  # noqa: E402
+from specscope.kvcache import triton_attention
+from specscope.kvcache.paged import BatchMeta, attention_reference, tree_meta
+from specscope.kvcache.triton_attention import (
     TilePlan,
     _split_plan,
     build_tiles,
@@ -32,7 +22,6 @@ from specscope.kvcache.triton_attention import (  # noqa: E402
     plan_tiles,
 )
 
-DEV = torch.device("cuda" if CUDA else "cpu")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
 
 

@@ -213,7 +213,6 @@ class Attention(nn.Module):
         out = attention(q, k, v, ctx.mask, self.scale)  # [B, T, H*D]
         return self.o_proj(out)
 
-
     def _paged_fused(self, x: torch.Tensor, ctx: ForwardContext,
                      kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         """A paged forward's attention from the projection rows in two launches (norms,

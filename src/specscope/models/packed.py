@@ -148,16 +148,35 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def packable_bytes(module: nn.Module) -> int:
-    """Bytes a packed copy of `module`'s CPU bf16 linears would add (shared weights once)."""
-    seen: set[int] = set()
-    total = 0
-    for m in module.modules():
-        if type(m) is nn.Linear and m.weight.device.type == "cpu" and \
-                m.weight.dtype == torch.bfloat16 and m.weight.data_ptr() not in seen:
-            seen.add(m.weight.data_ptr())
-            total += m.weight.numel() * m.weight.element_size()
-    return total
+def _cpu_linears(module: nn.Module, dtype: torch.dtype) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, linear) for every plain nn.Linear or PackedLinear under `module` whose
+    weight is `dtype` on the CPU. A subclass (a tensor-parallel linear's all-reduce) keeps
+    its own forward and is left out."""
+    return [(parent, name, child) for parent in module.modules()
+            for name, child in parent.named_children()
+            if type(child) in (nn.Linear, PackedLinear) and child.weight.device.type == "cpu"
+            and child.weight.dtype == dtype]
+
+
+def packable_bytes(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes a packed copy of `module`'s CPU `dtype` linears would add (shared weights
+    once)."""
+    weights = {m.weight.data_ptr(): m.weight for _, _, m in _cpu_linears(module, dtype)}
+    return sum(w.numel() * w.element_size() for w in weights.values())
+
+
+def _fits(module: nn.Module, dtype: torch.dtype, memory_fraction: float | None,
+          what: str) -> bool:
+    """Whether a packed copy of the `dtype` linears takes at most `memory_fraction` of the
+    memory available now (None: no limit); logs why not."""
+    if memory_fraction is None:
+        return True
+    avail, need = available_memory_bytes(), packable_bytes(module, dtype)
+    if avail is not None and need > memory_fraction * avail:
+        log.info("%s not packed: a packed copy (%.1f GB) would take over %.0f %% of the free "
+                 "memory (%.1f GB)", what, need / 1e9, 100 * memory_fraction, avail / 1e9)
+        return False
+    return True
 
 
 def pack_linears(module: nn.Module, memory_fraction: float | None = None) -> int:
@@ -165,53 +184,32 @@ def pack_linears(module: nn.Module, memory_fraction: float | None = None) -> int
     PackedLinear sharing its parameters. Idempotent; returns how many were swapped.
     `memory_fraction`: pack only if the packed copies take at most this share of the memory
     available now (a large target on the CPU would otherwise double its weights' memory)."""
-    if not packing_available():
+    if not packing_available() or not _fits(module, torch.bfloat16, memory_fraction,
+                                            "linears"):
         return 0
-    if memory_fraction is not None:
-        avail = available_memory_bytes()
-        need = packable_bytes(module)
-        if avail is not None and need > memory_fraction * avail:
-            log.info("linears not packed: a packed copy (%.1f GB) would take over %.0f %% of "
-                     "the free memory (%.1f GB)", need / 1e9, 100 * memory_fraction,
-                     avail / 1e9)
-            return 0
     swapped = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" \
-                    and child.weight.dtype == torch.bfloat16:
-                setattr(parent, name, PackedLinear(child))
-                swapped += 1
+    for parent, name, child in _cpu_linears(module, torch.bfloat16):
+        if type(child) is nn.Linear:
+            setattr(parent, name, PackedLinear(child))
+            swapped += 1
     return swapped
 
 
 def pack_fp32_rows(module: nn.Module, rows: int | None,
                    memory_fraction: float | None = 0.25) -> int:
-    """Serve `module`'s CPU fp32 linears' GEMMs of `rows` rows from MKL-packed copies (None:
-    drop them), swapping plain nn.Linears for PackedLinears first. A copy costs the linear
-    weights' bytes once more, so with `memory_fraction` it is made only if it takes at most
-    that share of the memory available now. Returns how many linears serve `rows`."""
-    if rows is not None and not mkl_packing_available():
-        return 0
-    lins = []
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            # Plain nn.Linears and PackedLinears only: a subclass (a tensor-parallel
-            # linear's all-reduce) keeps its own forward.
-            if type(child) in (nn.Linear, PackedLinear) and child.weight.device.type == "cpu" \
-                    and child.weight.dtype == torch.float32:
-                if type(child) is nn.Linear:
-                    child = PackedLinear(child)
-                    setattr(parent, name, child)
-                lins.append(child)
-    if rows is not None and memory_fraction is not None:
-        avail = available_memory_bytes()
-        need = sum(m.weight.numel() * 4 for m in {id(m.weight): m for m in lins}.values())
-        if avail is not None and need > memory_fraction * avail:
-            log.info("fp32 linears not packed for %d rows: a copy (%.1f GB) would take over "
-                     "%.0f %% of the free memory (%.1f GB)", rows, need / 1e9,
-                     100 * memory_fraction, avail / 1e9)
-            rows = None
-    for m in lins:
-        m.set_fp32_rows(rows)
-    return len(lins) if rows is not None else 0
+    """Serve `module`'s CPU fp32 linears' GEMMs of `rows` rows from MKL-packed copies,
+    swapping plain nn.Linears for PackedLinears first; None (or too little memory: a copy
+    costs the linear weights' bytes once more, made only within `memory_fraction` of the
+    memory available now) drops any copies. Returns how many linears serve `rows`."""
+    if rows is not None and not (mkl_packing_available() and _fits(
+            module, torch.float32, memory_fraction, f"fp32 linears for {rows} rows")):
+        rows = None
+    served = 0
+    for parent, name, child in _cpu_linears(module, torch.float32):
+        if rows is not None and type(child) is nn.Linear:
+            child = PackedLinear(child)
+            setattr(parent, name, child)
+        if isinstance(child, PackedLinear):
+            child.set_fp32_rows(rows)
+            served += rows is not None
+    return served
