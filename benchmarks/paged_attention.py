@@ -40,18 +40,25 @@ class Case:
     batch: int
     ctx: int
     per_seq: int = 1
+    # The key bound the call is given (meta.max_len): the context itself, or, as in the
+    # engine's CUDA-graph steps, the model's length limit (a graph is captured once for any
+    # context, so its split plan is made for the limit).
+    bound: int | None = None
 
 
 CASES = [Case("decode b1 1k", "decode", 1, 1024), Case("decode b1 4k", "decode", 1, 4096),
          Case("decode b1 16k", "decode", 1, 16384), Case("decode b64 1k", "decode", 64, 1024),
          Case("prefill 16k", "prefill", 1, 16384, 16384),
-         Case("verify 64x8 @1k", "verify", 64, 1024, 8)]
+         Case("verify 64x8 @1k", "verify", 64, 1024, 8),
+         Case("decode b1 160 /4k", "decode", 1, 160, 1, 4096),
+         Case("verify b1 8 @160 /4k", "verify", 1, 160, 8, 4096),
+         Case("verify b1 8 @1k /4k", "verify", 1, 1024, 8, 4096)]
 
 
 def small(case: Case) -> Case:
     """The same shape of work at a size the reference handles quickly."""
     return Case(case.name, case.kind, min(case.batch, 4), min(case.ctx, 300),
-                min(case.per_seq, 300))
+                min(case.per_seq, 300), case.bound)
 
 
 def build(case: Case, bt: torch.Tensor, dev: torch.device
@@ -60,7 +67,8 @@ def build(case: Case, bt: torch.Tensor, dev: torch.device
     B, L, n = case.batch, case.ctx, case.per_seq
     if case.kind == "decode":
         meta = BatchMeta.causal(bt, torch.arange(B, device=dev),
-                                torch.full((B,), L - 1, device=dev), BS, max_len=L)
+                                torch.full((B,), L - 1, device=dev), BS,
+                                max_len=case.bound or L)
         return meta, [1] * B, B * L, B * L
     if case.kind == "prefill":
         meta = BatchMeta.causal(bt, torch.zeros(L, dtype=torch.long, device=dev),
@@ -74,7 +82,8 @@ def build(case: Case, bt: torch.Tensor, dev: torch.device
             j = i
             while j >= 0:
                 anc[s, i, j], j = True, parent[j]
-    meta = tree_meta(bt, torch.full((B,), L, device=dev), anc.to(dev), BS, max_len=L + n)
+    meta = tree_meta(bt, torch.full((B,), L, device=dev), anc.to(dev), BS,
+                     max_len=case.bound or L + n)
     return meta, [n] * B, B * (L + n), B * n * L + int(anc.sum())
 
 
@@ -116,7 +125,7 @@ def time_calls(fn: Callable[[int], object], sets: int, graph: bool) -> float:
 def check(case: Case, dev: torch.device) -> float:
     """Relative error against the float64 reference at a small size of the case."""
     c = small(case)
-    W = math.ceil((c.ctx + c.per_seq) / BS)
+    W = math.ceil(max(c.bound or 0, c.ctx + c.per_seq) / BS)
     bt = tables(c.batch, W, 1, dev)[0]
     meta, pieces, _, _ = build(c, bt, dev)
     k, v = (torch.randn(c.batch * W, BS, HKV, D, device=dev, dtype=DTYPE) for _ in range(2))
@@ -129,7 +138,7 @@ def check(case: Case, dev: torch.device) -> float:
 
 def run_case(case: Case, dev: torch.device, num_splits: int | None = None
              ) -> dict[str, float | str]:
-    W = math.ceil((case.ctx + case.per_seq) / BS)
+    W = math.ceil(max(case.bound or 0, case.ctx + case.per_seq) / BS)
     block_bytes = 2 * BS * HKV * D * torch.empty((), dtype=DTYPE).element_size()
     sets = max(1, min(16, ROTATE_BYTES // (case.batch * W * block_bytes)))
     bts = tables(case.batch, W, sets, dev)

@@ -24,6 +24,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2, "head_dim": 32, "num_experts": 16,
         "num_experts_per_tok": 4, "norm_topk_prob": True, "max_position_embeddings": 4096,
     },
+    "smollm2-135m": {  # the embedded default model's shape
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

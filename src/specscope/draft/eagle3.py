@@ -36,6 +36,7 @@ from specscope.config import ModelConfig
 from specscope.draft.vocab import vocab_maps
 from specscope.kvcache import KVCache
 from specscope.kvcache.paged import BatchMeta, PagedKV
+from specscope.models.linear import Linear, linear
 from specscope.models.llama import (
     MLP,
     Attention,
@@ -163,7 +164,7 @@ class FirstLayer(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # on the projected / fed-back hidden
         self.self_attn = Attention(lcfg, tp)
         q_kv = self.self_attn.qkv_proj.out_features  # this rank's heads' rows
-        self.self_attn.qkv_proj = nn.Linear(2 * H, q_kv, bias=cfg.attention_bias)
+        self.self_attn.qkv_proj = Linear(2 * H, q_kv, bias=cfg.attention_bias)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(lcfg, tp=tp)
 
@@ -195,14 +196,14 @@ class Eagle3Draft(nn.Module):
         self.input_norm = RMSNorm(n * Ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(n)) \
             if cfg.fc_norm else None
-        self.fc = nn.Linear(n * Ht, H, bias=False)
+        self.fc = Linear(n * Ht, H, bias=False)
         self.layers = nn.ModuleList(
             [FirstLayer(cfg, lcfg, tp)] + [DecoderLayer(lcfg, Attention(lcfg, tp),
                                                         MLP(lcfg, tp=tp))
                                            for _ in range(1, cfg.num_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         Vd = cfg.draft_vocab_size
-        self.lm_head = None if not cfg.has_lm_head else nn.Linear(H, Vd, bias=False) \
+        self.lm_head = None if not cfg.has_lm_head else Linear(H, Vd, bias=False) \
             if tp is None else ParallelLMHead(H, Vd, tp)
         self.embed_tokens = None if not cfg.own_embed_tokens else \
             nn.Embedding(cfg.vocab_size, H) if tp is None else \
@@ -328,7 +329,7 @@ class Eagle3Draft(nn.Module):
             return self._target_head_module(normed).float()
         if self._target_head is None:
             raise RuntimeError("Eagle3Draft: call attach_target(target) before compute_logits")
-        return F.linear(normed, self._target_head).float()
+        return linear(normed, self._target_head).float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids (target = draft + d2t[draft]); any shape."""

@@ -25,6 +25,7 @@ from specscope.kvcache import KVCache, attention, causal_mask, write_kv
 from specscope.kvcache.attention import fold_mask
 from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, paged_attend_qkv
+from specscope.models.linear import Linear, linear
 from specscope.models.registry import Family
 from specscope.models.rope import apply_rope, rope_tables
 from specscope.parallel.group import TPGroup
@@ -164,9 +165,9 @@ class Attention(nn.Module):
         self.head_dim = D
         q_size, kv_size = self.num_heads * D, self.num_kv_heads * D
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         if tp is None:
-            self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
+            self.o_proj = Linear(q_size, h, bias=cfg.o_bias)
         else:
             _, _, qkv, o = attention_pieces(cfg.num_heads, cfg.num_kv_heads, D, tp.rank,
                                             tp.size)
@@ -237,12 +238,12 @@ class MLP(nn.Module):
         i, h = intermediate or cfg.intermediate_size, cfg.hidden_size
         if tp is None:
             self.intermediate = i
-            self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+            self.down_proj = Linear(i, h, bias=cfg.mlp_bias)
         else:
             self.intermediate, gate_up, down = gated_mlp_pieces(i, tp.rank, tp.size)
             self.down_proj = RowParallelLinear(self.intermediate, h, cfg.mlp_bias, tp, down)
             self.shards = {"gate_up_proj.weight": gate_up, "gate_up_proj.bias": gate_up}
-        self.gate_up_proj = nn.Linear(h, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(h, 2 * self.intermediate, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -258,7 +259,7 @@ class MLP(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """Under tensor parallelism: this rank's part of the output, before the all-reduce
         (and without the bias): for a caller that sums it with other parts first."""
-        return F.linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
+        return linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -310,7 +311,7 @@ class CausalLM(nn.Module):
         self.local_heads = local_heads(cfg, tp)
         self.model = Backbone(cfg, [DecoderLayer(cfg, self.attention_for(i), self.mlp_for(i))
                                     for i in range(cfg.num_layers)], tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None \
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None \
             else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

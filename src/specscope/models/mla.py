@@ -35,6 +35,7 @@ from specscope.config import ModelConfig
 from specscope.kvcache import attention
 from specscope.kvcache.latent import latent_attend
 from specscope.kvcache.paged import BatchMeta
+from specscope.models.linear import Linear
 from specscope.models.llama import ForwardContext, RMSNorm
 from specscope.models.rope import apply_rope, apply_rope_interleaved, yarn_mscale
 from specscope.parallel.group import TPGroup
@@ -72,15 +73,15 @@ class MLAttention(nn.Module):
         self.c, self.lora = m.kv_lora_rank, m.q_lora_rank
         qk = self.H * (self.dn + self.dr)
         self.q_width = self.lora or qk  # a_proj's query rows: q_a_proj's, or q_proj's
-        self.a_proj = nn.Linear(cfg.hidden_size, self.q_width + self.c + self.dr,
+        self.a_proj = Linear(cfg.hidden_size, self.q_width + self.c + self.dr,
                                 bias=cfg.qkv_bias)
         if self.lora:
             self.q_a_layernorm = RMSNorm(self.lora, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(self.lora, qk, bias=False)
+            self.q_b_proj = Linear(self.lora, qk, bias=False)
         self.kv_a_layernorm = RMSNorm(self.c, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.c, self.H * (self.dn + self.dv), bias=False)
+        self.kv_b_proj = Linear(self.c, self.H * (self.dn + self.dv), bias=False)
         if tp is None:
-            self.o_proj = nn.Linear(self.H * self.dv, cfg.hidden_size, bias=cfg.o_bias)
+            self.o_proj = Linear(self.H * self.dv, cfg.hidden_size, bias=cfg.o_bias)
         else:
             self.o_proj = RowParallelLinear(self.H * self.dv, cfg.hidden_size, cfg.o_bias,
                                             tp, Shard(1, ((h0 * self.dv, h1 * self.dv, 0),)))

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specscope.models.linear import Linear
+
 log = logging.getLogger("specscope.packed")
 
 
@@ -149,13 +151,13 @@ def available_memory_bytes() -> int | None:
 
 
 def _cpu_linears(module: nn.Module, dtype: torch.dtype) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, name, linear) for every plain nn.Linear or PackedLinear under `module` whose
-    weight is `dtype` on the CPU. A subclass (a tensor-parallel linear's all-reduce) keeps
-    its own forward and is left out."""
+    """(parent, name, linear) for every plain nn.Linear (or the model's Linear, the same on
+    the CPU) or PackedLinear under `module` whose weight is `dtype` on the CPU. A subclass
+    (a tensor-parallel linear's all-reduce) keeps its own forward and is left out."""
     return [(parent, name, child) for parent in module.modules()
             for name, child in parent.named_children()
-            if type(child) in (nn.Linear, PackedLinear) and child.weight.device.type == "cpu"
-            and child.weight.dtype == dtype]
+            if type(child) in (nn.Linear, Linear, PackedLinear)
+            and child.weight.device.type == "cpu" and child.weight.dtype == dtype]
 
 
 def packable_bytes(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -189,7 +191,7 @@ def pack_linears(module: nn.Module, memory_fraction: float | None = None) -> int
         return 0
     swapped = 0
     for parent, name, child in _cpu_linears(module, torch.bfloat16):
-        if type(child) is nn.Linear:
+        if type(child) in (nn.Linear, Linear):
             setattr(parent, name, PackedLinear(child))
             swapped += 1
     return swapped
@@ -206,7 +208,7 @@ def pack_fp32_rows(module: nn.Module, rows: int | None,
         rows = None
     served = 0
     for parent, name, child in _cpu_linears(module, torch.float32):
-        if rows is not None and type(child) is nn.Linear:
+        if rows is not None and type(child) in (nn.Linear, Linear):
             child = PackedLinear(child)
             setattr(parent, name, child)
         if isinstance(child, PackedLinear):

@@ -1,0 +1,43 @@
+"""The model's linear layer: nn.Linear, with products of at most 16 rows on CUDA (decode
+steps, verifies, draft steps) run by the few-row Triton kernel (models/linear_triton.py)
+and everything else by F.linear, the reference.
+
+Same parameters and state_dict names as nn.Linear, so checkpoints load unchanged and the
+CPU packers (models/packed.py) and quantizers (models/quant.py) treat it as one."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@cache
+def _backend():
+    """models/linear_triton, or None without Triton (the import is tried once)."""
+    try:
+        from specscope.models import linear_triton
+    except ImportError:
+        return None
+    return linear_triton
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the few-row kernel where it applies: CUDA, at
+    inference (it has no backward), outside torch.compile's tracing (inductor picks its
+    own GEMMs), 16-bit weights, at most 16 rows."""
+    if x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        fast = _backend()
+        if fast is not None and fast.applies(x, weight):
+            return fast.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

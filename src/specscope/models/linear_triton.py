@@ -1,0 +1,103 @@
+"""The few-row linear in Triton (CUDA): y = x @ W.T (+ b) for up to 16 rows of x, the fast
+path of F.linear at decode and verify sizes.
+
+A batch-1 decode step multiplies one row by every weight, and a verify by a few rows: the
+work is reading W once. cuBLAS picks split-K kernels for the 4096-wide matrices of an 8B
+model and a separate reduce kernel after each (benchmarks/step_floor.py: o_proj at 62 % of
+the copy bandwidth, qkv_proj at 73 %, down_proj 86 % plus 64 reduce launches a step). Here
+one program owns BLOCK_N output columns and streams their BLOCK_N weight rows over all of K
+(contiguous loads, several in flight), multiplying the x rows on the tensor cores: no split,
+no reduce, one launch.
+
+Rows are padded to 16 (the tensor cores' smallest tile), so a row's result does not depend
+on how many rows share the call: a verify of 8 tokens computes each row exactly as a decode
+step computes its one (the fp32 sum over K runs in the same order), which cuBLAS does not
+promise across its M-dependent kernel choices. Accumulation is fp32, rounded once to the
+output dtype, as cuBLAS's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    n_ok, m_ok = n < N, m < M
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    x_rows = x_ptr + m[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [n, k]: enough programs to
+    fill the GPU from few output columns, wider column tiles (fewer, longer streams) as n
+    grows. The best tiles of a sweep on an H200 (bf16, M = 1 and 8; benchmarks/linear.py
+    --sweep): 16 columns for n <= 2048, 32 for 4096 (o_proj, down_proj, the draft's fc),
+    64 for 5k-32k (qkv_proj, gate_up_proj, a 32k draft lm_head), 32 for a 128k lm_head."""
+    if n <= 2048:
+        return 16, 512, 4, 4
+    if n <= 4096:
+        return 32, 512, 4, 4
+    if n <= 8192:
+        return 64, 256, 4, 4
+    if n <= 65536:
+        return 64, 256, 4, 3
+    return 32, 256, 4, 4
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this path serves F.linear(x, weight): CUDA, 16-bit floats of one dtype, at
+    most MAX_ROWS rows, a contiguous weight with K a multiple of 16."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and 0 < rows <= MAX_ROWS
+            and weight.is_contiguous() and weight.shape[1] % 16 == 0)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] for at most MAX_ROWS rows of x
+    (check `applies`). tile: force (BLOCK_N, BLOCK_K, num_warps, num_stages) (the sweep)."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = tile or config(N, K)
+    bk = min(bk, triton.next_power_of_2(K))
+    _linear_kernel[(triton.cdiv(N, bn),)](
+        x2, weight, bias if bias is not None else weight, out, M, N, K,
+        x2.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=K % bk == 0, PRECISION="ieee" if x.dtype == torch.float32 else None,
+        num_warps=warps, num_stages=stages)
+    return out.view(*x.shape[:-1], N)
+
+
+__all__ = ["MAX_ROWS", "applies", "config", "linear"]

@@ -1,0 +1,80 @@
+"""The few-row Triton linear (models/linear_triton.py) against F.linear, and the model's
+Linear dispatching to it only where it applies (models/linear.py).
+
+In Triton's CPU interpreter the kernel runs in fp32 (its bf16 dots are not the GPU's): the
+indexing, the masks of ragged N and K, the bias, 1..16 rows. On CUDA also bf16, compiled,
+against cuBLAS. Every case checks that a row's result does not depend on how many rows
+share the call (the kernel pads rows to 16: a verify computes each row as a decode step
+does). Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_env import CUDA, DEV  # noqa: F401  (imported first: it skips without triton)
+
+from specscope.models import linear_triton as lt
+from specscope.models.linear import Linear, linear
+
+CASES = [(1, 48, 64, False), (5, 40, 96, True), (16, 64, 1024, False), (3, 33, 80, True),
+         (8, 130, 2048, False)]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "bias"), CASES)
+@pytest.mark.parametrize("tile", [None, (16, 32, 4, 2)])
+def test_kernel_equals_f_linear_fp32(m, n, k, bias, tile):
+    torch.manual_seed(m * 100 + n)
+    x, w = torch.randn(m, k, device=DEV), torch.randn(n, k, device=DEV)
+    b = torch.randn(n, device=DEV) if bias else None
+    out = lt.linear(x, w, b, tile=tile)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
+    # Each row alone gives the same bits as within the call.
+    assert torch.equal(lt.linear(x[-1:], w, b, tile=tile), out[-1:])
+
+
+def test_leading_dims_and_strided_rows():
+    torch.manual_seed(1)
+    x = torch.randn(1, 6, 2 * 64, device=DEV)[..., ::2]  # [1, 6, 64], a stride-2 last dim
+    w = torch.randn(32, 64, device=DEV)
+    out = lt.linear(x, w, tile=(16, 32, 4, 2))
+    assert out.shape == (1, 6, 32)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.skipif(not CUDA, reason="the bf16 kernel is the GPU's")
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (6144, 4096), (4096, 14336), (32000, 4096),
+                                      (1000, 576)])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_kernel_bf16_on_cuda_matches_cublas(n, k, m):
+    torch.manual_seed(n + m)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
+    out, ref = lt.linear(x, w).float(), F.linear(x, w).float()
+    # Both sum in fp32 and round once: apart by at most a bf16 step of the output.
+    assert ((out - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()
+    assert torch.equal(lt.linear(x[:1], w), lt.linear(x, w)[:1])
+
+
+def test_applies_only_to_few_16_bit_rows_on_cuda():
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not lt.applies(torch.zeros(1, 64, dtype=torch.bfloat16), w)  # the CPU
+    if CUDA:
+        wc = w.cuda()
+        assert lt.applies(torch.zeros(16, 64, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not lt.applies(torch.zeros(17, 64, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not lt.applies(torch.zeros(1, 64, device="cuda"), wc.float())
+        assert not lt.applies(torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda"), wc.t())
+
+
+def test_model_linear_is_f_linear_off_the_fast_path():
+    """On the CPU (and under autograd anywhere) the model's Linear is nn.Linear exactly."""
+    torch.manual_seed(2)
+    layer = Linear(64, 32, bias=True)
+    ref = torch.nn.Linear(64, 32, bias=True)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x), ref(x))
+    assert torch.equal(linear(x, layer.weight), F.linear(x, layer.weight))
+    assert set(layer.state_dict()) == {"weight", "bias"}
