@@ -5,9 +5,12 @@
 Wraps the engine's own methods (the plan, the graph inputs' load, each graph replay's
 launch, the step's one device->host read, the update) with host-clock marks, runs one
 request's plain decoding and then a chain of 7 with SIMULATED acceptance, and prints the
-median time between consecutive marks over the steps of the commonest pattern. The GPU
-idles from a read's return to the next replay's launch; the read itself waits for the GPU.
-No torch.profiler in the process (it slows later graph launches).
+median time between consecutive marks over the steps of the commonest pattern, then the
+same step's graphs replayed back to back (the GPU's time alone): the difference is the
+host's share. The GPU idles from a read's return to the next replay's launch; the read
+itself waits for the GPU. Run it without torch.profiler earlier in the process (that slows
+later graph launches: step_floor.py's host section, which runs after its profile, reads
+high).
 """
 
 from __future__ import annotations
@@ -49,31 +52,9 @@ def _marked(replay, label: str, marks: list):
     return run
 
 
-def timeline(llm: LLM, prompt: list[int], spec: bool, tokens: int) -> None:
-    """Print the median host time between the step's marks."""
-    eng = llm.engine
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    for _ in llm.stream(None, params, prompt_ids=prompt):  # warm-up: captures the graphs
-        pass
-    marks: list[tuple[str, float]] = []
-    for name in ("_plan", "_stats", "_sample_processed", "_read", "_update"):
-        _wrap(eng, name, marks)
-    if spec:
-        g = eng.spec_graphs
-        for name in ("entry", "load"):
-            _wrap(g, name, marks)
-        for e in g.entries.values():
-            e.segments = [(_marked(r, f"replay{i}", marks), out)
-                          for i, (r, out) in enumerate(e.segments)]
-    else:
-        g = eng.graphs
-        _wrap(g, "run", marks)
-        g.graphs = {b: (_marked(r, "replay", marks), out) for b, (r, out) in g.graphs.items()}
-    for _ in llm.stream(None, params, prompt_ids=prompt):
-        marks.append(("yield", time.perf_counter()))
-    for obj in (eng, g):  # the engine's own methods again
-        for name in [n for n in vars(obj) if getattr(vars(obj)[n], "__name__", "") == "timed"]:
-            del obj.__dict__[name]
+def _steps(marks: list[tuple[str, float]]) -> tuple[tuple[str, ...], list[list[float]]]:
+    """The commonest pattern of marks between consecutive steps' "yield" marks, and for
+    each step of that pattern the seconds between its consecutive marks."""
     steps, cur = [], []
     for m in marks:
         cur.append(m)
@@ -85,7 +66,47 @@ def timeline(llm: LLM, prompt: list[int], spec: bool, tokens: int) -> None:
         seq = prev[-1:] + now
         by_pattern[tuple(m[0] for m in seq)].append(
             [b[1] - a[1] for a, b in zip(seq, seq[1:], strict=False)])
-    key, rows = max(by_pattern.items(), key=lambda kv: len(kv[1]))
+    return max(by_pattern.items(), key=lambda kv: len(kv[1]))
+
+
+def timeline(llm: LLM, prompt: list[int], spec: bool, tokens: int) -> dict:
+    """One request's decoding with the step's marks; prints the median host time between
+    consecutive marks and returns {"step_us": their sum, "steps": steps measured}. The
+    engine's methods and graph replays are its own again afterwards."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    for _ in llm.stream(None, params, prompt_ids=prompt):  # warm-up: captures the graphs
+        pass
+    marks: list[tuple[str, float]] = []
+    for name in ("_plan", "_stats", "_sample_processed", "_read", "_update"):
+        _wrap(eng, name, marks)
+    if spec:
+        g = eng.spec_graphs
+        for name in ("entry", "load"):
+            _wrap(g, name, marks)
+        saved = {k: list(e.segments) for k, e in g.entries.items()}
+        for e in g.entries.values():
+            e.segments = [(_marked(r, f"replay{i}", marks), out)
+                          for i, (r, out) in enumerate(e.segments)]
+    else:
+        g = eng.graphs
+        _wrap(g, "run", marks)
+        saved = dict(g.graphs)
+        g.graphs = {b: (_marked(r, "replay", marks), out) for b, (r, out) in g.graphs.items()}
+    try:
+        for _ in llm.stream(None, params, prompt_ids=prompt):
+            marks.append(("yield", time.perf_counter()))
+    finally:
+        for obj in (eng, g):
+            for name in [n for n in vars(obj)
+                         if getattr(vars(obj)[n], "__name__", "") == "timed"]:
+                del obj.__dict__[name]
+        if spec:
+            for k, segs in saved.items():
+                g.entries[k].segments = segs
+        else:
+            g.graphs = saved
+    key, rows = _steps(marks)
     print(f"{'speculative cycle' if spec else 'plain step'}: median of {len(rows)} steps")
     total = 0.0
     for j in range(len(key) - 1):
@@ -93,6 +114,40 @@ def timeline(llm: LLM, prompt: list[int], spec: bool, tokens: int) -> None:
         total += us
         print(f"  {key[j]:>22} -> {key[j + 1]:<22}{us:9.1f} us")
     print(f"  {'sum of the medians':>48}{total:9.0f} us")
+    return {"step_us": total, "steps": len(rows)}
+
+
+def replay_us(replays: list, iters: int = 100) -> float:
+    """GPU microseconds of one step made of these graph replays, run back to back (each
+    replay of a captured step rewrites what it reads, so repeating it is idempotent)."""
+    for r in replays:
+        r()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        for r in replays:
+            r()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def host_gap(llm: LLM, prompt: list[int], tokens: int, spec: bool) -> dict[str, float]:
+    """The engine's step (timeline) against its batch-1 graphs replayed back to back: the
+    difference is the time the host keeps the GPU waiting."""
+    r = timeline(llm, prompt, spec, tokens)
+    eng = llm.engine
+    if spec:
+        e = next(e for e in eng.spec_graphs.entries.values()
+                 if e.ids.shape[0] == 1 and len(e.segments) == 2)
+        gpu = replay_us([seg[0] for seg in e.segments])
+    else:
+        gpu = replay_us([eng.graphs.graphs[1][0]])
+    step = r["step_us"]
+    print(f"  engine {step:.0f} us, its graphs back to back {gpu:.0f} us: host "
+          f"{step - gpu:.0f} us ({1 - gpu / step:.1%})")
+    return {**r, "replay_us": gpu, "host_us": step - gpu}
 
 
 def main() -> None:
@@ -107,10 +162,10 @@ def main() -> None:
                          name=args.shape, max_model_len=4096, cuda_graphs=True,
                          gpu_memory_utilization=0.5)
     prompt = torch.randint(0, cfg.vocab_size, (128,)).tolist()
-    timeline(llm, prompt, False, args.tokens)
+    host_gap(llm, prompt, args.tokens, spec=False)
     llm.set_spec(SpecConfig(draft="random", num_steps=7, topk=1, num_draft_tokens=8,
                             simulate_acceptance=3.9))
-    timeline(llm, prompt, True, args.tokens)
+    host_gap(llm, prompt, args.tokens, spec=True)
 
 
 if __name__ == "__main__":

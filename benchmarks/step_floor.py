@@ -7,8 +7,8 @@ For a random-weight real shape on CUDA (CUDA graphs, the engine's own loop):
      rotated over copies larger than the L2), its time against its own floor;
   3. plain decode and a speculative cycle (chain, SIMULATED acceptance) under torch.profiler:
      every kernel of a step by name, how many per step, microseconds per step;
-  4. the host's share: the engine's captured graphs replayed back to back (the GPU's time
-     for a step with no host work between steps) against the engine's own step, unprofiled.
+  4. the host's share (host_timeline.py): the engine's captured graphs replayed back to
+     back against the engine's own step, unprofiled (after the profile: it reads high).
 
     python benchmarks/step_floor.py --device cuda --shape llama-3.1-8b
 
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_timeline import host_gap  # noqa: E402
 from shapes import SHAPES  # noqa: E402  (benchmarks/ is not a package)
 
 # Kernel-name patterns, first match wins: what a kernel is, for the per-category sums.
@@ -144,90 +145,6 @@ def kernel_profile(llm, prompt: list[int], tokens: int) -> tuple[dict, float, di
             kernels[ev.name][0] += 1
             kernels[ev.name][1] += ev.device_time
     return {k: tuple(v) for k, v in kernels.items()}, wall, s
-
-
-def replay_us(replays: list, iters: int = 100) -> float:
-    """GPU microseconds of one step made of these graph replays, run back to back (each
-    replay of a captured step rewrites what it reads, so repeating it is idempotent)."""
-    for r in replays:
-        r()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        for r in replays:
-            r()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
-def engine_steps(llm, prompt: list[int], tokens: int, spec: bool) -> dict[str, float]:
-    """One request's decoding after its first token, unprofiled, with the host's clock read
-    at three points of every step (wrapping the engine's own methods): when the step's
-    first graph launch begins, when its device->host read returns, when the step returns.
-    Medians over the steps that replayed graphs: the step as a user gets it, and the host's
-    time between a read's return and the next launch (the GPU idles through it)."""
-    from specscope.config import SamplingParams
-
-    eng = llm.engine
-    marks: list[tuple[str, float]] = []
-    target = (eng.spec_graphs, "draft") if spec else (eng.graphs, "run")
-    wrapped = [target, (eng, "_read")]
-    for obj, name in wrapped:
-        real = getattr(obj, name)
-
-        def timed(*a, _real=real, _name=name, **k):
-            if _name != "_read":
-                marks.append(("launch", time.perf_counter()))
-            out = _real(*a, **k)
-            if _name == "_read":
-                marks.append(("read", time.perf_counter()))
-            return out
-        setattr(obj, name, timed)
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    try:
-        for _ in llm.stream(None, params, prompt_ids=prompt):
-            marks.append(("step", time.perf_counter()))
-    finally:
-        for obj, name in wrapped:
-            del obj.__dict__[name]
-    steps, cur = [], []
-    for m in marks:
-        cur.append(m)
-        if m[0] == "step":
-            steps.append(cur)
-            cur = []
-    cycle, idle, after = [], [], []
-    for prev, now in zip(steps, steps[1:], strict=False):
-        if [m[0] for m in prev] == [m[0] for m in now] == ["launch", "read", "step"]:
-            cycle.append(now[1][1] - prev[1][1])
-            idle.append(now[0][1] - prev[1][1])
-            after.append(prev[2][1] - prev[1][1])
-
-    def med(xs: list[float]) -> float:
-        return sorted(xs)[len(xs) // 2] * 1e6 if xs else float("nan")
-
-    return {"step_us": med(cycle), "read_to_launch_us": med(idle),
-            "read_to_return_us": med(after), "steps": len(cycle)}
-
-
-def host_gap(llm, prompt: list[int], tokens: int, spec: bool) -> dict[str, float]:
-    """The engine's step against its graphs' back-to-back replays (batch 1)."""
-    eng = llm.engine
-    r = engine_steps(llm, prompt, tokens, spec)
-    if spec:
-        e = next(e for e in eng.spec_graphs.entries.values()
-                 if e.ids.shape[0] == 1 and len(e.segments) == 2)
-        gpu = replay_us([e.segments[0][0], e.segments[1][0]])
-    else:
-        gpu = replay_us([eng.graphs.graphs[1][0]])
-    step = r["step_us"]
-    print(f"{'speculative cycle' if spec else 'plain step'} (median of {r['steps']}): engine "
-          f"{step:.0f} us, its graphs back to back {gpu:.0f} us: host {step - gpu:.0f} us "
-          f"({1 - gpu / step:.1%}); read -> step returns {r['read_to_return_us']:.0f} us, "
-          f"read -> next launch {r['read_to_launch_us']:.0f} us")
-    return {**r, "replay_us": gpu, "host_us": step - gpu}
 
 
 def print_kernels(title: str, kernels: dict, steps: int, top: int = 25) -> dict[str, float]:

@@ -24,12 +24,18 @@ def _backend():
     return linear_triton
 
 
+def hand_kernels_apply(x: torch.Tensor) -> bool:
+    """Whether the hand-written Triton kernels (this linear, the fused layer kernels) may
+    serve x: on CUDA, at inference (they have no backward), outside torch.compile's tracing
+    (inductor fuses and picks GEMMs for the reference itself)."""
+    return x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the few-row kernel where it applies: CUDA, at
-    inference (it has no backward), outside torch.compile's tracing (inductor picks its
-    own GEMMs), 16-bit weights, at most 16 rows."""
-    if x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    """F.linear(x, weight, bias), through the few-row kernel where it applies (see
+    hand_kernels_apply; 16-bit weights, at most 16 rows)."""
+    if hand_kernels_apply(x):
         fast = _backend()
         if fast is not None and fast.applies(x, weight):
             return fast.linear(x, weight, bias)

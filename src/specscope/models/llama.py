@@ -25,7 +25,7 @@ from specscope.kvcache import KVCache, attention, causal_mask, write_kv
 from specscope.kvcache.attention import fold_mask
 from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, paged_attend_qkv
-from specscope.models.linear import Linear, linear
+from specscope.models.linear import Linear, hand_kernels_apply, linear
 from specscope.models.registry import Family
 from specscope.models.rope import apply_rope, rope_tables
 from specscope.parallel.group import TPGroup
@@ -45,11 +45,8 @@ def _fused_backend():
 
 
 def fused_kernels(x: torch.Tensor):
-    """The fused kernels where they apply to x: on CUDA, at inference (they have no
-    backward), outside torch.compile's tracing (inductor fuses the reference itself)."""
-    if not x.is_cuda or torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
-    return _fused_backend()
+    """The fused kernels where they apply to x (models/linear.py hand_kernels_apply)."""
+    return _fused_backend() if hand_kernels_apply(x) else None
 
 
 class RMSNorm(nn.Module):

@@ -39,6 +39,9 @@ from torch import nn
 from specscope.models.linear import Linear
 
 log = logging.getLogger("specscope.packed")
+# The linears a packer may swap for a PackedLinear (the model's Linear is nn.Linear on the
+# CPU); subclasses with their own forward (tensor-parallel all-reduces) are not.
+_PLAIN = (nn.Linear, Linear)
 
 
 @cache
@@ -156,7 +159,7 @@ def _cpu_linears(module: nn.Module, dtype: torch.dtype) -> list[tuple[nn.Module,
     (a tensor-parallel linear's all-reduce) keeps its own forward and is left out."""
     return [(parent, name, child) for parent in module.modules()
             for name, child in parent.named_children()
-            if type(child) in (nn.Linear, Linear, PackedLinear)
+            if type(child) in (*_PLAIN, PackedLinear)
             and child.weight.device.type == "cpu" and child.weight.dtype == dtype]
 
 
@@ -191,7 +194,7 @@ def pack_linears(module: nn.Module, memory_fraction: float | None = None) -> int
         return 0
     swapped = 0
     for parent, name, child in _cpu_linears(module, torch.bfloat16):
-        if type(child) in (nn.Linear, Linear):
+        if type(child) in _PLAIN:
             setattr(parent, name, PackedLinear(child))
             swapped += 1
     return swapped
@@ -208,7 +211,7 @@ def pack_fp32_rows(module: nn.Module, rows: int | None,
         rows = None
     served = 0
     for parent, name, child in _cpu_linears(module, torch.float32):
-        if rows is not None and type(child) in (nn.Linear, Linear):
+        if rows is not None and type(child) in _PLAIN:
             child = PackedLinear(child)
             setattr(parent, name, child)
         if isinstance(child, PackedLinear):
