@@ -48,11 +48,13 @@ def test_phases_plus_other_equal_wall(llm: LLM, spec) -> None:
             prev = start + dur
     # Unnamed time is the host read and loop overhead: ~0.1 ms a cycle. On this tiny model
     # that is a few % of a ~1.5 ms cycle; on real models it is < 1 % (benchmarks). Checked
-    # over the run and at the median cycle: one cycle the OS descheduled (a shared CPU,
-    # parallel tests) may stall anywhere, the systematic overhead may not.
+    # over the best three quarters of the cycles and at the median cycle: the cycles the OS
+    # descheduled (a shared 2-core CPU running two test workers: CI once had a few cycles
+    # stall by ~10 ms each) may stall anywhere, the systematic overhead may not.
     others = sorted(r.other_ms for r in recs)
     walls_ms = sorted(r.wall_ms for r in recs)
-    assert sum(others) <= 0.1 * sum(walls_ms) + 0.3 * len(recs)
+    kept = (3 * len(recs)) // 4
+    assert sum(others[:kept]) <= 0.1 * sum(walls_ms[:kept]) + 0.3 * kept
     assert others[len(others) // 2] <= 0.1 * walls_ms[len(recs) // 2] + 0.3
     # Cycles tile the decode period: each starts where the last ended, exactly...
     for a, b in zip(recs, recs[1:], strict=False):
