@@ -47,7 +47,10 @@ class Case:
 
 
 CASES = [Case("decode b1 1k", "decode", 1, 1024), Case("decode b1 4k", "decode", 1, 4096),
-         Case("decode b1 16k", "decode", 1, 16384), Case("decode b64 1k", "decode", 64, 1024),
+         Case("decode b1 16k", "decode", 1, 16384),
+         # serving.py --long-context 16384's decode: its graphs' bound is the prompt + 256
+         Case("decode b1 16k /16640", "decode", 1, 16448, 1, 16640),
+         Case("decode b64 1k", "decode", 64, 1024),
          Case("prefill 16k", "prefill", 1, 16384, 16384),
          Case("verify 64x8 @1k", "verify", 64, 1024, 8),
          Case("decode b1 160 /4k", "decode", 1, 160, 1, 4096),
@@ -161,13 +164,17 @@ def variants(case: Case) -> list[dict[str, object]]:
     """What --sweep tries per case: forced (BLOCK_N, num_warps, num_stages) configs, the
     prefill tile's rows, split counts (each new config costs a compile: a short list)."""
     if case.kind == "decode" and case.batch == 1:
-        return [{"splits": s} for s in (8, 16, 32, 64)]
+        configs = [None, (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (64, 8, 3),
+                   (32, 4, 4), (128, 8, 2)]
+        return [{"splits": s} | ({"config": c} if c else {})
+                for c in configs for s in (8, 16, 24, 32, 48, 64)]
     if case.kind == "decode":
-        return [{"config": c} for c in [(128, 4, 2), (64, 4, 3)]]
+        return [{"config": c} for c in [(128, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3)]]
     if case.kind == "verify":
         return [{"config": c} for c in [(32, 4, 4), (64, 4, 2), (128, 4, 3)]]
-    return [{"config": (32, 4, 4)}, {"rows": 64, "config": (64, 4, 3)},
-            {"rows": 64, "config": (32, 4, 4)}]
+    return [{"config": c} for c in [(32, 4, 4), (64, 8, 3), (64, 8, 2), (128, 8, 2),
+                                     (64, 4, 3), (128, 4, 2), (32, 8, 4), (64, 8, 4)]] + [
+        {"rows": 64, "config": c} for c in [(64, 4, 3), (128, 4, 2), (32, 4, 4)]]
 
 
 def sweep(case: Case, dev: torch.device) -> list[tuple[str, float]]:
@@ -182,6 +189,7 @@ def sweep(case: Case, dev: torch.device) -> list[tuple[str, float]]:
             ta.TILE_ROWS = (*base_rows[:-1], var["rows"])
         try:
             out.append((str(var), run_case(case, dev, var.get("splits"))["graph_us"]))
+            print(f"  {case.name} {var}: {out[-1][1]:.1f} us", flush=True)
         except Exception as e:  # an out-of-resources config: skip it
             print(f"  {case.name} {var}: {type(e).__name__}")
         finally:

@@ -55,6 +55,7 @@ def test_phases_plus_other_equal_wall(llm: LLM, spec) -> None:
     walls_ms = sorted(r.wall_ms for r in recs)
     kept = (3 * len(recs)) // 4
     assert sum(others[:kept]) <= 0.1 * sum(walls_ms[:kept]) + 0.3 * kept
+    assert sum(others[:kept]) <= 0.15 * sum(walls_ms[:kept])  # >= 85 % attributed
     assert others[len(others) // 2] <= 0.1 * walls_ms[len(recs) // 2] + 0.3
     # Cycles tile the decode period: each starts where the last ended, exactly...
     for a, b in zip(recs, recs[1:], strict=False):
@@ -66,7 +67,9 @@ def test_phases_plus_other_equal_wall(llm: LLM, spec) -> None:
     assert walls <= out.metrics.decode_s + 1e-3
     assert walls == pytest.approx(out.metrics.decode_s, rel=0.02, abs=1e-2)
     s = prof.summary(prof.config)
-    assert s["attributed"] >= 0.85
+    # The summary's share is the records' (its bound is the trimmed check above: over all
+    # cycles a few descheduled ones can pull it anywhere on a loaded machine).
+    assert s["attributed"] == pytest.approx(1 - sum(others) / sum(walls_ms), abs=1e-9)
     assert s["tokens"] == len(out.token_ids) - 1  # the first token comes from the prefill
     llm.enable_profiling(False)
     llm.set_spec(None)

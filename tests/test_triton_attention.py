@@ -16,7 +16,7 @@ from specscope.kvcache import triton_attention
 from specscope.kvcache.paged import BatchMeta, attention_reference, tree_meta
 from specscope.kvcache.triton_attention import (
     TilePlan,
-    _split_plan,
+    _num_splits,
     build_tiles,
     paged_attention,
     plan_tiles,
@@ -159,9 +159,22 @@ def test_long_context_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
     meta = BatchMeta.cat([decode, chunk])
     q = torch.randn(41, 4, 32, device=DEV)
     plan = build_tiles([1, 40], 4, 2, DEV)
-    assert all(_split_plan(g.num_tiles * 2, 700, 64, DEV, None)[0] > 1 for g in plan.groups)
+    assert all(_num_splits(g.num_tiles * 2, 700, DEV, None) > 1 for g in plan.groups)
     for splits in (None, 1, 3, 8):
         _check(q, kc, vc, meta, 0.2, tiles=plan, num_splits=splits)
+    # A key bound far past the context (a CUDA graph's, captured for the length limit): the
+    # programs cut their chunks from the tiles' own ranges, which must still cover every key.
+    W2 = 4096 // bs
+    kc, vc = _cache(2 * W2, bs, 2, 32, torch.float32, seed=4)
+    bt = _tables(2, W2, 2 * W2, seed=4)
+    bound = BatchMeta.cat([
+        BatchMeta.causal(bt, dev_([0], device=DEV), dev_([699], device=DEV), bs,
+                         max_len=4096),
+        BatchMeta.causal(bt, torch.ones(40, dtype=torch.long, device=DEV),
+                         torch.arange(660, 700, device=DEV), bs, max_len=4096)])
+    assert _num_splits(2, 4096, DEV, None) == 2  # the stand-in's 4 SMs: one wave
+    for splits in (None, 5, 16):
+        _check(q, kc, vc, bound, 0.2, tiles=plan, num_splits=splits)
 
 
 def test_tree_edges() -> None:

@@ -21,7 +21,11 @@ Design (why each piece is there):
   those read tree_mask).
 - Split-K (flash-decoding). When a group has too few (tile, KV head) programs to fill the
   GPU (batch-1 decode at 16k), each tile's key range is cut into chunks, one program each,
-  writing partial (max, sum, acc) rows that a small combine kernel merges.
+  writing partial (max, sum, acc) rows that a small combine kernel merges. The split count
+  is fixed by the host (at most one wave of programs: a 17th split of 8 KV heads on 132 SMs
+  would run as a second wave), the chunk length by each program from its tile's actual key
+  range: a CUDA graph is captured for the model's length limit, and chunks cut for that
+  limit would leave most programs idle at a shorter context.
 - Online softmax in fp32 (exp2 with the log2(e)-folded scale); rows that see nothing yield
   zeros, never NaN.
 
@@ -244,16 +248,16 @@ def _attend(acc, m_i, l_i, q, start, stop, lo, k_end, k_ptr, v_ptr, bt_row, kvh,
 
 # Ints that change from step to step (the key bound, the block-table width, the tree width)
 # are not specialised on (Triton would compile a variant per divisibility pattern).
-@triton.jit(do_not_specialize=["max_len", "chunk", "T", "W", "stride_bt", "stride_tm"])
+@triton.jit(do_not_specialize=["max_len", "T", "W", "stride_bt", "stride_tm"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_ptr, seq_ptr,
                  bt_ptr, vis_ptr, ws_ptr, ts_ptr, tm_ptr,
-                 max_len, chunk, qk_scale, T, W,
+                 max_len, qk_scale, T, W,
                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
                  stride_vb, stride_vt, stride_vh, stride_on, stride_bt, stride_tm,
                  G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_PAD: tl.constexpr,
-                 HAS_TREE: tl.constexpr,
-                 SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One (tile, KV head, key chunk) program: flash attention of the tile's rows over the
     chunk of its key range, in three runs of key steps: masked up to the first step every
     row sees whole, unmasked while all rows see every key, masked again to the end (the
@@ -264,8 +268,13 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
     first, end, tok, g, row_ok, r = _tile_rows(tiles_ptr, tile, G, BLOCK_M)
     vis, ws, ts, lo, hi = _key_range(tok, row_ok, vis_ptr, ws_ptr, ts_ptr, tm_ptr, stride_tm,
                                      T, max_len, W, BS, HAS_TREE, T_PAD)
-    k_begin = (lo // BLOCK_N * BLOCK_N + split * chunk).to(tl.int32)
-    k_end = tl.minimum(hi, k_begin + chunk).to(tl.int32)
+    k_begin = (lo // BLOCK_N * BLOCK_N).to(tl.int32)
+    k_end = hi.to(tl.int32)
+    if SPLIT:  # this program's chunk of the tile's own key range, whole key steps
+        per = tl.cdiv(k_end - k_begin, tl.num_programs(2))
+        chunk = tl.maximum(tl.cdiv(per, BLOCK_N) * BLOCK_N, MIN_CHUNK)
+        k_begin = k_begin + split * chunk
+        k_end = tl.minimum(k_end, k_begin + chunk)
     # [a, b): whole key steps that every row of the tile sees.
     ws_max = tl.max(tl.where(row_ok, ws, 0), 0)
     vis_min = tl.min(tl.where(row_ok, vis, max_len), 0)
@@ -372,19 +381,15 @@ def _fit_stages(block_n: int, warps: int, stages: int, block_m: int, D: int, ele
     return block_n, warps, stages
 
 
-def _split_plan(programs: int, max_len: int, block_n: int, device: torch.device,
-                num_splits: int | None) -> tuple[int, int]:
-    """(splits, chunk keys): cut key ranges into chunks when too few (tile, KV head) programs
-    would run to fill the GPU; a chunk is a multiple of BLOCK_N."""
-    if num_splits is None:  # about one program per SM (a sweep's best at batch-1 decode)
+def _num_splits(programs: int, max_len: int, device: torch.device,
+                num_splits: int | None) -> int:
+    """Chunks each tile's key range is cut into when too few (tile, KV head) programs would
+    run to fill the GPU: as many as keep the launch to one program per SM (one wave), never
+    chunks shorter than MIN_SPLIT_KEYS of the longest range max_len allows."""
+    if num_splits is None:
         sms = _sm_count(device)
-        num_splits = 1 if programs >= sms else min(
-            -(-sms // programs), max(1, -(-max_len // MIN_SPLIT_KEYS)))
-    chunk = -(-max(1, -(-max_len // max(1, num_splits))) // block_n) * block_n
-    splits = -(-max_len // chunk)
-    if splits <= 1:
-        return 1, chunk + block_n  # one chunk covers any block-aligned range below max_len
-    return splits, chunk
+        num_splits = min(sms // max(programs, 1), -(-max_len // MIN_SPLIT_KEYS))
+    return max(1, num_splits)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -425,8 +430,7 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_m = max(16, triton.next_power_of_2(group.tokens_per_tile * G))
     DP = max(16, triton.next_power_of_2(D))  # the kernels' head range (D itself when a power of 2)
     block_n, warps, stages = _kernel_config(block_m, DP, k_cache.element_size())
-    splits, chunk = _split_plan(group.num_tiles * Hkv, meta.max_len, block_n, q.device,
-                                num_splits)
+    splits = _num_splits(group.num_tiles * Hkv, meta.max_len, q.device, num_splits)
     rows = splits * group.num_tiles * Hkv * block_m
     part_acc = torch.empty(rows * D if splits > 1 else 1, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(rows * 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
@@ -435,12 +439,13 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _attn_kernel[(group.num_tiles, Hkv, splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, group.tiles, meta.seq_index, bt,
         meta.visible, meta.window_start, meta.tree_start, tm,
-        meta.max_len, chunk, scale * LOG2E, T, bt.shape[1],
+        meta.max_len, scale * LOG2E, T, bt.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), bt.stride(0),
         tm.stride(0) if T else 0,
         G=G, D=D, DP=DP, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         T_PAD=max(16, triton.next_power_of_2(max(T, 1))), HAS_TREE=T > 0, SPLIT=splits > 1,
+        MIN_CHUNK=-(-MIN_SPLIT_KEYS // block_n) * block_n,
         PRECISION=precision, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages)
     if splits > 1:
