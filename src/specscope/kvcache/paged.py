@@ -66,7 +66,7 @@ def with_pieces(meta: BatchMeta, pieces: list[tuple[int, int, int]], num_heads: 
     for n, row, keys in pieces:
         spans.append((a, a + n, row, keys))
         a += n
-    meta.spans = spans
+    meta.spans, meta.span_masks, meta.span_blocks = spans, None, None
     if device.type == "cuda" and _fast_backend() is not None:
         from specscope.kvcache.triton_attention import build_tiles
 
@@ -184,7 +184,10 @@ class BatchMeta:
     # consecutive tokens of one sequence, so the reference attends piece by piece over one
     # gather of that sequence's K/V; None: token by token (tests).
     spans: list[tuple[int, int, int, int]] | None = None
-    span_masks: list[torch.Tensor] | None = None  # the reference's, per span (built once)
+    # The reference's per-span masks (None: the span sees every key) and block selections,
+    # the same for every layer: built at the first.
+    span_masks: list[torch.Tensor | None] | None = None
+    span_blocks: list[torch.Tensor | int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -298,13 +301,13 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     meta.slots, then attend over the paged cache (the Triton kernels on CUDA, else the
     torch reference).
 
-    q [1, H, N, D], k/v [1, Hkv, N, D] (the model's layout); k_cache/v_cache one layer's
-    blocks [num_blocks, block_size, Hkv, D]. Returns [1, N, H * D]."""
+    q [N, H, D], k/v [N, Hkv, D] (token-major, any strides); k_cache/v_cache one layer's
+    blocks [num_blocks, block_size, Hkv, D]. Returns [N, H * D]."""
     fast = _fast_backend() if q.is_cuda else None
     if fast is not None:
         return _fast_attend(fast, q, k, v, k_cache, v_cache, meta, scale)
     _write(k, v, k_cache, v_cache, meta.slots)
-    return attention_reference(q[0].transpose(0, 1), k_cache, v_cache, meta, scale)[None]
+    return attention_reference(q, k_cache, v_cache, meta, scale)
 
 
 # Both run outside torch.compile's graphs. The write: traced, an in-place write into the
@@ -314,9 +317,10 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
 @torch.compiler.disable
 def _write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            slots: torch.Tensor) -> None:
+    """k, v [N, Hkv, D] into the cache's slots (cast to its dtype where they differ)."""
     kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-    kf.index_copy_(0, slots, k[0].transpose(0, 1).to(kf.dtype))
-    vf.index_copy_(0, slots, v[0].transpose(0, 1).to(vf.dtype))
+    kf.index_copy_(0, slots, k if k.dtype == kf.dtype else k.to(kf.dtype))
+    vf.index_copy_(0, slots, v if v.dtype == vf.dtype else v.to(vf.dtype))
 
 
 @torch.compiler.disable
@@ -324,7 +328,7 @@ def _fast_attend(fast, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                  scale: float) -> torch.Tensor:
     _write(k, v, k_cache, v_cache, meta.slots)
-    return fast(q[0].transpose(0, 1), k_cache, v_cache, meta, scale, tiles=meta.tiles)[None]
+    return fast(q, k_cache, v_cache, meta, scale, tiles=meta.tiles)
 
 
 def paged_attend_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -388,26 +392,53 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     v_cache [..., Dv] (Dv may differ from D: MLA's values are the latent part of its keys).
     Gathers each sequence's K/V into a contiguous copy (what a fast backend must not do):
     once per piece with meta.spans, one SDPA each with the GQA heads folded into the query
-    axis; else per token. Returns [N, H * Dv]."""
+    axis; else per token. On the CPU a piece whose blocks are consecutive reads them as a
+    view, and one that sees all its keys (a decode token) needs no mask. Returns
+    [N, H * Dv]."""
     if meta.spans is None:
         return _attention_per_token(q, k_cache, v_cache, meta, scale)
     N, H, D = q.shape
     Hkv, Dv = k_cache.shape[2], v_cache.shape[-1]
     G, bs = H // Hkv, k_cache.shape[1]
-    out = torch.empty(N, H * Dv, dtype=q.dtype, device=q.device)
-    if meta.span_masks is None:  # the same for every layer: built at the first
-        meta.span_masks = [meta.dense_mask(slice(a, b), L)[None].expand(G, b - a, L)
-                           .reshape(1, 1, G * (b - a), L) for a, b, _, L in meta.spans]
-    for (a, b, r, L), m in zip(meta.spans, meta.span_masks, strict=True):
-        n = b - a
-        row = meta.block_tables[r]
-        nb = -(-L // bs)
-        k = k_cache[row[:nb]].flatten(0, 1)[:L].transpose(0, 1)  # [Hkv, L, D]
-        v = v_cache[row[:nb]].flatten(0, 1)[:L].transpose(0, 1)
+    if meta.span_masks is None:
+        _prepare_spans(meta, G, bs)
+    whole = len(meta.spans) == 1 and meta.spans[0][1] - meta.spans[0][0] == N
+    out = None if whole else torch.empty(N, H * Dv, dtype=q.dtype, device=q.device)
+    for (a, b, _, L), m, blocks in zip(meta.spans, meta.span_masks, meta.span_blocks,
+                                       strict=True):
+        n, nb = b - a, -(-L // bs)
+        if isinstance(blocks, int):  # consecutive blocks from `blocks`: a view
+            k, v = k_cache.narrow(0, blocks, nb), v_cache.narrow(0, blocks, nb)
+        else:
+            k, v = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+        k = k.flatten(0, 1)[:L].transpose(0, 1)  # [Hkv, L, D]
+        v = v.flatten(0, 1)[:L].transpose(0, 1)
         qf = q[a:b].transpose(0, 1).reshape(1, Hkv, G * n, D)  # row g * n + t
         o = F.scaled_dot_product_attention(qf, k[None], v[None], attn_mask=m, scale=scale)
-        out[a:b] = o.reshape(H, n, Dv).transpose(0, 1).reshape(n, H * Dv)
+        o = o.reshape(H, n, Dv).transpose(0, 1).reshape(n, H * Dv)
+        if whole:  # one piece is the whole batch (batch-1 steps): its rows are the output
+            return o
+        out[a:b] = o
     return out
+
+
+def _prepare_spans(meta: BatchMeta, G: int, bs: int) -> None:
+    """meta's per-span masks and block selections, once per forward. The shortcuts (no
+    mask, a view of consecutive blocks) read the mask and the block table, host reads that
+    cost nothing on the CPU and would synchronise a GPU: there every span keeps its mask
+    and gathers."""
+    cpu = meta.block_tables.device.type == "cpu"
+    masks, blocks = [], []
+    for a, b, r, L in meta.spans:
+        m = meta.dense_mask(slice(a, b), L)
+        masks.append(None if cpu and bool(m.all()) else
+                     m[None].expand(G, b - a, L).reshape(1, 1, G * (b - a), L))
+        row = meta.block_tables[r, :-(-L // bs)]
+        first = int(row[0]) if cpu and row.numel() else -1
+        consecutive = first >= 0 and bool((row == torch.arange(first, first + row.numel()))
+                                          .all())
+        blocks.append(first if consecutive else row)
+    meta.span_masks, meta.span_blocks = masks, blocks
 
 
 def _attention_per_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

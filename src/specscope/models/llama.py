@@ -94,6 +94,9 @@ class ForwardContext:
     # The paged cache's scratch block as a slot range [first, end): CUDA-graph padding rows
     # write only there. None: every token is real.
     scratch_slots: tuple[int, int] | None = None
+    # A paged forward's rope rows token-major, cos/sin [N, 1, D] (the layout of q/k heads
+    # [N, heads, D] in a token-major attention).
+    rope_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def live_tokens(self) -> torch.Tensor | None:
         """[N] bool: which tokens of a paged forward are real, not CUDA-graph padding (None:
@@ -124,9 +127,10 @@ def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Te
         scratch = cache.scratch_block
         span = None if scratch is None else (scratch * cache.block_size,
                                              (scratch + 1) * cache.block_size)
-        return ForwardContext(cos=cos_t[positions][:, None], sin=sin_t[positions][:, None],
-                              mask=None, slots=None, kv_len=0, paged=batch,
-                              scratch_slots=span)
+        cos, sin = cos_t[positions[0]], sin_t[positions[0]]  # [N, D]
+        return ForwardContext(cos=cos[None, None], sin=sin[None, None], mask=None, slots=None,
+                              kv_len=0, paged=batch, scratch_slots=span,
+                              rope_tokens=(cos[:, None], sin[:, None]))
     if cache is not None:
         kv_len = kv_len if kv_len is not None else cache.capacity
         k_pos = torch.arange(kv_len, device=positions.device)
@@ -194,16 +198,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        if ctx.paged is not None and ctx.ttt is None and fused_kernels(x) is not None:
-            out = self._paged_fused(x, ctx, kv)
-            if out is not None:
-                return self.o_proj(out)
+        if ctx.paged is not None and ctx.ttt is None:
+            # A flattened batch, token-major: x [N, hidden] (a dense model's backbone) or
+            # [1, N, hidden] (a family whose other layers keep the batch axis).
+            rows = x if x.dim() == 2 else x[0]
+            out = self._paged_fused(rows, ctx, kv) if fused_kernels(x) is not None else None
+            if out is None:
+                out = self._paged(rows, ctx, kv)
+            out = self.o_proj(out)  # [N, hidden]
+            return out if x.dim() == 2 else out[None]
         q, k, v = self.project(x, ctx.cos, ctx.sin)
         if ctx.ttt is not None:
             return self.o_proj(ctx.ttt.attend(self, q, k, v, self.scale))
-        if ctx.paged is not None:
-            k_cache, v_cache = kv
-            return self.o_proj(paged_attend(q, k, v, k_cache, v_cache, ctx.paged, self.scale))
         if kv is not None:
             k_cache, v_cache = kv
             write_kv(k_cache, v_cache, k, v, ctx.slots)
@@ -211,17 +217,31 @@ class Attention(nn.Module):
         out = attention(q, k, v, ctx.mask, self.scale)  # [B, T, H*D]
         return self.o_proj(out)
 
+    def _paged(self, x: torch.Tensor, ctx: ForwardContext,
+               kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A paged forward's attention, token-major and unfused: x [N, hidden] -> [N, H*D].
+        q and k heads sit side by side in the fused projection and are normed and rotated
+        in place there, [N, heads, D], with no transposes (the cache is token-major too)."""
+        N, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [N, (H + 2 Hkv) D]
+        qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
+        qk = apply_rope(qk, *ctx.rope_tokens)  # cos/sin [N, 1, D]
+        v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+        return paged_attend(qk[:, :H], qk[:, H:], v, kv[0], kv[1], ctx.paged, self.scale)
+
     def _paged_fused(self, x: torch.Tensor, ctx: ForwardContext,
                      kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         """A paged forward's attention from the projection rows in two launches (norms,
         rotary and the KV write fused; then the attention kernel), or None where the
-        fused kernel does not apply (kvcache/paged.py paged_attend_qkv)."""
-        qkv = self.qkv_proj(x)[0]  # [N, (H + 2 Hkv) D]
+        fused kernel does not apply (kvcache/paged.py paged_attend_qkv). x [N, hidden]."""
+        qkv = self.qkv_proj(x)  # [N, (H + 2 Hkv) D]
         norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
-        out = paged_attend_qkv(qkv, ctx.cos[0, 0], ctx.sin[0, 0], kv[0], kv[1], ctx.paged,
-                               self.scale, self.num_heads, self.num_kv_heads, norms, eps)
-        return None if out is None else out[None]
+        cos, sin = ctx.rope_tokens
+        return paged_attend_qkv(qkv, cos[:, 0], sin[:, 0], kv[0], kv[1], ctx.paged,
+                                self.scale, self.num_heads, self.num_kv_heads, norms, eps)
 
 
 class MLP(nn.Module):
@@ -314,6 +334,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tap_layer_ids: tuple[int, ...] = ()
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dense: bool | None = None  # _dense_layers, worked out at the first forward
 
     def attention_for(self, layer: int) -> nn.Module:
         """Decoder layer `layer`'s attention module."""
@@ -413,7 +434,11 @@ class CausalLM(nn.Module):
         ctx = forward_context(self._rope, positions, cache, kv_len, slots, attn_mask,
                               heads // kv_heads, cfg.sliding_window, batch)
 
-        h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+        # A flattened batch through dense layers runs token-major, h [N, hidden]: no batch
+        # axis to reshape around every linear and attention (about a third of a CPU
+        # decode step's ops); other families keep [1, N, hidden].
+        flat = batch is not None and self._dense_layers()
+        h = self.model.embed_tokens(input_ids[0] if flat else input_ids)  # [B, T, hidden]
         if return_taps and not self.tap_layer_ids:
             raise ValueError("return_taps=True but no tap layers configured; call set_taps")
         tap_set = self.tap_layer_ids if return_taps else ()
@@ -426,7 +451,18 @@ class CausalLM(nn.Module):
             if i in tap_set:
                 taps[i] = h  # h is rebound each layer, never mutated: no copy needed
         tap_out = torch.cat([taps[i] for i in self.tap_layer_ids], -1) if return_taps else None
-        return self.model.norm(h), tap_out  # [B, T, hidden], [B, T, n_taps * hidden]
+        h = self.model.norm(h)
+        if flat:
+            return h[None], None if tap_out is None else tap_out[None]
+        return h, tap_out  # [B, T, hidden], [B, T, n_taps * hidden]
+
+    def _dense_layers(self) -> bool:
+        """Whether every decoder layer is this file's attention and MLP (shape-agnostic
+        over leading axes, so a paged forward can run them token-major)."""
+        if self._dense is None:
+            self._dense = all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                              and type(layer.mlp) is MLP for layer in self.model.layers)
+        return self._dense
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in fp32 (sampling wants fp32)."""

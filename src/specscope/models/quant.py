@@ -39,12 +39,12 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed,
-                                              GROUP, self.scales_zeros)  # [M, N]
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
+                                              self.scales_zeros)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     @staticmethod
     def from_codes(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, dtype: torch.dtype,
