@@ -404,18 +404,23 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _prepare_spans(meta, G, bs)
     whole = len(meta.spans) == 1 and meta.spans[0][1] - meta.spans[0][0] == N
     out = None if whole else torch.empty(N, H * Dv, dtype=q.dtype, device=q.device)
+    flat = None
     for (a, b, _, L), m, blocks in zip(meta.spans, meta.span_masks, meta.span_blocks,
                                        strict=True):
-        n, nb = b - a, -(-L // bs)
+        n = b - a
         if isinstance(blocks, int):  # consecutive blocks from `blocks`: a view
-            k, v = k_cache.narrow(0, blocks, nb), v_cache.narrow(0, blocks, nb)
+            if flat is None:
+                flat = k_cache.view(-1, Hkv, k_cache.shape[-1]), v_cache.view(-1, Hkv, Dv)
+            k, v = (c.narrow(0, blocks * bs, L).transpose(0, 1) for c in flat)  # [Hkv, L, D]
         else:
-            k, v = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
-        k = k.flatten(0, 1)[:L].transpose(0, 1)  # [Hkv, L, D]
-        v = v.flatten(0, 1)[:L].transpose(0, 1)
-        qf = q[a:b].transpose(0, 1).reshape(1, Hkv, G * n, D)  # row g * n + t
-        o = F.scaled_dot_product_attention(qf, k[None], v[None], attn_mask=m, scale=scale)
-        o = o.reshape(H, n, Dv).transpose(0, 1).reshape(n, H * Dv)
+            k, v = (c.index_select(0, blocks).flatten(0, 1)[:L].transpose(0, 1)
+                    for c in (k_cache, v_cache))
+        qs = q if whole else q[a:b]
+        # Rows g * n + t of each KV head's group (one token: the heads as they lie).
+        qf = qs.reshape(Hkv, G, D) if n == 1 else qs.transpose(0, 1).reshape(Hkv, G * n, D)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale)
+        o = o.reshape(1, H * Dv) if n == 1 else \
+            o.reshape(H, n, Dv).transpose(0, 1).reshape(n, H * Dv)
         if whole:  # one piece is the whole batch (batch-1 steps): its rows are the output
             return o
         out[a:b] = o
@@ -432,7 +437,7 @@ def _prepare_spans(meta: BatchMeta, G: int, bs: int) -> None:
     for a, b, r, L in meta.spans:
         m = meta.dense_mask(slice(a, b), L)
         masks.append(None if cpu and bool(m.all()) else
-                     m[None].expand(G, b - a, L).reshape(1, 1, G * (b - a), L))
+                     m[None].expand(G, b - a, L).reshape(1, G * (b - a), L))
         row = meta.block_tables[r, :-(-L // bs)]
         first = int(row[0]) if cpu and row.numel() else -1
         consecutive = first >= 0 and bool((row == torch.arange(first, first + row.numel()))

@@ -27,7 +27,7 @@ from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, paged_attend_qkv
 from specscope.models.linear import Linear, hand_kernels_apply, linear
 from specscope.models.registry import Family
-from specscope.models.rope import apply_rope, rope_tables
+from specscope.models.rope import apply_rope, apply_rope_rolled, rope_tables, signed_sin
 from specscope.parallel.group import TPGroup
 from specscope.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from specscope.parallel.shard import attention_pieces, gated_mlp_pieces
@@ -95,8 +95,9 @@ class ForwardContext:
     # write only there. None: every token is real.
     scratch_slots: tuple[int, int] | None = None
     # A paged forward's rope rows token-major, cos/sin [N, 1, D] (the layout of q/k heads
-    # [N, heads, D] in a token-major attention).
+    # [N, heads, D] in a token-major attention), and cos with rope.signed_sin's table.
     rope_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope_rolled: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def live_tokens(self) -> torch.Tensor | None:
         """[N] bool: which tokens of a paged forward are real, not CUDA-graph padding (None:
@@ -127,10 +128,11 @@ def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Te
         scratch = cache.scratch_block
         span = None if scratch is None else (scratch * cache.block_size,
                                              (scratch + 1) * cache.block_size)
-        cos, sin = cos_t[positions[0]], sin_t[positions[0]]  # [N, D]
-        return ForwardContext(cos=cos[None, None], sin=sin[None, None], mask=None, slots=None,
-                              kv_len=0, paged=batch, scratch_slots=span,
-                              rope_tokens=(cos[:, None], sin[:, None]))
+        cos, sin = cos_t[positions[0]][:, None], sin_t[positions[0]][:, None]  # [N, 1, D]
+        return ForwardContext(cos=cos.transpose(0, 1)[None], sin=sin.transpose(0, 1)[None],
+                              mask=None, slots=None, kv_len=0, paged=batch,
+                              scratch_slots=span, rope_tokens=(cos, sin),
+                              rope_rolled=(cos, signed_sin(sin)))
     if cache is not None:
         kv_len = kv_len if kv_len is not None else cache.capacity
         k_pos = torch.arange(kv_len, device=positions.device)
@@ -227,7 +229,7 @@ class Attention(nn.Module):
         qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
-        qk = apply_rope(qk, *ctx.rope_tokens)  # cos/sin [N, 1, D]
+        qk = apply_rope_rolled(qk, *ctx.rope_rolled)  # cos/sin [N, 1, D]
         v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
         return paged_attend(qk[:, :H], qk[:, H:], v, kv[0], kv[1], ctx.paged, self.scale)
 

@@ -112,6 +112,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def apply_rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+                      ) -> torch.Tensor:
+    """apply_rope in four ops instead of seven, for x [..., D] and cos [..., D]: the rotated
+    half is x rolled by D / 2 with the sign of its first half folded into the table,
+    sin_signed = cat(-sin[:D/2], sin[D/2:]) (`signed_sin`). The same products exactly
+    (negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated: apply_rope_rolled's table."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                            ) -> torch.Tensor:
     """Rotate x [..., D] whose rotary pairs are adjacent, (x0, x1), (x2, x3), ... (DeepSeek's
