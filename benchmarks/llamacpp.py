@@ -135,30 +135,32 @@ def run_specscope(llm, prompts: list[str], n_gen: int) -> dict:
             "accept_length": s["accept_length"], "phases_ms": phases}
 
 
-def specscope_rows(prompts: list[str], n_gen: int, threads: int) -> list[dict]:
+def specscope_rows(llms: dict, prompts: list, n_gen: int) -> list[dict]:
     """Plain (auto: the 4-bit kernel) and speculative (auto: dense weights, the shipped
     draft) decoding, and plain decoding on the speculative run's weights (the verify's
     reference step)."""
-    import torch
-
-    from specscope import LLM
-    from specscope.config import SpecConfig
-
-    torch.set_num_threads(threads)
-    rows = []
-    plain = LLM(None, spec=None, profile=False)
-    rows.append({"engine": "specscope plain", "weights": weights(plain),
-                 **run_specscope(plain, prompts, n_gen)})
-    del plain
-    spec = LLM(None, spec=SpecConfig(draft="default"), profile=False)
+    plain, spec = llms["plain"], llms["spec"]
+    rows = [{"engine": "specscope plain", "weights": weights(plain),
+             **run_specscope(plain, prompts, n_gen)}]
     same = run_specscope_plain_on(spec, prompts[:2], n_gen)
     r = {"engine": "specscope speculative", "weights": weights(spec),
          **run_specscope(spec, prompts, n_gen)}
     verify = r["phases_ms"].get("verify")
     r["decode_step_ms_same_weights"] = same
     r["verify_vs_decode"] = verify / same if verify and same else None
-    rows.append(r)
-    return rows
+    return rows + [r]
+
+
+def build_llms(threads: int) -> dict:
+    """The two engines, each in the configuration `auto` picks for it, loaded once."""
+    import torch
+
+    from specscope import LLM
+    from specscope.config import SpecConfig
+
+    torch.set_num_threads(threads)
+    return {"plain": LLM(None, spec=None, profile=False),
+            "spec": LLM(None, spec=SpecConfig(draft="default"), profile=False)}
 
 
 def weights(llm) -> str:
@@ -204,11 +206,12 @@ def main() -> None:
               "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "llama_cpp_variant": variant, "threads": args.threads, "gguf": gguf.name,
               "rows": []}
+    llms = build_llms(args.threads)
     for n in args.tokens:
         t = time.perf_counter()
         lc = llama_bench(bin_dir, gguf, args.threads, n, args.reps)
         result["rows"].append({"engine": "llama.cpp", "tokens": n, **lc})
-        for r in specscope_rows(prompts, n, args.threads):
+        for r in specscope_rows(llms, prompts, n):
             r["tokens"] = n
             r["vs_llama_cpp"] = r["decode_tok_s"] / lc["decode_tok_s"]
             result["rows"].append(r)
@@ -220,7 +223,7 @@ def main() -> None:
         tau = f"{r['accept_length']:.2f}" if r.get("accept_length") else "-"
         vd = f"{r['verify_vs_decode']:.2f}x" if r.get("verify_vs_decode") else "-"
         print(f"{r['engine']:<24} {r['tokens']:>6} {r['decode_tok_s']:>12.1f} {vs:>12} "
-              f"{tau:>10} {vd:>13}  {r.get('weights', lc.get('cpu', ''))}")
+              f"{tau:>10} {vd:>13}  {r.get('weights', r.get('cpu') or '')}")
     print(json.dumps(result))
 
 

@@ -27,7 +27,7 @@ from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, paged_attend_qkv
 from specscope.models.linear import Linear, hand_kernels_apply, linear
 from specscope.models.registry import Family
-from specscope.models.rope import apply_rope, apply_rope_rolled, rope_tables, signed_sin
+from specscope.models.rope import apply_rope_rolled, rope_tables, signed_sin
 from specscope.parallel.group import TPGroup
 from specscope.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from specscope.parallel.shard import attention_pieces, gated_mlp_pieces
@@ -94,10 +94,9 @@ class ForwardContext:
     # The paged cache's scratch block as a slot range [first, end): CUDA-graph padding rows
     # write only there. None: every token is real.
     scratch_slots: tuple[int, int] | None = None
-    # A paged forward's rope rows token-major, cos/sin [N, 1, D] (the layout of q/k heads
-    # [N, heads, D] in a token-major attention), and cos with rope.signed_sin's table.
-    rope_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
-    rope_rolled: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A paged forward's rope rows token-major, (cos, sin, rope.signed_sin(sin)) [N, 1, D]
+    # each: the layout of q/k heads [N, heads, D] in a token-major attention.
+    rope_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def live_tokens(self) -> torch.Tensor | None:
         """[N] bool: which tokens of a paged forward are real, not CUDA-graph padding (None:
@@ -131,8 +130,7 @@ def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Te
         cos, sin = cos_t[positions[0]][:, None], sin_t[positions[0]][:, None]  # [N, 1, D]
         return ForwardContext(cos=cos.transpose(0, 1)[None], sin=sin.transpose(0, 1)[None],
                               mask=None, slots=None, kv_len=0, paged=batch,
-                              scratch_slots=span, rope_tokens=(cos, sin),
-                              rope_rolled=(cos, signed_sin(sin)))
+                              scratch_slots=span, rope_tokens=(cos, sin, signed_sin(sin)))
     if cache is not None:
         kv_len = kv_len if kv_len is not None else cache.capacity
         k_pos = torch.arange(kv_len, device=positions.device)
@@ -167,7 +165,6 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
         self.head_dim = D
         q_size, kv_size = self.num_heads * D, self.num_kv_heads * D
-        self.sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         if tp is None:
             self.o_proj = Linear(q_size, h, bias=cfg.o_bias)
@@ -183,20 +180,28 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = cfg.head_dim ** -0.5
 
+    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., T, hidden] -> token-major heads: q and k side by side as they sit in the
+        fused projection, normed and rotated in one pass, qk [..., T, H + Hkv, D], and v
+        [..., T, Hkv, D] (views of the projection: no transposes). cos and sin_signed
+        (rope.signed_sin) [..., T, 1, D]."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [..., T, (H + 2 Hkv) D]
+        lead = qkv.shape[:-1]
+        qk = qkv[..., :(H + Hkv) * D].view(*lead, H + Hkv, D)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])), dim=-2)
+        qk = apply_rope_rolled(qk, cos, sin_signed)
+        return qk, qkv[..., (H + Hkv) * D:].view(*lead, Hkv, D)
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] -> rotated q [B, H, T, D], rotated k and v [B, Hkv, T, D]."""
-        B, T, _ = x.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) D]
-        qk, v = qkv.split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
-        qk = qk.view(B, T, H + Hkv, D)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
-        # q and k heads sit side by side in the fused projection: rotate them in one pass.
-        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, H + Hkv, T, D]
-        v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-        return qk[:, :H], qk[:, H:], v
+        """x [B, T, hidden] -> rotated q [B, H, T, D], rotated k and v [B, Hkv, T, D];
+        cos/sin [B, 1, T, D]."""
+        qk, v = self.heads(x, cos.transpose(1, 2), signed_sin(sin).transpose(1, 2))
+        qk = qk.transpose(1, 2)  # [B, H + Hkv, T, D]
+        return qk[:, :self.num_heads], qk[:, self.num_heads:], v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -221,16 +226,11 @@ class Attention(nn.Module):
 
     def _paged(self, x: torch.Tensor, ctx: ForwardContext,
                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """A paged forward's attention, token-major and unfused: x [N, hidden] -> [N, H*D].
-        q and k heads sit side by side in the fused projection and are normed and rotated
-        in place there, [N, heads, D], with no transposes (the cache is token-major too)."""
-        N, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [N, (H + 2 Hkv) D]
-        qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
-        qk = apply_rope_rolled(qk, *ctx.rope_rolled)  # cos/sin [N, 1, D]
-        v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+        """A paged forward's attention, token-major and unfused: x [N, hidden] -> [N, H*D]
+        (the cache is token-major too)."""
+        cos, _, sin_signed = ctx.rope_tokens
+        qk, v = self.heads(x, cos, sin_signed)
+        H = self.num_heads
         return paged_attend(qk[:, :H], qk[:, H:], v, kv[0], kv[1], ctx.paged, self.scale)
 
     def _paged_fused(self, x: torch.Tensor, ctx: ForwardContext,
@@ -241,7 +241,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [N, (H + 2 Hkv) D]
         norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
-        cos, sin = ctx.rope_tokens
+        cos, sin, _ = ctx.rope_tokens
         return paged_attend_qkv(qkv, cos[:, 0], sin[:, 0], kv[0], kv[1], ctx.paged,
                                 self.scale, self.num_heads, self.num_kv_heads, norms, eps)
 
