@@ -16,12 +16,22 @@ of the same prompts in one process, weights loaded once:
 
 On the CPU there are no graphs: one eager run per configuration. Prints a table and writes
 every summary as JSON (the profiler's summaries, split by timing mode).
+
+`--repeats R` (CUDA) separates a configuration's own cost from run-to-run noise: after one
+untimed pass over every configuration, R rounds each run every configuration once in turn,
+as the tuner runs one (an 8-token warm-up, then the prompts; graph replays read), and the
+table gives each configuration's median over the rounds, its spread, and each segment's
+mean against its median cycle (a mean above the median is a few slow cycles, e.g. a pause
+of the host). `--gc-freeze` moves every object alive after the load out of the collector's
+reach first (gc.freeze), to see what the collector's pauses cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -40,14 +50,48 @@ def _row(s: dict) -> dict:
     modes = {m: {"cycles": v["cycles"], "cycle_ms": round(v["cycle_ms"], 4),
                  "phases": {n: round(p["mean_ms"], 4) for n, p in v["phases"].items()}}
              for m, v in s.get("modes", {}).items()}
-    return {"tok_per_s": round(s["tok_per_s"], 2), "accept_length": s["accept_length"],
-            "cycles": s["cycles"], "modes": modes}
+    return {"tok_per_s": round(s["tok_per_s"], 2),
+            "tok_per_s_steady": round(s["steady_tok_per_s"], 2),
+            "accept_length": s["accept_length"], "cycles": s["cycles"], "modes": modes}
 
 
 def measure(llm: LLM, cfg, draft: str, prompts: list, params: SamplingParams,
             steady: bool) -> dict:
     _, s = run_config(llm, cfg, draft, prompts, params, warmup_tokens=8, warm_all=steady)
     return _row(s)
+
+
+def repeated(llm: LLM, configs: list, draft: str, prompts: list, params: SamplingParams,
+             repeats: int) -> list[dict]:
+    """Every configuration once untimed, then `repeats` rounds of all of them in turn."""
+    for cfg in configs:
+        run_config(llm, cfg, draft, prompts, params, warmup_tokens=8, warm_all=True)
+    runs: dict = {str(cfg or "plain"): [] for cfg in configs}
+    for _ in range(repeats):
+        for cfg in configs:
+            runs[str(cfg or "plain")].append(measure(llm, cfg, draft, prompts, params, False))
+    print(f"{'config':<12} {'tok/s med':>9} {'min':>7} {'max':>7} {'spread':>6} "
+          f"{'cycle':>6} {'draft mean/p50':>15} {'ver+com mean/p50':>17} "
+          f"{'other mean/p50':>15} {'tau':>5}", flush=True)
+    rows = []
+    for name, rs in runs.items():
+        tps = [r["tok_per_s_steady"] for r in rs]
+        med = statistics.median(tps)
+        segs = [r["modes"].get("segments", {}) for r in rs]
+
+        def ph(key: str, stat: str, segs=segs) -> float:
+            return statistics.median(s.get("phases", {}).get(key, {}).get(stat, 0.0)
+                                     for s in segs)
+        cyc = statistics.median(s.get("cycle_ms", 0.0) for s in segs)
+        tau = statistics.median(r["accept_length"] or 1.0 for r in rs)
+        print(f"{name:<12} {med:>9.1f} {min(tps):>7.1f} {max(tps):>7.1f} "
+              f"{(max(tps) - min(tps)) / med:>6.1%} {cyc:>6.3f} "
+              f"{ph('draft', 'mean_ms'):>7.3f}/{ph('draft', 'p50_ms'):<7.3f} "
+              f"{ph('verify_commit', 'mean_ms'):>8.3f}/{ph('verify_commit', 'p50_ms'):<8.3f} "
+              f"{ph('other', 'mean_ms'):>7.3f}/{ph('other', 'p50_ms'):<7.3f} {tau:>5.2f}",
+              flush=True)
+        rows.append({"config": name, "tok_per_s": tps, "runs": rs})
+    return rows
 
 
 def main() -> None:
@@ -59,6 +103,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--configs", default=None, help="semicolon-separated s,k,n (default: all)")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="CUDA: rounds of every configuration in turn, graphs only")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the load (the collector's share of the noise)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prompts = load_prompts(args.dataset, args.num_prompts)
@@ -67,6 +115,20 @@ def main() -> None:
         None if c == "plain" else tuple(int(x) for x in c.split(","))
         for c in args.configs.split(";")]
     cuda = args.device.startswith("cuda")
+    if args.repeats:
+        llm = LLM(args.model, device=args.device, cuda_graphs=cuda)
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+        t0 = time.perf_counter()
+        rows = repeated(llm, configs, args.draft, prompts, params, args.repeats)
+        meta = {"device": args.device, "model": llm.model_name, "repeats": args.repeats,
+                "gc_freeze": args.gc_freeze, "num_prompts": len(prompts),
+                "max_tokens": args.max_tokens, "seconds": round(time.perf_counter() - t0, 1)}
+        if args.out:
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}) + "\n")
+        print(json.dumps(meta))
+        return
     engines = {"eager": LLM(args.model, device=args.device, cuda_graphs=False)}
     if cuda:
         engines["graphs"] = LLM(args.model, device=args.device, cuda_graphs=True)

@@ -137,6 +137,12 @@ def test_judge_names_a_minus_one_shift_and_a_swapped_convention():
                   token_loss=base + 0.01 * torch.randn(400, generator=g),
                   acceptance=[0.4] * 5, accept_length=1.62)
     assert [f.code for f in judge(conf, [conf, same], "sglang", 30)] == ["probe.wiring_ok"]
+    # A short probe's accept-length lead that the cross-entropy contradicts is noise (the
+    # wheel's doctor on 12 answer tokens: 1.70 vs 1.52 at 3.020 vs 2.821 nats).
+    lucky = Wiring(ids=(-1, 12, 24), names=["shifted -1"], loss=conf.loss + 0.2,
+                   token_loss=base + 0.2 + 0.3 * torch.randn(400, generator=g),
+                   acceptance=[0.5] * 5, accept_length=1.8)
+    assert [f.code for f in judge(conf, [conf, lucky], "sglang", 30)] == ["probe.wiring_ok"]
 
 
 def test_embedding_in_place_of_the_first_tap_is_caught(tmp_path, llm, probe):

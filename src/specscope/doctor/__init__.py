@@ -111,8 +111,12 @@ _PRIORITY = ["configured", "embedding replaced", "shifted -1", "shifted +1", "ot
 
 
 def _clearly_better(alt: Wiring, conf: Wiring) -> bool:
+    """A clear accept-length gain that the cross-entropy does not contradict, or a
+    cross-entropy gain beyond its paired noise. On a short probe (a dozen answer tokens) one
+    token's acceptance moves the accept length by 0.1-0.2, so a gain alone is not enough."""
     gain = alt.accept_length - conf.accept_length
-    if gain >= CLEAR_ABS and gain >= CLEAR_REL * (conf.accept_length - 1):
+    if gain >= CLEAR_ABS and gain >= CLEAR_REL * (conf.accept_length - 1) \
+            and alt.loss <= conf.loss:
         return True
     if alt.token_loss is None or conf.token_loss is None or alt.token_loss.numel() < 2:
         return False
