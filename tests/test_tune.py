@@ -5,8 +5,10 @@ the engine's accept length for configurations it did not run, hot reconfiguratio
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specscope import LLM, SamplingParams, SpecConfig
 from specscope.config import ServerConfig
@@ -39,6 +41,81 @@ def test_cost_model_recovers_known_costs_from_synthetic_timings():
     assert fit.tok_per_s(3.0, 5, 1, 6) == pytest.approx(3000 / fit.cycle_ms(5, 1, 6))
     assert len(fit.residuals["draft"]) == len(CALIBRATION)
     assert fit.worst_residual() < 0.03
+
+
+def _h200_classes(n: int) -> str:
+    """The default model's kernel classes on the H200 (3 query heads per KV head)."""
+    from specscope.engine.machine import kernel_class
+
+    return kernel_class(n, 3, 1, (16, 32, 64, 128), 16)
+
+
+def test_kernel_classes_follow_the_attention_tile_and_the_linear():
+    from specscope.engine.machine import kernel_class, verify_kernel_class
+
+    assert _h200_classes(5) == _h200_classes(2) != _h200_classes(6) == _h200_classes(10)
+    assert _h200_classes(11).startswith("attention 64 rows x 1, few-row")
+    assert _h200_classes(17) == "attention 64 rows x 1, GEMM"
+    assert _h200_classes(43) == "attention 128 rows x 2, GEMM"
+    assert kernel_class(4, 1, 8, None, 16) == "GEMM"  # 32 rows of a batch of 8
+    assert kernel_class(4, 1, 1, None, None) is None
+    cfg = SimpleNamespace(num_heads=9, num_kv_heads=3, mla=None)
+    assert verify_kernel_class(cfg, torch.device("cpu"), torch.float32, 8) is None
+
+
+def test_the_cost_model_fits_each_kernel_class_its_own_step():
+    """Verify costs that step with the kernel class (a 32-row tile dearer than a 64-row one,
+    as on the H200), on the tuner's calibration shapes for that machine: the classed fit
+    recovers every step, either sign, and prices configurations it never ran within 3 %;
+    the fit linear in n cannot."""
+    from specscope.tune.calibration import calibration_shapes
+    from specscope.tune.tuner import all_configs
+
+    step = {"attention 16 rows x 1, few-row linear": 0.0,
+            "attention 32 rows x 1, few-row linear": 0.31,
+            "attention 64 rows x 1, few-row linear": -0.03,
+            "attention 64 rows x 1, GEMM": 0.25, "attention 128 rows x 1, GEMM": 0.61,
+            "attention 128 rows x 2, GEMM": 0.9}
+    true = CostModel(a_draft=0.44, b_step=0.086, c_tree=0.11, e_tree=0.087, b_row=0.008,
+                     a_verify=1.34, b_verify=0.008, c_tree_verify=0.32, d_tree_verify=0.063,
+                     other=0.28, plain=1.34, kernel_class=_h200_classes, verify_class_ms=step)
+    configs = all_configs(10)
+    shapes = calibration_shapes(_h200_classes, configs)
+    assert {_h200_classes(c[2]) for c in shapes} == set(step)  # every class measured
+    assert len(shapes) > 4 + len(step) - 1  # a point to spare on the verify line
+    rng = random.Random(1)
+    cals = [Calibration(*c, true.draft_ms(*c) * (1 + rng.gauss(0, 0.005)),
+                        true.verify_ms(*c) * (1 + rng.gauss(0, 0.005)), true.other)
+            for c in shapes]
+    fit = fit_cost_model(cals, plain_ms=1.34, kernel_class=_h200_classes)
+    # The 32-row step, measured by chains and trees alike, comes back; a class one shape
+    # reaches also takes that shape's noise and trades with the per-token term, so its step
+    # is judged by the cycles it predicts: within 3 %.
+    s32, s64 = (fit.verify_class_ms[f"attention {r} rows x 1, few-row linear"] for r in (32, 64))
+    assert s32 == pytest.approx(0.31, abs=0.05) and s64 < s32
+    worst = max(abs(fit.cycle_ms(*c) / true.cycle_ms(*c) - 1) for c in configs)
+    assert worst < 0.03, worst
+    linear = fit_cost_model(cals, plain_ms=1.34)
+    assert max(abs(linear.cycle_ms(*c) / true.cycle_ms(*c) - 1) for c in configs) > 0.05
+    assert fit.as_dict()["verify_class_ms"]["attention 32 rows x 1, few-row linear"] > 0.25
+
+
+def test_a_kernel_class_no_calibration_measured_is_refused():
+    """A prediction in a class the calibration never reached would be a guess: it raises."""
+    cals = [Calibration(*c, 1.0 + c[0], 1.4 + (0.3 if c[2] > 5 else 0.0), 0.2)
+            for c in [(1, 1, 2), (4, 1, 5), (8, 1, 9), (2, 4, 8), (3, 4, 8), (5, 2, 10),
+                      (6, 8, 10), (7, 1, 8)]]
+    fit = fit_cost_model(cals, plain_ms=1.3, kernel_class=_h200_classes)
+    assert fit.covers(9) and not fit.covers(32)
+    with pytest.raises(ValueError, match="kernel class"):
+        fit.verify_ms(6, 8, 32)
+
+
+def test_without_kernel_classes_the_calibration_is_the_seven_shapes():
+    from specscope.tune.calibration import CALIBRATION, calibration_shapes
+    from specscope.tune.tuner import all_configs
+
+    assert calibration_shapes(None, all_configs(10)) == CALIBRATION
 
 
 def test_cost_terms_are_never_fitted_negative():

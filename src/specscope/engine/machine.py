@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,3 +79,42 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     return getattr(torch, normalize_dtype(dtype))
+
+
+def verify_kernel_class(cfg: Any, device: torch.device, dtype: torch.dtype, tokens: int,
+                        batch: int = 1) -> str | None:
+    """Which kernel variants a verify of `tokens` tokens for each of `batch` sequences runs
+    on this machine, where a kernel's cost changes in steps with the row count rather than
+    per token (kernel_class); None where one code path serves every size (the CPU). On the
+    H200 the default model's verify costs 1.37 ms for 2-5 tokens (16-row tiles) and 1.69 ms
+    for 6-9 (32-row tiles): a cost model linear in the tokens mispriced both sides."""
+    if device.type != "cuda":
+        return None
+    from specscope.kvcache.paged import _fast_backend
+    from specscope.models.linear import _backend
+
+    tiles = None
+    if getattr(cfg, "mla", None) is None and _fast_backend() is not None:
+        from specscope.kvcache.triton_attention import TILE_ROWS as tiles
+    few = _backend()
+    few_rows = few.MAX_ROWS if few is not None and dtype in (torch.bfloat16,
+                                                             torch.float16) else None
+    return kernel_class(tokens, cfg.num_heads // cfg.num_kv_heads, batch, tiles, few_rows)
+
+
+def kernel_class(tokens: int, group: int, batch: int, tile_rows: tuple[int, ...] | None,
+                 few_rows: int | None) -> str | None:
+    """The paged attention's query tile for `tokens` tokens of one sequence with `group`
+    query heads per KV head (the smallest of tile_rows holding tokens x group rows, else
+    several of the largest, as kvcache/triton_attention.py tokens_per_tile cuts them, each
+    padded to a power of two) and whether the few-row linear (at most few_rows rows) or a
+    GEMM serves batch x tokens rows. None: neither kernel is in use."""
+    parts = []
+    if tile_rows:
+        rows = next((r for r in tile_rows if tokens * group <= r), tile_rows[-1])
+        tpt = max(1, rows // group)
+        block = max(16, 1 << (tpt * group - 1).bit_length())
+        parts.append(f"attention {block} rows x {-(-tokens // tpt)}")
+    if few_rows:
+        parts.append("few-row linear" if batch * tokens <= few_rows else "GEMM")
+    return ", ".join(parts) or None

@@ -403,6 +403,7 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if meta.span_masks is None:
         _prepare_spans(meta, G, bs)
     whole = len(meta.spans) == 1 and meta.spans[0][1] - meta.spans[0][0] == N
+    cuda = q.is_cuda
     out = None if whole else torch.empty(N, H * Dv, dtype=q.dtype, device=q.device)
     flat = None
     for (a, b, _, L), m, blocks in zip(meta.spans, meta.span_masks, meta.span_blocks,
@@ -416,10 +417,13 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             k, v = (c.index_select(0, blocks).flatten(0, 1)[:L].transpose(0, 1)
                     for c in (k_cache, v_cache))
         qs = q if whole else q[a:b]
+        one = n == 1 and not cuda
         # Rows g * n + t of each KV head's group (one token: the heads as they lie).
-        qf = qs.reshape(Hkv, G, D) if n == 1 else qs.transpose(0, 1).reshape(Hkv, G * n, D)
+        qf = qs.reshape(Hkv, G, D) if one else qs.transpose(0, 1).reshape(Hkv, G * n, D)
+        if cuda:  # 4-D, as SDPA's fused CUDA kernels take it (3-D falls back to the math path)
+            qf, k, v = qf[None], k[None], v[None]
         o = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale)
-        o = o.reshape(1, H * Dv) if n == 1 else \
+        o = o.reshape(1, H * Dv) if one else \
             o.reshape(H, n, Dv).transpose(0, 1).reshape(n, H * Dv)
         if whole:  # one piece is the whole batch (batch-1 steps): its rows are the output
             return o

@@ -21,6 +21,7 @@ from typing import Any
 
 from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.profiler.profiler import batch_bucket
+from specscope.tune.calibration import calibration_shapes, kernel_classes
 from specscope.tune.cost import (
     CostModel,
     calibration_from_summary,
@@ -74,15 +75,21 @@ def batched_run(llm: Any, spec: SpecConfig | None, prompts: list[Any], batch: in
 
 def fit_batch(llm: Any, draft: str, prompts: list[Any], batch: int, params: SamplingParams,
               calibration: list[Config], spec_for: Any, base: SpecConfig | None,
-              warmup_tokens: int) -> tuple[CostModel, float]:
-    """The cost model of a step of `batch` sequences, and plain decoding's tok/s there."""
+              warmup_tokens: int, configs: list[Config] | None = None
+              ) -> tuple[CostModel, float]:
+    """The cost model of a step of `batch` sequences, and plain decoding's tok/s there.
+    `configs`: the configurations it will predict, whose verify kernel classes at this batch
+    size the calibration must reach (tune/calibration.py)."""
     plain, plain_tps = batched_run(llm, None, prompts, batch, params, warmup_tokens)
+    kc = kernel_classes(llm, batch)
+    moe = moe_shape(llm)
     cals = []
-    for cfg in calibration:
+    for cfg in calibration_shapes(kc, configs or [], calibration, 4 + (moe is not None)):
         s, _ = batched_run(llm, spec_for(cfg, draft, base), prompts, batch, params,
                            warmup_tokens)
         cals.append(calibration_from_summary(s, *cfg))
-    return fit_cost_model(cals, plain_ms_from_summary(plain), moe_shape(llm), batch), plain_tps
+    return fit_cost_model(cals, plain_ms_from_summary(plain), moe, batch,
+                          kernel_class=kc), plain_tps
 
 
 def moe_shape(llm: Any) -> tuple[int, int] | None:
@@ -119,7 +126,7 @@ def fit_policy(llm: Any, draft: str, prompts: list[Any], batch_sizes: list[int],
             entries.append((1, spec_for(batch1, draft, base)))
             continue
         cost, plain_tps = fit_batch(llm, draft, prompts, b, params, calibration, spec_for,
-                                    base, warmup_tokens)
+                                    base, warmup_tokens, list(taus))
         pick, pred = best_at(cost, b, taus, margin)
         row = BucketRow(b, cost, plain_tps, pick, pred)
         if pick is not None:

@@ -26,6 +26,22 @@ drafting, a mask, two top-k and gathers per step. Fitting those as per-token or 
 costs priced a (5, 3, 21) tree 14 % too cheap; with them the fit is within 3.1 % of every
 steady cycle of 25 chains and trees measured there (benchmarks/cycle_costs.py).
 
+On CUDA a kernel's cost changes in steps with the rows it serves, not per token: the
+paged attention's query tile (tokens x query heads per KV head, rounded up to 16, 32, 64 or
+128 rows) and the few-row linear (at most 16 rows, GEMMs beyond). The verify line then has one
+more term per kernel class the calibration reaches beyond the first (engine/machine.py
+verify_kernel_class):
+
+             + class_ms[class(n)]                         that class's step, either sign
+
+On the H200 the default model's verify took 1.37 ms at 2-5 tokens, 1.69 ms at 6-9 (16- then
+32-row tiles), and a 16-token tree's less than an 8-token tree's (64-row tiles run another
+kernel configuration than 32-row ones). Fitted to the same calibration shapes, the model
+linear in n was off by 7.3 % on average over the 35 speculative configurations of a grid
+measured in the same session (worst 14.4 %), the one with classes by 3.9 %. The tuner adds
+calibration shapes until every class of the configurations it predicts is measured
+(tuner.calibration_shapes).
+
 Each line is fitted by non-negative least squares on the mean per-cycle phase times that
 `Profiler.summary` reports (of its graph replays when it has them), so the same code fits
 eager phases (draft_extend + draft_step + tree_build) and graph-replayed segments (draft,
@@ -159,6 +175,10 @@ class CostModel:
     b_expert: float = 0.0
     experts: ExpertModel | None = None
     batch: int = 1
+    # CUDA: the verify's kernel class of n tokens (None: one class) and each class's step
+    # over the first class's, as fitted.
+    kernel_class: Any = field(default=None, compare=False, repr=False)
+    verify_class_ms: dict[str, float] = field(default_factory=dict)
 
     def draft_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         """The draft's compute, then its collectives (none when it is replicated)."""
@@ -176,7 +196,23 @@ class CostModel:
         x = verify_columns(num_steps, topk, num_draft_tokens)
         ms = sum(c * getattr(self, t) for c, t in zip(x, VERIFY_TERMS, strict=True))
         experts = self.experts_for(num_draft_tokens)
-        return ms if experts is None else ms + self.b_expert * experts
+        return (ms if experts is None else ms + self.b_expert * experts) + \
+            self.class_ms(num_draft_tokens)
+
+    def class_ms(self, num_draft_tokens: int) -> float:
+        """The step of a verify of this many tokens' kernel class (0 without classes)."""
+        if self.kernel_class is None:
+            return 0.0
+        k = self.kernel_class(num_draft_tokens)
+        if k not in self.verify_class_ms:
+            raise ValueError(f"cost model: no calibration measured the kernel class {k!r} "
+                             f"of a {num_draft_tokens}-token verify (tuner.calibration_shapes "
+                             f"covers every class of the configurations it predicts)")
+        return self.verify_class_ms[k]
+
+    def covers(self, num_draft_tokens: int) -> bool:
+        return self.kernel_class is None or \
+            self.kernel_class(num_draft_tokens) in self.verify_class_ms
 
     def cycle_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         cfg = (num_steps, topk, num_draft_tokens)
@@ -195,6 +231,8 @@ class CostModel:
         if self.experts is not None:
             out["effective_experts"] = round(self.experts.effective, 2)
             out["batch"] = self.batch
+        if self.verify_class_ms:
+            out["verify_class_ms"] = {k: round(v, 5) for k, v in self.verify_class_ms.items()}
         return out
 
     def worst_residual(self) -> float:
@@ -247,20 +285,22 @@ def plain_ms_from_summary(summary: dict[str, Any]) -> float:
     return sum(p["mean_ms"] for name, p in summary["phases"].items() if name != "prefill")
 
 
-def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+def _lstsq(rows: list[list[float]], y: list[float], free: int = 0) -> list[float]:
     """Least squares with every cost >= 0, exactly: the best unconstrained fit on each
     subset of the terms (the rest held at 0) whose coefficients are all >= 0. A line has at
-    most five terms, so there are at most 32 subsets. A negative cost is noise fitted (the
-    2-core CPU's calibration once gave the per-depth tree verify term -2.4 ms, and the model
-    then priced deep trees below shallow ones)."""
+    most six such terms, so there are at most 64 subsets. A negative cost is noise fitted
+    (the 2-core CPU's calibration once gave the per-depth tree verify term -2.4 ms, and the
+    model then priced deep trees below shallow ones). The last `free` columns (kernel class
+    steps, which may be negative) are in every subset and unconstrained."""
     A = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(y, dtype=torch.float64)[:, None]
     m = A.shape[1]
+    c = m - free
     best, best_err = [0.0] * m, float((b ** 2).sum())
-    for mask in range(1, 1 << m):
-        cols = [j for j in range(m) if mask >> j & 1]
+    for mask in range(1 if not free else 0, 1 << c):
+        cols = [j for j in range(c) if mask >> j & 1] + list(range(c, m))
         sol = torch.linalg.lstsq(A[:, cols], b, driver="gelsd").solution[:, 0]
-        if (sol < 0).any():
+        if (sol[:len(cols) - free] < 0).any():
             continue
         err = float(((A[:, cols] @ sol[:, None] - b) ** 2).sum())
         if err < best_err - 1e-12:
@@ -285,12 +325,13 @@ def _check_identified(name: str, terms: tuple[str, ...], rows: list[list[float]]
 
 
 def _fit_line(name: str, terms: tuple[str, ...], columns, cals: list[Calibration],
-              attr: str) -> tuple[list[float], list[dict[str, Any]]]:
-    """One line's non-negative fit; columns(s, k, n) -> its design row."""
+              attr: str, free: int = 0) -> tuple[list[float], list[dict[str, Any]]]:
+    """One line's non-negative fit; columns(s, k, n) -> its design row (its last `free`
+    terms unconstrained)."""
     rows = [columns(c.num_steps, c.topk, c.num_draft_tokens) for c in cals]
     _check_identified(name, terms, rows, cals)
     y = [getattr(c, attr) for c in cals]
-    coef = _lstsq(rows, y)
+    coef = _lstsq(rows, y, free)
     resid = [{"config": [c.num_steps, c.topk, c.num_draft_tokens], "measured_ms": round(m, 4),
               "fitted_ms": round(sum(a * b for a, b in zip(r, coef, strict=True)), 4)}
              for c, r, m in zip(cals, rows, y, strict=True)]
@@ -299,7 +340,7 @@ def _fit_line(name: str, terms: tuple[str, ...], columns, cals: list[Calibration
 
 def fit_cost_model(cals: list[Calibration], plain_ms: float,
                    moe: tuple[int, int] | None = None, batch: int = 1, tp: int = 1,
-                   draft_tp: int = 1) -> CostModel:
+                   draft_tp: int = 1, kernel_class: Any = None) -> CostModel:
     """Non-negative least-squares fit of the cycle terms (module docstring), with each
     calibration point's residual kept. Raises, naming what is missing, when the calibration
     cannot identify every term (e.g. no tree, or trees of one depth only).
@@ -307,26 +348,48 @@ def fit_cost_model(cals: list[Calibration], plain_ms: float,
     moe: (num_experts, top_k) of a MoE target whose calibrations measured their experts:
     the expert model is fitted to them (each verify routed batch * n tokens) and the verify
     line gets its b_expert term. tp, draft_tp: the tensor-parallel placement the calibration
-    ran under (the draft's collectives are fitted apart from its compute)."""
+    ran under (the draft's collectives are fitted apart from its compute). kernel_class:
+    n -> the verify's kernel class at this batch (engine/machine.py verify_kernel_class;
+    None: one class), each class the calibration reached beyond its smallest verify's
+    getting a step of its own."""
     compute = [dataclasses.replace(c, draft_ms=c.draft_ms - c.draft_comm_ms) for c in cals]
     d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, compute, "draft_ms")
     experts = None
-    v_terms, v_columns = VERIFY_TERMS, verify_columns
+    v_terms, base_columns = VERIFY_TERMS, verify_columns
     if moe is not None and cals and all(c.experts is not None for c in cals):
         experts = fit_expert_model([(batch * c.num_draft_tokens, c.experts) for c in cals],
                                    *moe)
         v_terms = VERIFY_TERMS + ("b_expert",)
 
-        def v_columns(s: int, k: int, n: int) -> list[float]:
+        def base_columns(s: int, k: int, n: int) -> list[float]:
             return verify_columns(s, k, n) + [experts.distinct(batch * n)]
-    v, v_res = _fit_line("verify", v_terms, v_columns, cals, "verify_ms")
+    steps = _class_steps(cals, kernel_class)
+
+    def v_columns(s: int, k: int, n: int) -> list[float]:
+        own = kernel_class(n) if steps else None
+        return base_columns(s, k, n) + [float(own == c) for c in steps]
+    v, v_res = _fit_line("verify", v_terms + tuple(f"class {c}" for c in steps), v_columns,
+                         cals, "verify_ms", free=len(steps))
+    classes = {kernel_class(min(c.num_draft_tokens for c in cals)): 0.0} if steps else {}
+    classes.update(zip(steps, v[len(v_terms):], strict=True))
     # One mean over every calibration point: the host's time between segments is a tenth
     # of a millisecond that moves by as much from run to run, and no shape explains it.
-    terms = dict(zip(DRAFT_TERMS + v_terms, d + v, strict=True))
+    terms = dict(zip(DRAFT_TERMS + v_terms, d + v[:len(v_terms)], strict=True))
     return CostModel(**terms, other=sum(c.other_ms for c in cals) / len(cals), plain=plain_ms,
                      **_comm_terms(cals), tp=tp, draft_tp=draft_tp,
                      residuals={"draft": d_res, "verify": v_res}, experts=experts,
-                     batch=batch)
+                     batch=batch, kernel_class=kernel_class if steps else None,
+                     verify_class_ms=classes)
+
+
+def _class_steps(cals: list[Calibration], kernel_class: Any) -> list[str]:
+    """The kernel classes the calibration reached beyond its smallest verify's ([] without
+    classes, or when every verify ran one class)."""
+    if kernel_class is None or not cals:
+        return []
+    base = kernel_class(min(c.num_draft_tokens for c in cals))
+    seen = {kernel_class(c.num_draft_tokens) for c in cals}
+    return sorted(k for k in seen if k != base and k is not None)
 
 
 def _comm_terms(cals: list[Calibration]) -> dict[str, float]:

@@ -25,6 +25,7 @@ from typing import Any
 from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.tune.acceptance import AcceptanceModel, draft_scores, measure_acceptance
 from specscope.tune.batch_policy import BucketRow, fit_policy, moe_shape
+from specscope.tune.calibration import CALIBRATION, calibration_shapes, kernel_classes
 from specscope.tune.cost import (
     CostModel,
     calibration_from_summary,
@@ -33,13 +34,6 @@ from specscope.tune.cost import (
 )
 
 Config = tuple[int, int, int]  # (num_steps, topk, num_draft_tokens)
-# Seven configurations over-determine the cost model's lines (cost.py: five draft terms,
-# four verify terms, each identified): chains of 1, 4 and 8 steps (the chain step, the verify
-# per token), and trees that vary depth, width and size independently enough to tell a
-# tree's per-depth work from its per-row and per-token work. On a GPU each costs well under
-# a second; the confirmation runs are most of the tuner's time.
-CALIBRATION: list[Config] = [(1, 1, 2), (4, 1, 5), (8, 1, 9), (2, 4, 8), (3, 8, 16),
-                             (5, 2, 10), (6, 8, 32)]
 
 
 def max_nodes(num_steps: int, topk: int) -> int:
@@ -263,19 +257,23 @@ def _acceptance_model(llm: Any, draft: str, prompts: list[Any], answers: list[li
 
 
 def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | None,
-               plain_summary: dict, calibration_tokens: int, warmup_tokens: int
-               ) -> tuple[CostModel, list[str]]:
-    """The cost model fitted from the CALIBRATION shapes' runs (and each run's seconds)."""
+               plain_summary: dict, calibration_tokens: int, warmup_tokens: int,
+               configs: list[Config]) -> tuple[CostModel, list[str]]:
+    """The cost model fitted from the calibration shapes' runs (and each run's seconds):
+    CALIBRATION, and on CUDA a shape for each kernel class of `configs` it misses."""
     cal_params = SamplingParams(max_tokens=calibration_tokens, ignore_eos=True)
     # A calibration run reads its graph replays only (steady_phases), so its warm-up only has
     # to take the first-use costs: a capture in the measured run is left out anyway.
     cal_warm = min(warmup_tokens, calibration_tokens, 8)
+    kc = kernel_classes(llm)
     cals, run_s = [], []
-    for cfg in CALIBRATION:
+    for cfg in calibration_shapes(kc, configs, verify_terms=4 + (moe_shape(llm) is not None)):
         m, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
         cals.append(calibration_from_summary(s, *cfg))
         run_s.append(f"{cfg} {m.seconds:.1f}")
-    return fit_cost_model(cals, plain_ms_from_summary(plain_summary), moe_shape(llm)), run_s
+    cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary), moe_shape(llm),
+                          kernel_class=kc)
+    return cost, run_s
 
 
 def _predict(acc: AcceptanceModel, cost: CostModel, depth: int, log: Any
@@ -351,12 +349,13 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
 
     t = time.perf_counter()
     cost, run_s = _calibrate(llm, draft, prompts[:calibration_prompts], base, plain_summary,
-                             calibration_tokens, warmup_tokens)
-    run_s.insert(0, f"plain {plain.seconds:.1f}")
+                             calibration_tokens, warmup_tokens,
+                             all_configs(min(depth, acc.depth)))
     timings["calibration"] = time.perf_counter() - t
     cal_s = timings["plain"] + timings["calibration"]
-    log(f"[tune] cost model from plain + {len(CALIBRATION)} calibration configs "
-        f"({cal_s:.1f} s; runs, s: {', '.join(run_s)}): {cost.as_dict()}; "
+    log(f"[tune] cost model from plain + {len(run_s)} calibration configs "
+        f"({cal_s:.1f} s; runs, s: plain {plain.seconds:.1f}, {', '.join(run_s)}): "
+        f"{cost.as_dict()}; "
         f"worst calibration residual {cost.worst_residual():.1%}")
 
     preds, timings["prediction"] = _predict(acc, cost, depth, log)
