@@ -145,7 +145,10 @@ def specscope_rows(llms: dict, prompts: list, n_gen: int) -> list[dict]:
     same = run_specscope_plain_on(spec, prompts[:2], n_gen)
     r = {"engine": "specscope speculative", "weights": weights(spec),
          **run_specscope(spec, prompts, n_gen)}
-    verify = r["phases_ms"].get("verify")
+    # Like for like with a decode step (forward, lm_head, sampling): the verify forward and
+    # its accept phase, which computes the verify rows' logits and the verdicts.
+    ph = r["phases_ms"]
+    verify = ph["verify"] + ph.get("accept", 0.0) if ph.get("verify") else None
     r["decode_step_ms_same_weights"] = same
     r["verify_vs_decode"] = verify / same if verify and same else None
     return rows + [r]
