@@ -84,7 +84,7 @@ def fit_batch(llm: Any, draft: str, prompts: list[Any], batch: int, params: Samp
     kc = kernel_classes(llm, batch)
     moe = moe_shape(llm)
     cals = []
-    for cfg in calibration_shapes(kc, configs or [], calibration, 4 + (moe is not None)):
+    for cfg in calibration_shapes(kc, configs or [], calibration, moe is not None):
         s, _ = batched_run(llm, spec_for(cfg, draft, base), prompts, batch, params,
                            warmup_tokens)
         cals.append(calibration_from_summary(s, *cfg))

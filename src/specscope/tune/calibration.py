@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from specscope.tune.cost import VERIFY_TERMS
+
 Config = tuple[int, int, int]  # (num_steps, topk, num_draft_tokens)
 CALIBRATION: list[Config] = [(1, 1, 2), (4, 1, 5), (8, 1, 9), (2, 4, 8), (3, 8, 16),
                              (5, 2, 10), (6, 8, 32)]
@@ -38,13 +40,12 @@ def kernel_classes(llm: Any, batch: int = 1) -> KernelClass | None:
 
 
 def calibration_shapes(kernel_class: KernelClass | None, configs: list[Config],
-                       base: list[Config] | None = None, verify_terms: int = 4
-                       ) -> list[Config]:
+                       base: list[Config] | None = None, moe: bool = False) -> list[Config]:
     """`base` (CALIBRATION), and with kernel classes: for each class of `configs`' verify
     sizes that no shape reaches, one shape at that class's middle size (the chain of that
     size where `configs` has it, else its shallowest, widest tree of that size); then chains
-    of 2, 3, ... steps until the verify line (verify_terms plus a step per class beyond the
-    first) has one point more than terms."""
+    of 2, 3, ... steps until the verify line (cost.py's terms, the expert term on a MoE
+    target, a step per class beyond the first) has one point more than terms."""
     shapes = list(CALIBRATION if base is None else base)
     if kernel_class is None:
         return shapes
@@ -59,7 +60,7 @@ def calibration_shapes(kernel_class: KernelClass | None, configs: list[Config],
         of_n = [c for c in configs if c[2] == n]
         shapes.append(min(of_n, key=lambda c: (c[1] > 1, c[0], -c[1])))
         covered.add(k)
-    terms = verify_terms + len(covered) - 1
+    terms = len(VERIFY_TERMS) + moe + len(covered) - 1
     chains = [c for c in configs if c[1] == 1 and c not in shapes]
     for c in sorted(chains):
         if len(shapes) > terms:

@@ -36,11 +36,12 @@ verify_kernel_class):
 
 On the H200 the default model's verify took 1.37 ms at 2-5 tokens, 1.69 ms at 6-9 (16- then
 32-row tiles), and a 16-token tree's less than an 8-token tree's (64-row tiles run another
-kernel configuration than 32-row ones). Fitted to the same calibration shapes, the model
-linear in n was off by 7.3 % on average over the 35 speculative configurations of a grid
-measured in the same session (worst 14.4 %), the one with classes by 3.9 %. The tuner adds
-calibration shapes until every class of the configurations it predicts is measured
-(tuner.calibration_shapes).
+kernel configuration than 32-row ones). Fitted to those calibration runs and scored
+against a grid of 35 speculative configurations measured on the same GPU
+(benchmarks/cost_replay.py), the model linear in n was off by 7.6 % on average (worst
+17.7 %), the one with classes by 5.1 % (worst 14.0 %, short chains whose host time moved
+between the runs). The calibration adds shapes until every class of the configurations
+the tuner predicts is measured (tune/calibration.py).
 
 Each line is fitted by non-negative least squares on the mean per-cycle phase times that
 `Profiler.summary` reports (of its graph replays when it has them), so the same code fits
@@ -206,8 +207,8 @@ class CostModel:
         k = self.kernel_class(num_draft_tokens)
         if k not in self.verify_class_ms:
             raise ValueError(f"cost model: no calibration measured the kernel class {k!r} "
-                             f"of a {num_draft_tokens}-token verify (tuner.calibration_shapes "
-                             f"covers every class of the configurations it predicts)")
+                             f"of a {num_draft_tokens}-token verify (tune/calibration.py "
+                             f"calibration_shapes covers every class the tuner predicts)")
         return self.verify_class_ms[k]
 
     def covers(self, num_draft_tokens: int) -> bool:

@@ -267,7 +267,7 @@ def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | 
     cal_warm = min(warmup_tokens, calibration_tokens, 8)
     kc = kernel_classes(llm)
     cals, run_s = [], []
-    for cfg in calibration_shapes(kc, configs, verify_terms=4 + (moe_shape(llm) is not None)):
+    for cfg in calibration_shapes(kc, configs, moe=moe_shape(llm) is not None):
         m, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
         cals.append(calibration_from_summary(s, *cfg))
         run_s.append(f"{cfg} {m.seconds:.1f}")
