@@ -90,11 +90,11 @@ def verify_kernel_class(cfg: Any, device: torch.device, dtype: torch.dtype, toke
     for 6-9 (32-row tiles): a cost model linear in the tokens mispriced both sides."""
     if device.type != "cuda":
         return None
-    from specscope.kvcache.paged import _fast_backend
+    from specscope.kvcache.paged import fast_backend_available
     from specscope.models.linear import _backend
 
     tiles = None
-    if getattr(cfg, "mla", None) is None and _fast_backend() is not None:
+    if getattr(cfg, "mla", None) is None and fast_backend_available():
         from specscope.kvcache.triton_attention import TILE_ROWS as tiles
     few = _backend()
     few_rows = few.MAX_ROWS if few is not None and dtype in (torch.bfloat16,

@@ -15,6 +15,7 @@ per class the seven miss, and chains until the verify line has a point to spare.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
@@ -36,7 +37,8 @@ def kernel_classes(llm: Any, batch: int = 1) -> KernelClass | None:
     device = torch.device(llm.device)
     if verify_kernel_class(cfg, device, dtype, 2, batch) is None:
         return None
-    return lambda n: verify_kernel_class(cfg, device, dtype, n, batch)
+    # Asked once per configuration predicted (thousands), of a few dozen sizes.
+    return cache(lambda n: verify_kernel_class(cfg, device, dtype, n, batch))
 
 
 def calibration_shapes(kernel_class: KernelClass | None, configs: list[Config],

@@ -211,10 +211,6 @@ class CostModel:
                              f"calibration_shapes covers every class the tuner predicts)")
         return self.verify_class_ms[k]
 
-    def covers(self, num_draft_tokens: int) -> bool:
-        return self.kernel_class is None or \
-            self.kernel_class(num_draft_tokens) in self.verify_class_ms
-
     def cycle_ms(self, num_steps: int, topk: int, num_draft_tokens: int) -> float:
         cfg = (num_steps, topk, num_draft_tokens)
         return self.draft_ms(*cfg) + self.verify_ms(*cfg) + self.other
