@@ -128,9 +128,12 @@ def main() -> None:
     run_config(llm, (3, 1, 4), args.draft, prompts[:1], SamplingParams(max_tokens=warm), base,
                warm)
     if args.warm_all:
-        from specscope.tune.tuner import CALIBRATION
+        from specscope.tune.calibration import calibration_shapes, kernel_classes
+        from specscope.tune.tuner import all_configs, moe_shape
 
-        for cfg in dict.fromkeys([*grid(), *CALIBRATION]):
+        # The shapes the tuner's calibration runs, the kernel classes' extra ones included.
+        cal = calibration_shapes(kernel_classes(llm), all_configs(), moe=moe_shape(llm) is not None)
+        for cfg in dict.fromkeys([*grid(), *cal]):
             if cfg is not None:
                 run_config(llm, cfg, args.draft, prompts[:1],
                            SamplingParams(max_tokens=warm), base, warm)
@@ -141,6 +144,9 @@ def main() -> None:
                warmup_tokens=warm,
                served=None if args.served == "none" else served_config(args.served))
     tune_s = time.perf_counter() - t
+    for line, rows in res.cost.residuals.items():  # the fit's residuals, point by point
+        log_line(lines, f"[fit] {line}: " + ", ".join(
+            f"{tuple(r['config'])} {r['measured_ms']:.3f}/{r['fitted_ms']:.3f} ms" for r in rows))
     lines += [res.table(), res.recommendation()]
     params = SamplingParams(max_tokens=args.max_tokens)
     t = time.perf_counter()
