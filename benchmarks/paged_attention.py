@@ -1,8 +1,13 @@
 """The Triton paged-attention kernel (specscope.kvcache.triton_attention) timed on CUDA, one
-layer of Llama-3.1-8B attention (H=32, Hkv=8, D=128, bf16, block size 16).
+layer of Llama-3.1-8B attention (H=32, Hkv=8, D=128, bf16, block size 16) by default.
 
     python benchmarks/paged_attention.py            # the table, then one JSON line
     python benchmarks/paged_attention.py --sweep    # also try other kernel configs per case
+    python benchmarks/paged_attention.py --shape smollm2-135m --sweep   # the default model
+
+`--shape smollm2-135m`: the default model's attention (H=9, Hkv=3, D=64), batch-1 decode and
+verifies of 5, 6, 9 and 16 tokens after a 200-token prefix (16-, 32-, 32- and 64-row tiles at
+3 query heads per KV head), swept over configs and over a tile set without the 32-row tile.
 
 Cases: batch-1 decode at contexts 1k/4k/16k, batch-64 decode at 1k, a 16k-token causal
 prefill and a 64-sequence x 8-node verify (after a 1k prefix). Each call's time is the mean
@@ -56,6 +61,9 @@ CASES = [Case("decode b1 1k", "decode", 1, 1024), Case("decode b1 4k", "decode",
          Case("decode b1 160 /4k", "decode", 1, 160, 1, 4096),
          Case("verify b1 8 @160 /4k", "verify", 1, 160, 8, 4096),
          Case("verify b1 8 @1k /4k", "verify", 1, 1024, 8, 4096)]
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+SMALL_CASES = [Case("decode b1 200 /2k", "decode", 1, 200, 1, 2048)] + [
+    Case(f"verify b1 {n} @200 /2k", "verify", 1, 200, n, 2048) for n in (5, 6, 9, 16)]
 
 
 def small(case: Case) -> Case:
@@ -171,7 +179,9 @@ def variants(case: Case) -> list[dict[str, object]]:
     if case.kind == "decode":
         return [{"config": c} for c in [(128, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3)]]
     if case.kind == "verify":
-        return [{"config": c} for c in [(32, 4, 4), (64, 4, 2), (128, 4, 3)]]
+        return [{"config": c} for c in [(32, 4, 4), (64, 4, 2), (128, 4, 3), (64, 4, 3),
+                                        (128, 8, 2), (64, 2, 3)]] + [
+            {"tile_rows": r} for r in [(16, 64, 128), (32, 64, 128)]]
     return [{"config": c} for c in [(32, 4, 4), (64, 8, 3), (64, 8, 2), (128, 8, 2),
                                      (64, 4, 3), (128, 4, 2), (32, 8, 4), (64, 8, 4)]] + [
         {"rows": 64, "config": c} for c in [(64, 4, 3), (128, 4, 2), (32, 4, 4)]]
@@ -187,6 +197,8 @@ def sweep(case: Case, dev: torch.device) -> list[tuple[str, float]]:
             ta._kernel_config = lambda *_, c=var["config"]: c
         if "rows" in var:
             ta.TILE_ROWS = (*base_rows[:-1], var["rows"])
+        if "tile_rows" in var:
+            ta.TILE_ROWS = var["tile_rows"]
         try:
             out.append((str(var), run_case(case, dev, var.get("splits"))["graph_us"]))
             print(f"  {case.name} {var}: {out[-1][1]:.1f} us", flush=True)
@@ -201,12 +213,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", action="store_true", help="also time variants() of each case")
     p.add_argument("--cases", nargs="*", help="names of cases to run (default all)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b",
+                   help="whose attention: heads, KV heads and head dim")
     args = p.parse_args()
+    global H, HKV, D
+    H, HKV, D = SHAPES[args.shape]
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/paged_attention.py needs a CUDA device")
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    cases = [c for c in CASES if not args.cases or c.name in args.cases]
+    known = CASES if args.shape == "llama-3.1-8b" else SMALL_CASES
+    cases = [c for c in known if not args.cases or c.name in args.cases]
     print(f"{'case':18} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'KV GB/s':>8} "
           f"{'TFLOP/s':>8}")
     rows = []
