@@ -86,8 +86,9 @@ def verify_kernel_class(cfg: Any, device: torch.device, dtype: torch.dtype, toke
     """Which kernel variants a verify of `tokens` tokens for each of `batch` sequences runs
     on this machine, where a kernel's cost changes in steps with the row count rather than
     per token (kernel_class); None where one code path serves every size (the CPU). On the
-    H200 the default model's verify costs 1.37 ms for 2-5 tokens (16-row tiles) and 1.69 ms
-    for 6-9 (32-row tiles): a cost model linear in the tokens mispriced both sides."""
+    H200 the default model's verify cost 1.37 ms for 2-5 tokens (16-row tiles) and 1.69 ms
+    for 6-9 (32-row tiles) with the kernel configurations of the time (docs/gpu-floor.md):
+    a cost model linear in the tokens mispriced both sides."""
     if device.type != "cuda":
         return None
     from specscope.kvcache.paged import fast_backend_available
