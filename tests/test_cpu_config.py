@@ -104,3 +104,42 @@ def test_the_doctor_probes_the_draft_on_dense_weights(monkeypatch):
     with contextlib.suppress(Stop):
         main(["doctor", "--draft", "default", "--num-prompts", "1"])
     assert seen["quantization"] == "none"
+
+
+def test_the_machine_chooses_the_draft_only_where_it_chose_the_weights(monkeypatch):
+    """Without native bf16 the default model's machine-chosen path decodes plainly on its
+    4-bit weights (faster there than speculating on dense fp32); anything the caller chose
+    (dtype, quantization, tensor parallelism, a GPU, a CPU with native bf16) keeps it."""
+    from specscope.engine import machine
+
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: False)
+    assert "no draft" in machine.default_draft_skipped(CPU, "auto", "auto")
+    assert machine.default_draft_skipped(CPU, "fp32", "auto") == ""
+    assert machine.default_draft_skipped(CPU, "auto", "none") == ""
+    assert machine.default_draft_skipped(CPU, "auto", "auto", 2) == ""
+    assert machine.default_draft_skipped(torch.device("cuda"), "auto", "auto") == ""
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: True)
+    assert machine.default_draft_skipped(CPU, "auto", "auto") == ""
+
+
+def test_without_native_bf16_the_default_path_decodes_plainly_and_says_so(
+        monkeypatch, capsys, specscope_cache_dir):
+    from specscope.cli import main
+    from specscope.engine import machine
+
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: False)
+    cache = str(specscope_cache_dir)
+    llm = LLM(device="cpu", cache_dir=cache)
+    assert llm.spec is None and llm.quantization == "int4-gguf"
+    assert "no draft" in llm.config_note and "4-bit" in llm.config_note
+    del llm
+    asked = LLM(device="cpu", cache_dir=cache, spec=SpecConfig(draft="default"))
+    assert asked.spec is not None and asked.quantization == "none"  # a draft given: kept
+    del asked
+    base = ["generate", "--prompt", "Hi", "--max-tokens", "4", "--device", "cpu",
+            "--cache-dir", cache]
+    assert main(base) == 0
+    err = capsys.readouterr().err
+    assert "int4-gguf (auto: plain decoding, no draft" in err and "[speculative" not in err
+    assert main([*base, "--num-steps", "2"]) == 0  # a spec flag asks for speculation
+    assert "[speculative" in capsys.readouterr().err

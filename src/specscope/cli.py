@@ -57,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = _sampling(args)  # validate before the (slow) model load
     check_engine_args(args)
-    spec = spec_from_args(args)
+    spec = spec_from_args(args, machine_default=True)
     policy = policy_from_args(args, spec)
     if args.prompt is None and args.messages is None:
         args.prompt = "Write a haiku about speculative decoding."
@@ -95,7 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         weights = llm.quantization if llm.quantization != "none" else str(llm.dtype)
-        note = f" ({llm.config_note})" if llm.config_note else ""
+        notes = "; ".join(n for n in (args.spec_note, llm.config_note) if n)
+        note = f" ({notes})" if notes else ""
         print(f"[{llm.model_config.architecture} {weights}{note} {llm.device} | "
               f"load {load_s:.1f}s | "
               f"prompt {m.prompt_tokens} tok | {m.completion_tokens} tok | ttft "

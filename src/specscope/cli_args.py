@@ -243,11 +243,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "model), 'random' for benchmarking, or 'none'. Without --draft the "
                         "default model uses its shipped draft and other models none")
     p.add_argument("--num-steps", "--speculative-num-steps", dest="num_steps",
-                   type=int_in(1, MAX_NUM_STEPS), default=5,
-                   help="draft forward passes per cycle")
+                   type=int_in(1, MAX_NUM_STEPS), default=None,
+                   help="draft forward passes per cycle (default 5)")
     p.add_argument("--topk", "--speculative-eagle-topk", dest="topk",
-                   type=int_in(1, MAX_TOPK), default=1,
-                   help="branches per node (1 = chain)")
+                   type=int_in(1, MAX_TOPK), default=None,
+                   help="branches per node (default 1 = chain)")
     p.add_argument("--num-draft-tokens", "--speculative-num-draft-tokens",
                    dest="num_draft_tokens", type=int_in(2, MAX_NUM_DRAFT_TOKENS), default=None,
                    help="tokens verified per cycle incl. the root (chain: num_steps + 1)")
@@ -333,11 +333,29 @@ def _apply_engine_spellings(args: argparse.Namespace) -> None:
             fields["num_steps"], fields["topk"], fields["num_draft_tokens"])
 
 
-def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:
-    """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked."""
+def _skips_default_draft(args: argparse.Namespace) -> bool:
+    """No spec flag given and this machine decodes the default model faster plainly."""
+    from specscope.engine.machine import default_draft_skipped, resolve_device
+
+    if any(getattr(args, f, None) is not None for f in ("num_steps", "topk", "num_draft_tokens")):
+        return False
+    args.spec_note = default_draft_skipped(resolve_device(args.device), args.dtype,
+                                           args.quantization, tensor_parallel_size(args))
+    return bool(args.spec_note)
+
+
+def spec_from_args(args: argparse.Namespace, machine_default: bool = False
+                   ) -> SpecConfig | None:
+    """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked.
+    machine_default (generate, serve): where no spec flag is given, the default model takes
+    its shipped draft only on machines where speculating is its faster path
+    (default_draft_skipped; the reason is left in args.spec_note for the status line)."""
     _apply_engine_spellings(args)
+    args.spec_note = ""
     if args.draft is None and not getattr(args, "model", None) and \
             args.simulate_acceptance is None:
+        if machine_default and _skips_default_draft(args):
+            return None
         args.draft = "default"  # the default model comes with its trained draft
     if args.draft is None or args.draft == "none":
         if args.simulate_acceptance is not None:
@@ -364,7 +382,7 @@ def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:
         raise ValueError(f"draft_tensor_parallel_size (--draft-tp-size) {draft_tp} must be 1 "
                          f"(the draft replicated on every rank) or the tensor-parallel size "
                          f"({tp})")
-    spec = SpecConfig(draft=args.draft, num_steps=args.num_steps, topk=args.topk,
+    spec = SpecConfig(draft=args.draft, num_steps=args.num_steps or 5, topk=args.topk or 1,
                       num_draft_tokens=args.num_draft_tokens, draft_layer_ids=ids,
                       simulate_acceptance=sim, draft_tensor_parallel_size=draft_tp)
     check_draft_arg(spec.draft)  # a wrong draft fails now, not after the target loads
