@@ -347,8 +347,8 @@ def _skips_default_draft(args: argparse.Namespace) -> bool:
 def spec_from_args(args: argparse.Namespace, machine_default: bool = False
                    ) -> SpecConfig | None:
     """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked.
-    machine_default (generate, serve): where no spec flag is given, the default model takes
-    its shipped draft only on machines where speculating is its faster path
+    machine_default (generate, the default path): where no spec flag is given, the default
+    model takes its shipped draft only on machines where speculating is its faster path
     (default_draft_skipped; the reason is left in args.spec_note for the status line)."""
     _apply_engine_spellings(args)
     args.spec_note = ""
