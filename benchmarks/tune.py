@@ -128,12 +128,10 @@ def main() -> None:
     run_config(llm, (3, 1, 4), args.draft, prompts[:1], SamplingParams(max_tokens=warm), base,
                warm)
     if args.warm_all:
-        from specscope.tune.calibration import calibration_shapes, kernel_classes
-        from specscope.tune.tuner import all_configs, moe_shape
+        from specscope.tune.tuner import all_configs, tuner_calibration_shapes
 
         # The shapes the tuner's calibration runs, the kernel classes' extra ones included.
-        cal = calibration_shapes(kernel_classes(llm), all_configs(), moe=moe_shape(llm) is not None)
-        for cfg in dict.fromkeys([*grid(), *cal]):
+        for cfg in dict.fromkeys([*grid(), *tuner_calibration_shapes(llm, all_configs())]):
             if cfg is not None:
                 run_config(llm, cfg, args.draft, prompts[:1],
                            SamplingParams(max_tokens=warm), base, warm)

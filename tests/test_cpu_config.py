@@ -143,3 +143,21 @@ def test_without_native_bf16_the_default_path_decodes_plainly_and_says_so(
     assert "int4-gguf (auto: plain decoding, no draft" in err and "[speculative" not in err
     assert main([*base, "--num-steps", "2"]) == 0  # a spec flag asks for speculation
     assert "[speculative" in capsys.readouterr().err
+
+
+def test_generate_leaves_the_draft_to_the_machine_only_without_spec_flags():
+    """Any spec flag, --spec-policy included, asks for the shipped draft; none leaves the
+    choice to LLM's spec="auto"."""
+    from specscope.cli import build_parser
+    from specscope.cli_args import spec_from_args
+
+    def spec(*flags: str):
+        return spec_from_args(build_parser().parse_args(["generate", *flags]),
+                              machine_default=True)
+
+    assert spec() == "auto"
+    for flags in (["--num-steps", "3"], ["--topk", "2"], ["--spec-policy", "1:5,1,6"],
+                  ["--draft", "default"]):
+        got = spec(*flags)
+        assert isinstance(got, SpecConfig) and got.draft == "default", flags
+    assert spec("--draft", "none") is None

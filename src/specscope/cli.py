@@ -95,8 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         weights = llm.quantization if llm.quantization != "none" else str(llm.dtype)
-        notes = "; ".join(n for n in (args.spec_note, llm.config_note) if n)
-        note = f" ({notes})" if notes else ""
+        note = f" ({llm.config_note})" if llm.config_note else ""
         print(f"[{llm.model_config.architecture} {weights}{note} {llm.device} | "
               f"load {load_s:.1f}s | "
               f"prompt {m.prompt_tokens} tok | {m.completion_tokens} tok | ttft "

@@ -333,29 +333,20 @@ def _apply_engine_spellings(args: argparse.Namespace) -> None:
             fields["num_steps"], fields["topk"], fields["num_draft_tokens"])
 
 
-def _skips_default_draft(args: argparse.Namespace) -> bool:
-    """No spec flag given and this machine decodes the default model faster plainly."""
-    from specscope.engine.machine import default_draft_skipped, resolve_device
-
-    if any(getattr(args, f, None) is not None for f in ("num_steps", "topk", "num_draft_tokens")):
-        return False
-    args.spec_note = default_draft_skipped(resolve_device(args.device), args.dtype,
-                                           args.quantization, tensor_parallel_size(args))
-    return bool(args.spec_note)
+SPEC_FLAGS = ("num_steps", "topk", "num_draft_tokens", "spec_policy")
 
 
 def spec_from_args(args: argparse.Namespace, machine_default: bool = False
-                   ) -> SpecConfig | None:
+                   ) -> SpecConfig | str | None:
     """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked.
-    machine_default (generate, the default path): where no spec flag is given, the default
-    model takes its shipped draft only on machines where speculating is its faster path
-    (default_draft_skipped; the reason is left in args.spec_note for the status line)."""
+    machine_default (generate, the default path): with no draft and no spec flag for the
+    default model, "auto": LLM's spec="auto" then decides whether the shipped draft is the
+    faster path on this machine (engine/machine.py default_draft_skipped) and says why."""
     _apply_engine_spellings(args)
-    args.spec_note = ""
     if args.draft is None and not getattr(args, "model", None) and \
             args.simulate_acceptance is None:
-        if machine_default and _skips_default_draft(args):
-            return None
+        if machine_default and all(getattr(args, f, None) is None for f in SPEC_FLAGS):
+            return "auto"
         args.draft = "default"  # the default model comes with its trained draft
     if args.draft is None or args.draft == "none":
         if args.simulate_acceptance is not None:

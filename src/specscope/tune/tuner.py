@@ -256,6 +256,13 @@ def _acceptance_model(llm: Any, draft: str, prompts: list[Any], answers: list[li
     return acc
 
 
+def tuner_calibration_shapes(llm: Any, configs: list[Config], kc: Any = None) -> list[Config]:
+    """The shapes the tuner's calibration runs on this engine for predicting `configs`
+    (`kc`: kernel_classes(llm), when the caller has it)."""
+    return calibration_shapes(kc if kc is not None else kernel_classes(llm), configs,
+                              moe=moe_shape(llm) is not None)
+
+
 def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | None,
                plain_summary: dict, calibration_tokens: int, warmup_tokens: int,
                configs: list[Config]) -> tuple[CostModel, list[str]]:
@@ -267,7 +274,7 @@ def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | 
     cal_warm = min(warmup_tokens, calibration_tokens, 8)
     kc = kernel_classes(llm)
     cals, run_s = [], []
-    for cfg in calibration_shapes(kc, configs, moe=moe_shape(llm) is not None):
+    for cfg in tuner_calibration_shapes(llm, configs, kc):
         m, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
         cals.append(calibration_from_summary(s, *cfg))
         run_s.append(f"{cfg} {m.seconds:.1f}")
