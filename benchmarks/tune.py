@@ -74,6 +74,22 @@ def log_line(lines: list[str], text: str) -> None:
     print(text, flush=True)
 
 
+def noise_runs(llm: LLM, args: argparse.Namespace, prompts: list, base: SpecConfig | None,
+               warm: int, lines: list[str]) -> None:
+    """Plain and (3, 1, 4) measured alternately, each run as a grid run is (untimed)."""
+    params = SamplingParams(max_tokens=args.max_tokens)
+    runs: dict[str, list[float]] = {"plain": [], "(3, 1, 4)": []}
+    for _ in range(args.noise_runs):
+        for name, cfg in (("plain", None), ("(3, 1, 4)", (3, 1, 4))):
+            runs[name].append(run_config(llm, cfg, args.draft, prompts, params, base,
+                                         warm)[0].tok_per_s)
+    for name, v in runs.items():
+        med = sorted(v)[len(v) // 2]
+        log_line(lines, f"[noise] {name}: " + ", ".join(f"{x:.1f}" for x in v) +
+                 f" tok/s; median {med:.1f}, spread {min(v) / med - 1:+.1%} .. "
+                 f"{max(v) / med - 1:+.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", default="mt_bench")
@@ -105,6 +121,11 @@ def main() -> None:
                          "(Triton's, on CUDA) are then compiled for both sides, as in a "
                          "process that has run them before, instead of charged to whichever "
                          "side meets a shape first (the tuner, which runs first)")
+    ap.add_argument("--noise-runs", type=int, default=0,
+                    help="before the tuner (untimed): plain and (3, 1, 4) measured "
+                         "alternately this many times each, their spread printed: the "
+                         "run-to-run noise within this process that prediction errors are "
+                         "judged against")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm, prompts = build(args)
@@ -136,6 +157,8 @@ def main() -> None:
                 run_config(llm, cfg, args.draft, prompts[:1],
                            SamplingParams(max_tokens=warm), base, warm)
     log_line(lines, f"process warm-up (untimed for both sides): {time.perf_counter() - t:.1f} s")
+    if args.noise_runs:
+        noise_runs(llm, args, prompts, base, warm, lines)
     t = time.perf_counter()
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens,
                log=lambda x: log_line(lines, x), base=base,

@@ -274,8 +274,10 @@ def test_simulated_siblings_take_the_drawn_kept_rank():
 
 
 def test_switching_speculation_keeps_requests_in_flight(tiny_model_dir, plain):
-    """set_spec while requests run (a server's /admin/spec): they carry over into the new
-    engine (their KV recomputed) and still give their greedy outputs; nothing leaks."""
+    """set_spec while requests run (a server's /admin/spec): into a new engine (plain to
+    speculative and back) they carry over with their KV recomputed; between configurations
+    of one draft the engine switches in place, keeping their KV. Either way they still give
+    their greedy outputs; nothing leaks."""
     llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
     prompts = [PROMPT, "Once upon a time", "1 2 3 4"]
     p = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -290,6 +292,26 @@ def test_switching_speculation_keeps_requests_in_flight(tiny_model_dir, plain):
             got[d.request_id] += d.token_ids
         step += 1
         if step % 4 == 0:
-            llm.set_spec(next(switches, None))
+            before = llm.engine
+            nxt = next(switches, None)
+            llm.set_spec(nxt)
+            same_draft = nxt is not None and before.draft is not None
+            assert (llm.engine is before) == same_draft
     assert [got[r] for r in rids] == want
     assert llm.engine.pool.all_free()
+
+
+def test_retarget_keeps_the_engine_and_checks_the_tree(tiny_model_dir):
+    """Switching among one draft's configurations keeps the engine and its KV pools; a tree
+    past max_num_batched_tokens is refused with the limit named, the engine unchanged."""
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", max_num_batched_tokens=16, max_num_seqs=4,
+              spec=SpecConfig(draft="random", num_steps=3))
+    engine, kv = llm.engine, llm.engine.kv
+    llm.set_spec(SpecConfig(draft="random", num_steps=4, topk=4, num_draft_tokens=16))
+    assert llm.engine is engine and llm.engine.kv is kv
+    assert engine.scheduler.spec_tokens == 16 and engine.spec.topk == 4
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine.retarget(SpecConfig(draft="random", num_steps=6, topk=8, num_draft_tokens=32))
+    assert engine.spec.num_draft_tokens == 16
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8

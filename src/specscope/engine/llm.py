@@ -307,8 +307,10 @@ class LLM(TensorParallelRanks):
         """Switch speculative decoding on (with this configuration) or off, keeping the
         target weights loaded. A draft is loaded again only if its path or taps changed.
         policy: speculation by batch size (each step runs the configuration of its batch's
-        bucket; spec gives the draft). Requests in flight carry over: their KV is
-        recomputed in the new engine. On every tensor-parallel rank."""
+        bucket; spec gives the draft). Between configurations of the same draft the engine
+        switches in place (Engine.retarget: KV pools, requests and captured graphs kept);
+        otherwise requests in flight carry over into a new engine, which recomputes their
+        KV. On every tensor-parallel rank."""
         self._everywhere("set_spec", spec, policy)
         self._set_spec(spec, policy)
 
@@ -326,6 +328,13 @@ class LLM(TensorParallelRanks):
                                                              self.device)
                     pack_linears(draft)
                     self._draft = (key, draft)
+            if spec is not None and self.spec is not None and draft is self.draft:
+                # Same draft: the engine switches configuration in place.
+                self.engine.retarget(spec, policy)
+                self._pack_verify_rows(spec)
+                self.spec, self.spec_policy = spec, policy
+                self._label_config()
+                return
             carried = self.engine.scheduler.drain() if self.engine is not None else []
             self.engine = None  # the old pools go before the new ones are allocated
             gc.collect()  # an engine and its captured graphs hold each other
