@@ -304,8 +304,8 @@ def test_switching_speculation_keeps_requests_in_flight(tiny_model_dir, plain):
 def test_retarget_keeps_the_engine_and_checks_the_tree(tiny_model_dir):
     """Switching among one draft's configurations keeps the engine and its KV pools; a tree
     past max_num_batched_tokens is refused with the limit named, the engine unchanged."""
-    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", max_num_batched_tokens=16, max_num_seqs=4,
-              spec=SpecConfig(draft="random", num_steps=3))
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", max_num_batched_tokens=16,
+              max_num_seqs=4, spec=SpecConfig(draft="random", num_steps=3))
     engine, kv = llm.engine, llm.engine.kv
     llm.set_spec(SpecConfig(draft="random", num_steps=4, topk=4, num_draft_tokens=16))
     assert llm.engine is engine and llm.engine.kv is kv
