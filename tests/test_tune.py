@@ -384,21 +384,46 @@ def test_simulated_trees_take_their_shape_from_the_running_draft():
     assert rank_only.tau(6, 4, 16) / (1 + errs[(6, 4, 16)]) > 1.25 * model.tau(6, 4, 16)
 
 
-def test_pick_breaks_near_ties_by_prediction():
-    """Confirmed runs within the tie margin of the fastest are tied and the better predicted
-    wins; a clear measured win stands; plain decoding competes like any configuration."""
+def test_pick_breaks_near_ties_by_measurement_and_prediction():
+    """Confirmed runs within the tie margin of the fastest are tied, and the tie goes to the
+    best of measurement and prediction together: a prediction well ahead wins over a
+    measurement slightly ahead, predictions the model cannot tell apart leave it to the
+    measurement; a clear measured win stands; plain decoding competes like any
+    configuration."""
     from specscope.tune.tuner import Measured, pick
 
-    preds = {(4, 1, 5): (3.16, 78.5), (5, 1, 6): (3.38, 77.1), (3, 1, 4): (2.84, 77.7)}
+    preds = {(4, 1, 5): (3.16, 85.0), (5, 1, 6): (3.38, 77.1), (3, 1, 4): (2.84, 77.7)}
     runs = [Measured(None, 38.8, 1.0, 5.0), Measured((4, 1, 5), 88.7, 3.46, 2.0),
             Measured((3, 1, 4), 85.0, 3.05, 2.0), Measured((5, 1, 6), 91.0, 3.54, 2.0)]
-    assert pick(runs, preds, 38.8).config == (4, 1, 5)  # 2.5 % apart: the model decides
+    # 2.5 % behind in the run, 9 % ahead in the model: the model decides
+    assert pick(runs, preds, 38.8).config == (4, 1, 5)
     assert pick(runs, preds, 38.8, tie_margin=0.0).config == (5, 1, 6)
+    # predicted 0.4 % apart (the H200's (6, 1, 7) against (5, 1, 6), measured 2.8 % apart,
+    # and 3 % apart in paired re-runs): the measurement decides
+    close = {(6, 1, 7): (3.53, 457.5), (5, 1, 6): (3.38, 455.7)}
+    tied = [Measured((6, 1, 7), 492.5, 3.84, 1.0), Measured((5, 1, 6), 506.7, 3.72, 1.0)]
+    assert pick(tied, close, 204.4).config == (5, 1, 6)
     runs[3] = Measured((5, 1, 6), 95.0, 3.54, 2.0)  # 7 % ahead: the measurement decides
     assert pick(runs, preds, 38.8).config == (5, 1, 6)
     slow = [Measured(None, 40.0, 1.0, 5.0), Measured((4, 1, 5), 39.5, 1.2, 2.0)]
     # tied with plain, and plain predicted faster: speculation off
     assert pick(slow, {(4, 1, 5): (1.2, 39.0)}, 41.0).config is None
+
+
+def test_interleaved_confirmation_keeps_the_engine(tiny_model_dir):
+    """Confirmation runs alternate configurations prompt by prompt on one engine (no
+    rebuild), each measured over every prompt, in the order given."""
+    from specscope.tune.tuner import measure_interleaved
+
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
+              spec=SpecConfig(draft="random", num_steps=2))
+    engine = llm.engine
+    cfgs = [(3, 1, 4), (2, 2, 4), (1, 1, 2)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = measure_interleaved(llm, cfgs, "random", ["1 2 3", "Once upon a time"], params)
+    assert [m.config for m in got] == cfgs and llm.engine is engine
+    assert all(m.tok_per_s > 0 and m.seconds > 0 and m.accept_length >= 1 for m in got)
+    assert llm.spec.num_steps == 1  # left on the last configuration run
 
 
 def test_confirmation_always_covers_both_families_and_the_served_config():

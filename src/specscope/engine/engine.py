@@ -235,13 +235,17 @@ class Engine:
         if tree > self.config.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) "
                              f"must cover the tree size ({tree})")
+        # The simulated-acceptance stream goes on across a switch (a tuner alternating
+        # configurations prompt by prompt draws afresh for each prompt); a new seed restarts it.
+        reseed = spec.simulate_seed != self.spec_base.simulate_seed
         self.spec = self.spec_base = spec
         self.policy = policy
         for p in self.scheduler.pools:
             if p.draft:
                 p.spec_lookahead = max(draft_slots(c) for c in configs)
         self.scheduler.spec_tokens = tree
-        self.reset_simulation()
+        if reseed:
+            self.reset_simulation()
 
     def _make_graphs(self, capture: bool) -> None:
         """The CUDA-graph steps (engine/cuda_graph.py): plain decode, and with a draft the

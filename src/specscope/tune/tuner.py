@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,19 +85,25 @@ class TuneResult:
 
     def table(self) -> str:
         plain = next((m for m in self.measured if m.config is None), None)
+        # error: predicted tok/s against measured; cycle error: the cost model's alone, its
+        # cycle time against the measured one (measured tau / tok/s), the acceptance's draw
+        # (simulated: the seed's luck) left out.
         lines = [f"{'configuration':<28} {'pred tau':>8} {'pred tok/s':>10} {'meas tau':>8} "
-                 f"{'meas tok/s':>10} {'error':>7}"]
+                 f"{'meas tok/s':>10} {'error':>7} {'cycle error':>11}"]
         if plain:
+            err = self.cost.plain_tok_per_s / plain.tok_per_s - 1
             lines.append(f"{'plain':<28} {'1.00':>8} {self.cost.plain_tok_per_s:>10.1f} "
-                         f"{'1.00':>8} {plain.tok_per_s:>10.1f} "
-                         f"{self.cost.plain_tok_per_s / plain.tok_per_s - 1:>+7.1%}")
+                         f"{'1.00':>8} {plain.tok_per_s:>10.1f} {err:>+7.1%} "
+                         f"{-err / (1 + err):>+11.1%}")
         for m in self.measured:
             if m.config is None:
                 continue
             tau, tps = self.predictions[m.config]
+            meas_ms = 1e3 * (m.accept_length or 1) / m.tok_per_s
             lines.append(f"{str(m.config):<28} {tau:>8.2f} {tps:>10.1f} "
                          f"{m.accept_length or 1:>8.2f} {m.tok_per_s:>10.1f} "
-                         f"{tps / m.tok_per_s - 1:>+7.1%}")
+                         f"{tps / m.tok_per_s - 1:>+7.1%} "
+                         f"{self.cost.cycle_ms(*m.config) / meas_ms - 1:>+11.1%}")
         for r in self.batch_rows:
             meas = f"{r.measured_tok_per_s:.1f}" if r.measured_tok_per_s else "-"
             pred = f"{r.predicted_tok_per_s:.1f}" if r.predicted_tok_per_s else "-"
@@ -196,16 +203,20 @@ def confirmation_set(preds: dict[Config, tuple[float, float]], confirm: int,
 def pick(measured: list[Measured], preds: dict[Config, tuple[float, float]],
          plain_tok_per_s: float, tie_margin: float = 0.03) -> Measured:
     """The recommendation among confirmed runs. One run of a configuration is noisy (5-15 %
-    run to run on a small shared CPU), so runs within `tie_margin` of the fastest are tied,
-    and the tie goes to the configuration the model predicts faster: the prediction has no
-    run-to-run noise, and a near-tie costs at most the margin either way."""
+    run to run on a small shared CPU, 2-5 % on a GPU), and so is a prediction (its cost
+    model's error), so runs within `tie_margin` of the fastest are tied, and the tie goes to
+    the best of measurement and prediction together: each as a share of the tied runs' best,
+    summed. A prediction well ahead outweighs a measurement slightly behind; two predictions
+    the model cannot tell apart leave the measurement to decide."""
     top = max(m.tok_per_s for m in measured)
     tied = [m for m in measured if m.tok_per_s >= (1 - tie_margin) * top]
 
     def predicted(m: Measured) -> float:
         return plain_tok_per_s if m.config is None else preds[m.config][1]
 
-    return max(tied, key=lambda m: (predicted(m), m.tok_per_s))
+    best_pred = max(predicted(m) for m in tied)
+    return max(tied, key=lambda m: (m.tok_per_s / top + predicted(m) / best_pred,
+                                    m.tok_per_s))
 
 
 def simulated_acceptance(llm: Any, draft: str, base: SpecConfig, prompts: list[Any],
@@ -302,20 +313,56 @@ def _predict(acc: AcceptanceModel, cost: CostModel, depth: int, log: Any
 
 def _confirm(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
              base: SpecConfig | None, warmup_tokens: int, must: list[Config],
-             more: list[Config], budget_seconds: float | None, t_start: float, log: Any
-             ) -> list[Measured]:
-    """The confirmation runs: every `must` configuration, then the `more` ones until the
-    budget (counted from `t_start`, the tuner's start) is spent."""
-    measured: list[Measured] = []
-    for i, cfg in enumerate(must + more):
-        if i >= len(must) and budget_seconds is not None and \
-                time.perf_counter() - t_start > budget_seconds:
-            log(f"[tune] budget of {budget_seconds:.0f} s spent: confirmed {i} of "
-                f"{len(must) + len(more)}")
-            break
-        measured.append(run_config(llm, cfg, draft, prompts, params, base,
-                                   warmup_tokens)[0])
-    return measured
+             more: list[Config], budget_seconds: float | None, t_start: float,
+             estimate: Callable[[Config], float], log: Any) -> list[Measured]:
+    """The confirmation runs: every `must` configuration, and the `more` ones whose
+    estimated run time (`estimate`, seconds) fits in what is left of the budget, counted from
+    `t_start` (the tuner's start); measured together by measure_interleaved."""
+    runs = list(must)
+    if budget_seconds is None:
+        runs += more
+    else:
+        left = budget_seconds - (time.perf_counter() - t_start) - sum(map(estimate, must))
+        for c in more:
+            left -= estimate(c)
+            if left < 0:
+                log(f"[tune] budget of {budget_seconds:.0f} s: confirming {len(runs)} of "
+                    f"{len(must) + len(more)}")
+                break
+            runs.append(c)
+    return measure_interleaved(llm, runs, draft, prompts, params, base, warmup_tokens)
+
+
+def measure_interleaved(llm: Any, configs: list[Config], draft: str, prompts: list[Any],
+                        params: SamplingParams, base: SpecConfig | None = None,
+                        warmup_tokens: int = 8) -> list[Measured]:
+    """Speculative configurations of one draft measured prompt by prompt in turn (prompt 1
+    under each, then prompt 2, ...), so a drift of the machine's speed during the runs (5-15 %
+    over tens of seconds on a shared host, for a launch-bound model) weighs on each alike and
+    the comparison between them stays fair. Switching costs nothing (Engine.retarget keeps
+    each configuration's graphs); each is warmed up first by `warmup_tokens` of the first
+    prompt, as run_config does."""
+    prof = llm.enable_profiling(True, interval=None)
+    labels: dict[Config, str] = {}
+    seconds = dict.fromkeys(configs, 0.0)
+    for cfg in configs:
+        llm.set_spec(spec_for(cfg, draft, base))
+        labels[cfg] = prof.config
+        llm.generate(prompts[0], SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
+    prof.reset()
+    for p in prompts:
+        for cfg in configs:
+            t = time.perf_counter()
+            llm.set_spec(spec_for(cfg, draft, base))
+            llm.generate(p, params)
+            seconds[cfg] += time.perf_counter() - t
+    out = []
+    for cfg in configs:
+        s = prof.summary(labels[cfg])
+        out.append(Measured(cfg, s["steady_tok_per_s"], s["accept_length"], seconds[cfg],
+                            s["tok_per_s"]))
+    llm.enable_profiling(False)
+    return out
 
 
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
@@ -371,8 +418,9 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     result = TuneResult(cost=cost, acceptance=acc, predictions=preds)
     result.measured.append(plain)
     must, more = confirmation_set(preds, confirm, served)
-    result.measured += _confirm(llm, draft, prompts, params, base, warmup_tokens, must, more,
-                                budget_seconds, t_start, log)
+    result.measured += _confirm(
+        llm, draft, prompts, params, base, warmup_tokens, must, more, budget_seconds, t_start,
+        lambda c: plain.seconds * plain.tok_per_s / preds[c][1], log)
     timings["confirmation"] = time.perf_counter() - t
     best = pick(result.measured, preds, cost.plain_tok_per_s, tie_margin)
     result.recommended = best.config
