@@ -315,3 +315,23 @@ def test_retarget_keeps_the_engine_and_checks_the_tree(tiny_model_dir):
     assert engine.spec.num_draft_tokens == 16
     out = llm.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
+
+
+def test_each_configuration_keeps_its_simulated_stream(tiny_model_dir):
+    """Across in-place switches each configuration draws on from where it stopped, a new one
+    from the seed (as a new engine would); reset_simulation restarts every stream."""
+    a = SpecConfig(draft="random", num_steps=3)
+    b = SpecConfig(draft="random", num_steps=2, topk=2, num_draft_tokens=4)
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", spec=a)
+    ref = torch.rand(9, generator=torch.Generator().manual_seed(a.simulate_seed))
+    e = llm.engine
+    a1 = torch.rand(3, generator=e.sim_gen)
+    llm.set_spec(b)
+    b1 = torch.rand(3, generator=e.sim_gen)
+    llm.set_spec(a)
+    a2 = torch.rand(3, generator=e.sim_gen)
+    assert llm.engine is e
+    assert torch.equal(a1, ref[:3]) and torch.equal(b1, ref[:3]) and torch.equal(a2, ref[3:6])
+    llm.reset_simulation()
+    llm.set_spec(b)
+    assert torch.equal(torch.rand(3, generator=e.sim_gen), ref[:3])

@@ -235,17 +235,22 @@ class Engine:
         if tree > self.config.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) "
                              f"must cover the tree size ({tree})")
-        # The simulated-acceptance stream goes on across a switch (a tuner alternating
-        # configurations prompt by prompt draws afresh for each prompt); a new seed restarts it.
-        reseed = spec.simulate_seed != self.spec_base.simulate_seed
+        # Each configuration keeps its own simulated-acceptance stream, begun at the seed on
+        # its first use as a new engine's would be: configurations compared in turn (a
+        # tuner's confirmation, prompt by prompt) then draw the same numbers at the same
+        # points of their runs, and none of them a stream restarted at every prompt.
+        self._sim_streams[self.spec_base] = self.sim_gen.get_state()
         self.spec = self.spec_base = spec
         self.policy = policy
         for p in self.scheduler.pools:
             if p.draft:
                 p.spec_lookahead = max(draft_slots(c) for c in configs)
         self.scheduler.spec_tokens = tree
-        if reseed:
-            self.reset_simulation()
+        state = self._sim_streams.get(spec)
+        if state is None:
+            self.sim_gen.manual_seed(spec.simulate_seed)
+        else:
+            self.sim_gen.set_state(state)
 
     def _make_graphs(self, capture: bool) -> None:
         """The CUDA-graph steps (engine/cuda_graph.py): plain decode, and with a draft the
@@ -276,9 +281,10 @@ class Engine:
         return self._sim_rates[self.spec]
 
     def reset_simulation(self) -> None:
-        """Restart the simulated-acceptance random stream (identical accept decisions on
-        identical workloads)."""
+        """Restart the simulated-acceptance random stream, every configuration's (identical
+        accept decisions on identical workloads)."""
         if self.spec_base is not None:
+            self._sim_streams: dict[SpecConfig, torch.Tensor] = {}
             self.sim_gen.manual_seed(self.spec_base.simulate_seed)
 
     def _choose_spec(self) -> None:
