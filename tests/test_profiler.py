@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import time
 from collections import defaultdict, deque
 
 import pytest
@@ -270,4 +271,55 @@ def test_batched_steps_are_recorded_by_batch_size(llm: LLM) -> None:
         else chrome_trace(recs)
     assert any(e.get("args", {}).get("batch") == 5 for e in events)
     llm.set_spec(None)
+    llm.enable_profiling(False)
+
+
+class _FakeEvent:
+    """A CUDA event's interface on the host clock (finished when recorded)."""
+
+    made = 0
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        _FakeEvent.made += 1
+        self.t: int | None = None
+
+    def record(self, stream: object = None) -> None:
+        self.t = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        return self.t is not None
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return (other.t - self.t) / 1e6
+
+
+def test_event_pool_refills_without_breaking_the_tiling(llm: LLM, monkeypatch) -> None:
+    """With CUDA's event pool (faked on the host) far smaller than a run needs, finished
+    cycles are resolved as the pool runs low and their events reused: no event is made on
+    the hot path, and no event still holding a later cycle's start (a phase's end is the
+    next one's start) is reused, so cycles still tile the decode period exactly."""
+    import torch
+
+    from specscope.profiler import profiler as profmod
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    llm.set_spec(SpecConfig(draft="random", num_steps=3, topk=2, num_draft_tokens=6))
+    prof = llm.enable_profiling(True, interval=None)
+    prof.cuda, prof._stream = True, None
+    prof._free = [_FakeEvent() for _ in range(profmod.RECLAIM_BELOW + 8)]
+    prof._origin = prof._now()
+    made = _FakeEvent.made
+    for _ in range(2):
+        llm.generate(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert _FakeEvent.made == made  # the pool refilled itself
+    recs = prof.all_records()
+    assert len(recs) > profmod.RECLAIM_BELOW  # far more events than the pool held
+    for r in recs:
+        assert sum(d for _, _, d in r.phases) + r.other_ms == pytest.approx(r.wall_ms)
+        assert r.other_ms >= -1e-6
+    by_request = [recs[:len(recs) // 2], recs[len(recs) // 2:]]
+    for part in by_request:
+        for a, b in zip(part, part[1:], strict=False):
+            assert b.start_ms == pytest.approx(a.start_ms + a.wall_ms, abs=1e-6)
     llm.enable_profiling(False)
