@@ -121,6 +121,8 @@ def main() -> None:
                          "(Triton's, on CUDA) are then compiled for both sides, as in a "
                          "process that has run them before, instead of charged to whichever "
                          "side meets a shape first (the tuner, which runs first)")
+    ap.add_argument("--calibration-tokens", type=int, default=48,
+                    help="tokens of each calibration run (the tuner's calibration_tokens)")
     ap.add_argument("--noise-runs", type=int, default=0,
                     help="before the tuner (untimed): plain and (3, 1, 4) measured "
                          "alternately this many times each, their spread printed: the "
@@ -162,7 +164,7 @@ def main() -> None:
     t = time.perf_counter()
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens,
                log=lambda x: log_line(lines, x), base=base,
-               warmup_tokens=warm,
+               warmup_tokens=warm, calibration_tokens=args.calibration_tokens,
                served=None if args.served == "none" else served_config(args.served))
     tune_s = time.perf_counter() - t
     for line, rows in res.cost.residuals.items():  # the fit's residuals, point by point
