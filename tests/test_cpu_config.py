@@ -38,6 +38,28 @@ def test_avx2_emulation_counts_as_no_native_bf16(monkeypatch):
     assert not cpu_has_native_bf16()
 
 
+def test_emulated_capability_gets_its_own_compile_cache(monkeypatch, tmp_path):
+    """Under ATEN_CPU_CAPABILITY torch.compile's cache moves to a directory of that
+    capability (its keys leave the variable out: kernels compiled unrestricted were loaded
+    under avx2 and decoded token 0); a cache the user chose is left alone."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from specscope.engine.machine import inductor_cache_for_capability
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert inductor_cache_for_capability() is None
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    path = inductor_cache_for_capability()
+    assert path == os.path.join(os.path.abspath(default_cache_dir()), "aten-avx2")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's choice
+    assert inductor_cache_for_capability() is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
 def test_auto_picks_int4_for_plain_decoding_only(specscope_cache_dir):
     """The default model's GGUF is Q4_1: 4-bit for plain decoding; dense weights when the
     engine speculates (the int4 kernel's verify is slower there)."""

@@ -50,6 +50,7 @@ from specscope.engine.logprobs import (
     prompt_logprob_rows,
     unpack_logprobs,
 )
+from specscope.engine.machine import inductor_cache_for_capability
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SpecState
 from specscope.engine.step_broadcast import MirrorScheduler, PlanSender
@@ -217,6 +218,8 @@ class Engine:
         self.timer: Profiler | None = None
         self.last_stats = StepStats()
         # The target's forward, compiled with dynamic shapes (the batch is ragged) or eager.
+        if config.compile and dev.type == "cpu":
+            inductor_cache_for_capability()
         self._target = torch.compile(model, dynamic=True) if config.compile else model
         self.graphs = self.spec_graphs = None
         if dev.type == "cuda" and config.cuda_graphs:

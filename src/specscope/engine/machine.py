@@ -44,6 +44,27 @@ def cpu_has_native_bf16() -> bool:
     return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
 
 
+def inductor_cache_for_capability() -> str | None:
+    """Under ATEN_CPU_CAPABILITY (how an AVX2 laptop is emulated on an AVX-512 machine),
+    point torch.compile's on-disk cache at a directory of that capability: the cache keys
+    leave the variable out, so a process held to AVX2 loaded the kernels an unrestricted
+    one had compiled and decoded token 0 throughout (torch 2.13). Returns the directory set,
+    or None where nothing was changed (no such variable, or the caller chose a cache other
+    than the default, which importing torch's compiler writes into the environment)."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not cap:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is not None and os.path.abspath(chosen) != default:
+        return None
+    path = os.path.join(default, f"aten-{re.sub(r'[^A-Za-z0-9_]', '_', cap)}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
 def resolve_quantization(quantization: str, model: str | None, device: torch.device,
                          dtype: str, tensor_parallel_size: int = 1,
                          cache_dir: str | None = None, speculative: bool = False
