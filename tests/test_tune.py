@@ -491,3 +491,33 @@ def test_a_policy_is_fitted_at_several_batch_sizes():
         assert (four.num_steps, four.topk, four.num_draft_tokens) == rows[0].pick
         assert rows[0].measured_tok_per_s > rows[0].plain_tok_per_s
     assert SpecPolicy.parse(policy.flag(), base) == policy
+
+
+def test_the_acceptance_model_reads_the_served_configurations_text(tiny_model_dir,
+                                                                   monkeypatch):
+    """With a served configuration, its run over the prompts gives the text the acceptance
+    model is measured on (a speculating engine's text, which in bf16 can part from plain
+    decoding's) and counts as its confirmation: run once, listed once."""
+    from specscope.tune import tuner
+    from specscope.tune.acceptance import AcceptanceModel
+
+    filled: dict = {}
+    real_run = tuner.run_config
+
+    def run_spy(llm, cfg, *a, outputs=None, **k):
+        if outputs is not None:
+            filled[cfg] = outputs
+        return real_run(llm, cfg, *a, outputs=outputs, **k)
+
+    def acc_spy(llm, draft, prompts, answers, *a, **k):  # a random draft has no real one
+        filled["read"] = answers
+        return AcceptanceModel.simulated((0.7, 0.6, 0.5), depth=3, positions=500)
+
+    monkeypatch.setattr(tuner, "run_config", run_spy)
+    monkeypatch.setattr(tuner, "_acceptance_model", acc_spy)
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
+    res = tuner.tune(llm, "random", ["1 2 3", "Once upon a time"], max_tokens=8, depth=3,
+                     calibration_tokens=8, served=(2, 1, 3), log=lambda _: None)
+    assert filled["read"] is filled[(2, 1, 3)] and len(filled["read"]) == 2
+    assert [m.config for m in res.measured].count((2, 1, 3)) == 1
+    assert res.measured[0].config is None and "text_run" in res.timings
