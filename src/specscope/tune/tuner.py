@@ -418,6 +418,9 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     early, answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served,
                                depth, acceptance, answers)
     timings["text_run"] = time.perf_counter() - t
+    if early:
+        log(f"[tune] served {served}: {early[served].tok_per_s:.1f} tok/s, its text read by the "
+            f"acceptance model ({timings['text_run']:.1f} s)")
     t = time.perf_counter()
     acc = acceptance if acceptance is not None else _acceptance_model(
         llm, draft, prompts, answers, base, depth, calibration_prompts, max_tokens, log)
