@@ -15,15 +15,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from specscope import LLM, SamplingParams, SpecConfig
-from specscope.config import ModelConfig
-from specscope.models.loader import random_model
+from specscope import SamplingParams, SpecConfig
 from specscope.tune.tuner import measure_interleaved, run_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES  # noqa: E402  (benchmarks/ is not a package)
+from tune import build  # noqa: E402
 
 
 def main() -> None:
@@ -34,12 +31,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    cfg = ModelConfig.from_hf(SHAPES[args.shape], name=args.shape)
-    dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
-    llm = LLM.from_model(random_model(cfg, dtype, args.device), name=args.shape,
-                         max_model_len=4096)
-    prompts = [" ".join(str(100 + 37 * i + j) for j in range(48))
-               for i in range(args.num_prompts)]
+    # The tune benchmark's random target of this shape (on the CPU too) and its prompts.
+    args.model, args.random_target, args.dataset, args.dtype = None, True, None, "fp32"
+    llm, prompts = build(args)
     base = SpecConfig(draft="random", simulate_acceptance=(0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35))
     cfgs = [(3, 1, 4), (5, 1, 6), (4, 4, 16)]
     params = SamplingParams(max_tokens=args.max_tokens)
