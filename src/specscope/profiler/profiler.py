@@ -54,6 +54,12 @@ class _Pending:
     comm: list[tuple[str, str, object, object, int]] = field(default_factory=list)
 
 
+def _events(c: _Pending) -> list:
+    """Every event (or host timestamp) a cycle holds: its bounds, phases and collectives."""
+    return [c.start, c.end] + [e for _, a, b in c.marks for e in (a, b)] + \
+        [e for _, _, a, b, _ in c.comm for e in (a, b)]
+
+
 # The event pool's low-water mark: below it, finished cycles are resolved to refill it.
 RECLAIM_BELOW = 64
 
@@ -305,8 +311,7 @@ class Profiler:
         phases are resolved: a phase's end is the next one's start, across cycles too."""
         evs: list = [self._last_end] + ([self._open[1]] if self._open else [])
         for c in self._pending[n:] + ([self._cycle] if self._cycle else []):
-            evs += [c.start, c.end] + [e for _, a, b in c.marks for e in (a, b)]
-            evs += [e for _, _, a, b, _ in c.comm for e in (a, b)]
+            evs += _events(c)
         evs += [e for _, _, a, b in self._loose[m:] for e in (a, b)]
         return {id(e) for e in evs if e is not None}
 
@@ -323,8 +328,7 @@ class Profiler:
                               **c.step)
             self.records[c.config].append(rec)
             self.totals[c.config].add(rec)
-            used += [c.start, c.end] + [e for _, a, b in c.marks for e in (a, b)]
-            used += [e for _, _, a, b, _ in c.comm for e in (a, b)]
+            used += _events(c)
         for config, name, a, b in self._loose[:m]:
             self.loose_ms[config][name].append(self._ms(a, b))
             used += [a, b]

@@ -71,6 +71,12 @@ class Measured:
     seconds: float
     run_tok_per_s: float | None = None
 
+    @classmethod
+    def of(cls, config: Config | None, summary: dict, seconds: float) -> Measured:
+        """From a profiler summary of the configuration's runs."""
+        return cls(config, summary["steady_tok_per_s"], summary["accept_length"], seconds,
+                   summary["tok_per_s"])
+
 
 @dataclass
 class TuneResult:
@@ -179,8 +185,7 @@ def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
             outputs.append(out.token_ids)
     s = prof.summary(prof.config)
     llm.enable_profiling(False)
-    return Measured(cfg, s["steady_tok_per_s"], s["accept_length"], time.perf_counter() - t0,
-                    s["tok_per_s"]), s
+    return Measured.of(cfg, s, time.perf_counter() - t0), s
 
 
 def confirmation_set(preds: dict[Config, tuple[float, float]], confirm: int,
@@ -357,11 +362,7 @@ def measure_interleaved(llm: Any, configs: list[Config], draft: str, prompts: li
             llm.set_spec(spec_for(cfg, draft, base))
             llm.generate(p, params)
             seconds[cfg] += time.perf_counter() - t
-    out = []
-    for cfg in configs:
-        s = prof.summary(labels[cfg])
-        out.append(Measured(cfg, s["steady_tok_per_s"], s["accept_length"], seconds[cfg],
-                            s["tok_per_s"]))
+    out = [Measured.of(cfg, prof.summary(labels[cfg]), seconds[cfg]) for cfg in configs]
     llm.enable_profiling(False)
     return out
 
