@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -32,7 +33,8 @@ from pathlib import Path
 from specscope import LLM, SamplingParams, SpecConfig
 from specscope.bench.datasets import load_prompts
 from specscope.cli_draft import served_config
-from specscope.tune.tuner import max_nodes, run_config, tune
+from specscope.engine.machine import freeze_heap
+from specscope.tune.tuner import TuneResult, _calibrate, max_nodes, run_config, tune
 
 
 def grid() -> list:
@@ -72,6 +74,47 @@ def build(args: argparse.Namespace) -> tuple[LLM, list]:
 def log_line(lines: list[str], text: str) -> None:
     lines.append(text)
     print(text, flush=True)
+
+
+class GcClock:
+    """Python's garbage collections and their time, per generation, between two takes: a
+    collection pauses the host in the middle of a cycle, and a launch-bound model's cycle
+    waits for the host."""
+
+    def __init__(self) -> None:
+        self.count, self.ms, self._t = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._t)
+
+    def take(self, what: str, lines: list[str]) -> None:
+        pairs = enumerate(zip(self.count, self.ms, strict=True))
+        log_line(lines, f"[gc] {what}: " + ", ".join(f"gen{g} {n} ({ms:.1f} ms)"
+                                                     for g, (n, ms) in pairs))
+        self.count, self.ms = [0, 0, 0], [0.0, 0.0, 0.0]
+
+
+def recalibrate(llm: LLM, args: argparse.Namespace, prompts: list, base: SpecConfig | None,
+                warm: int, res: TuneResult, lines: list[str]) -> None:
+    """After the tuner (untimed): its calibration again, at its own length and at the
+    confirmation's, each model's cycle for the confirmed configurations beside the cycle the
+    confirmation measured. If the second calibration agrees with the first, the gap to the
+    confirmation is the workload (the length, the prompts); if it agrees with the
+    confirmation, the machine moved between the two."""
+    plain = next(m for m in res.measured if m.config is None)
+    confirmed = [m for m in res.measured if m.config is not None]
+    for tokens in dict.fromkeys((args.calibration_tokens, args.max_tokens)):
+        cost, _ = _calibrate(llm, args.draft, prompts[:1], base, plain.summary, tokens, warm,
+                             list(res.predictions))
+        log_line(lines, f"[recalibrated, {tokens} tokens] cycle ms, tuner's model / this "
+                        "model / confirmation measured: " + ", ".join(
+            f"{m.config} {res.cost.cycle_ms(*m.config):.3f} / {cost.cycle_ms(*m.config):.3f} "
+            f"/ {1e3 * (m.accept_length or 1) / m.tok_per_s:.3f}" for m in confirmed))
 
 
 def noise_runs(llm: LLM, args: argparse.Namespace, prompts: list, base: SpecConfig | None,
@@ -128,9 +171,17 @@ def main() -> None:
                          "alternately this many times each, their spread printed: the "
                          "run-to-run noise within this process that prediction errors are "
                          "judged against")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="after the tuner (untimed): its calibration again at its own length "
+                         "and at --max-tokens, each model's cycles beside the confirmation's")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the garbage collector's heap unfrozen (as before "
+                         "engine.machine.freeze_heap): full collections then fall inside runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm, prompts = build(args)
+    if not args.no_gc_freeze:
+        freeze_heap()  # as `specscope tune` does once its engine is built
     base = None
     if args.rates:
         rates = tuple(float(r) for r in args.rates.split(","))
@@ -143,6 +194,7 @@ def main() -> None:
     # clock runs; the same for the grid and the tuner.
     warm = args.max_tokens if args.device != "cpu" else 8
     lines: list[str] = []
+    clock = GcClock()
     # Process warm-up, timed for neither side: the first requests of a process pay lazy
     # initialisation (kernels, allocator, the draft's first load) that whichever side ran
     # first would otherwise be charged for.
@@ -159,18 +211,25 @@ def main() -> None:
                 run_config(llm, cfg, args.draft, prompts[:1],
                            SamplingParams(max_tokens=warm), base, warm)
     log_line(lines, f"process warm-up (untimed for both sides): {time.perf_counter() - t:.1f} s")
+    clock.take("process warm-up", lines)
     if args.noise_runs:
         noise_runs(llm, args, prompts, base, warm, lines)
+        clock.take("noise runs", lines)
     t = time.perf_counter()
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens,
                log=lambda x: log_line(lines, x), base=base,
                warmup_tokens=warm, calibration_tokens=args.calibration_tokens,
                served=None if args.served == "none" else served_config(args.served))
     tune_s = time.perf_counter() - t
+    clock.take("tuner", lines)
     for line, rows in res.cost.residuals.items():  # the fit's residuals, point by point
         log_line(lines, f"[fit] {line}: " + ", ".join(
             f"{tuple(r['config'])} {r['measured_ms']:.3f}/{r['fitted_ms']:.3f} ms" for r in rows))
-    lines += [res.table(), res.recommendation()]
+    for line in [res.table(), *res.term_lines(), res.recommendation()]:
+        log_line(lines, line)
+    if args.recalibrate:
+        recalibrate(llm, args, prompts, base, warm, res, lines)
+        clock.take("recalibration", lines)
     params = SamplingParams(max_tokens=args.max_tokens)
     t = time.perf_counter()
     rows = []
@@ -182,6 +241,7 @@ def main() -> None:
                         f"{m.accept_length or 1:.2f}" +
                  (f"  (predicted {pred[1]:.1f} tok/s, tau {pred[0]:.2f})" if pred else ""))
     grid_s = time.perf_counter() - t
+    clock.take("grid", lines)
     best = max(rows, key=lambda m: m.tok_per_s)
     pick = next((m for m in rows if m.config == res.recommended), None)
     if pick is None:  # the tuner's pick is not in the grid: measure it like the grid

@@ -183,3 +183,30 @@ def test_generate_leaves_the_draft_to_the_machine_only_without_spec_flags():
         got = spec(*flags)
         assert isinstance(got, SpecConfig) and got.draft == "default", flags
     assert spec("--draft", "none") is None
+
+
+def test_a_frozen_heap_still_frees_a_replaced_engine(tiny_model_dir):
+    """freeze_heap keeps full collections from stalling decode cycles; an engine replaced
+    after it (its pools and graphs hold each other) must still be collected, and the new
+    engine is frozen in turn."""
+    import gc
+    import weakref
+
+    from specscope.engine import machine
+
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu", spec=None)
+    try:
+        machine.freeze_heap()
+        assert gc.get_freeze_count() > 0 and gc.collect() == 0
+        llm.engine.cycle = [llm.engine]  # as captured CUDA graphs hold their engine
+        old = weakref.ref(llm.engine)
+        want = llm.generate("Once upon a time", SamplingParams(max_tokens=8))[0].token_ids
+        llm.set_spec(SpecConfig(draft="random", num_steps=2))  # plain -> speculative: rebuilt
+        assert old() is None  # frozen with the heap, collected all the same
+        assert gc.is_tracked(llm.engine) and gc.get_count()[2] == 0
+        llm.set_spec(None)
+        assert llm.generate("Once upon a time", SamplingParams(max_tokens=8))[0].token_ids \
+            == want
+    finally:
+        machine.thaw_heap()
+    assert gc.get_freeze_count() == 0

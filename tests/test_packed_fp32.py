@@ -1,7 +1,8 @@
-"""fp32 linears on MKL-packed weights for one row count (models/packed.py pack_fp32_rows):
-the packed GEMM against F.linear at that count, the reference path at every other, the copy
-dropped when speculation stops, subclasses (tensor-parallel linears) left alone, and greedy
-speculation still equal to greedy plain decoding on a packed fp32 target."""
+"""fp32 linears on MKL-packed weights for one row count at a time (models/packed.py
+pack_fp32_rows): the packed GEMM against F.linear at that count, the reference path at every
+other, the copy made when the count is chosen and kept for the last few counts, dropped when
+speculation stops, subclasses (tensor-parallel linears) left alone, and greedy speculation
+still equal to greedy plain decoding on a packed fp32 target."""
 
 from __future__ import annotations
 
@@ -36,42 +37,61 @@ def test_rows_served_packed_and_others_by_the_reference():
         assert pack_fp32_rows(m, 6) == 2
         assert isinstance(m.a, PackedLinear) and type(m.tp).__name__ == "RowParallel"
         got6, got1 = m(x6), m(x1)
-    assert m.a._mkl is not None and m.a._mkl[0][2] == 6  # the packed copy ran
+    assert list(m.a._mkl) == [6]  # the packed copy ran
     torch.testing.assert_close(got6, want6, rtol=1e-5, atol=1e-5)
     assert torch.equal(got1, want1)  # another row count: F.linear itself
     assert pack_fp32_rows(m, None) == 0
-    assert m.a.fp32_rows is None and m.a._mkl is None
+    assert m.a.fp32_rows is None and m.a._mkl == {}
     plain = Block()
     assert pack_fp32_rows(plain, None) == 0 and type(plain.a) is nn.Linear  # none to drop
 
 
-def test_a_new_row_count_replaces_the_copy_and_weights_repack():
-    lin = nn.Linear(32, 48).requires_grad_(False)
-    m = nn.Sequential(lin)
+def _count_mkl(monkeypatch, name: str) -> list:
+    """Record each call of torch.ops.mkl.`name` (its last argument, the row count)."""
+    calls: list = []
+    real = getattr(torch.ops.mkl, name)
+    monkeypatch.setattr(torch.ops.mkl, name, lambda *a: calls.append(a[-1]) or real(*a),
+                        raising=False)
+    return calls
+
+
+def test_a_count_is_packed_when_chosen_and_the_last_few_are_kept(monkeypatch):
+    import specscope.models.packed as packed
+
+    m = nn.Sequential(nn.Linear(32, 48).requires_grad_(False))
+    reorders = _count_mkl(monkeypatch, "_mkl_reorder_linear_weight")
     pack_fp32_rows(m, 4)
     p = m[0]
-    x = torch.randn(4, 32)
+    assert reorders == [4]  # packed when chosen: the first GEMM of 4 rows pays no repack
     with torch.inference_mode():
-        p(x)
-        first = p._mkl[1]
-        pack_fp32_rows(m, 3)
-        assert p._mkl is None
-        y = p(torch.randn(3, 32))
-        assert y.shape == (3, 48) and p._mkl[0][2] == 3
+        p(torch.randn(4, 32))
+        assert reorders == [4]
+        for rows in (3, 4, 5, 6, 7):  # 4 again: still kept, not repacked
+            pack_fp32_rows(m, rows)
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(p(x), F.linear(x, p.weight, p.bias),
+                                       rtol=1e-5, atol=1e-5)
+    assert reorders == [4, 3, 5, 6, 7]
+    assert list(p._mkl) == [4, 5, 6, 7][-packed.FP32_COPIES:]  # 3, least recent, dropped
     with torch.no_grad():
         p.weight.mul_(2)  # an in-place update: the next call repacks
     with torch.inference_mode():
-        x3 = torch.randn(3, 32)
-        torch.testing.assert_close(p(x3), F.linear(x3, p.weight, p.bias), rtol=1e-5, atol=1e-5)
-    assert first is not None
+        x7 = torch.randn(7, 32)
+        torch.testing.assert_close(p(x7), F.linear(x7, p.weight, p.bias), rtol=1e-5, atol=1e-5)
+    assert reorders[-1] == 7 and len(reorders) == 6
 
 
-def test_autograd_takes_the_reference_path():
+def test_autograd_takes_the_reference_path(monkeypatch):
     m = nn.Sequential(nn.Linear(16, 16))
     pack_fp32_rows(m, 2)
     x = torch.randn(2, 16, requires_grad=True)
+    packed_gemms = _count_mkl(monkeypatch, "_mkl_linear")
     m(x).sum().backward()
-    assert x.grad is not None and m[0]._mkl is None
+    assert packed_gemms == []  # F.linear ran, which autograd can differentiate
+    torch.testing.assert_close(x.grad, m[0].weight.sum(0).expand(2, 16))
+    with torch.no_grad():
+        m(x)
+    assert packed_gemms == [2]  # the same input without autograd: the packed GEMM
 
 
 def test_the_memory_share_is_respected(monkeypatch):

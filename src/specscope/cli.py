@@ -54,6 +54,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specscope.engine.llm import LLM
+    from specscope.engine.machine import freeze_heap
 
     params = _sampling(args)  # validate before the (slow) model load
     check_engine_args(args)
@@ -76,6 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               **engine_kwargs(args),
               compile=args.compile, spec=spec, spec_policy=policy, profile=args.profile,
               profile_interval=args.profile_interval)
+    freeze_heap()  # the engine is built: no full collection stalls a cycle from here
     load_s = time.perf_counter() - t0
     final = None
     for delta in llm.stream(prompt, params, chat=args.chat):
@@ -137,6 +139,7 @@ def _parse_spec_list(values: list[str], base: argparse.Namespace) -> list:
 def cmd_profile(args: argparse.Namespace) -> int:
     from specscope.bench.datasets import load_prompts
     from specscope.engine.llm import LLM
+    from specscope.engine.machine import freeze_heap
     from specscope.profiler import format_summary
     from specscope.profiler.report import write_report
     from specscope.profiler.trace import write_chrome_trace, write_text_atomic
@@ -154,6 +157,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
               quantization=quantization_for(args, bool(specs)), cuda_graphs=args.cuda_graphs,
               **engine_kwargs(args),
               compile=args.compile, profile=False, spec=None)
+    freeze_heap()
     configs = ([None] if not args.no_baseline else []) + specs
     if not configs:
         raise ValueError("nothing to profile: give --draft (and --spec) or drop --no-baseline")

@@ -141,6 +141,7 @@ def served_config(text: str) -> tuple[int, int, int]:
 def cmd_tune(args: argparse.Namespace) -> int:
     from specscope.bench.datasets import load_prompts
     from specscope.engine.llm import LLM
+    from specscope.engine.machine import freeze_heap
     from specscope.tune.tuner import tune, write_plot
 
     check_engine_args(args)
@@ -154,6 +155,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
               quantization=quantization_for(args, True), cuda_graphs=args.cuda_graphs,
               **engine_kwargs(args),
               compile=args.compile, spec=None)
+    freeze_heap()
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens, confirm=args.confirm,
                budget_seconds=args.budget_seconds, served=served,
                batch_sizes=args.batch_sizes)

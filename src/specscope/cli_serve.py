@@ -83,6 +83,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specscope.engine.llm import LLM
+    from specscope.engine.machine import freeze_heap
     from specscope.server import create_app
     from specscope.server.serve import bind_sockets, serve
 
@@ -113,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   compile=args.compile, spec=None, profile=args.profile,
                   profile_interval=args.profile_interval, tensor_parallel_size=tp,
                   dist_timeout=args.dist_timeout)
+        freeze_heap()  # the engine is built: no full collection stalls a cycle from here
         if args.doctor:  # before the engine loads the draft, which stops at its first error
             report = doctor_report(llm, spec.draft, doctor_prompts(None, 8),
                                    spec.draft_layer_ids, 64)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import itertools
 import logging
 import os
@@ -48,11 +47,13 @@ from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.engine import BatchConfig, Engine, StepOutput, end_profiled_cycle
 from specscope.engine.grammar import Grammar, GrammarCompiler
 from specscope.engine.machine import (  # noqa: F401  (re-exported: the engine's API)
+    collect_heap,
     cpu_has_native_bf16,
     default_draft_skipped,
     resolve_device,
     resolve_dtype,
     resolve_quantization,
+    settle_heap,
 )
 from specscope.engine.ranks import TensorParallelRanks
 from specscope.engine.request import (
@@ -337,7 +338,7 @@ class LLM(TensorParallelRanks):
                 return
             carried = self.engine.scheduler.drain() if self.engine is not None else []
             self.engine = None  # the old pools go before the new ones are allocated
-            gc.collect()  # an engine and its captured graphs hold each other
+            collect_heap()  # an engine and its captured graphs hold each other
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.engine = self._build_engine(draft, spec, policy if spec is not None else None)
@@ -348,6 +349,7 @@ class LLM(TensorParallelRanks):
             self.spec_policy = policy if spec is not None else None
             self.engine.timer = self.timer
             self._label_config()
+            settle_heap()
 
     def _pack_verify_rows(self, spec: SpecConfig | None) -> None:
         """CPU fp32: the target's linears serve a verify's rows (num_draft_tokens, the

@@ -16,9 +16,13 @@ every call; measured on AVX2 kernels (2 threads, the default model's five linear
 of each), 6 rows take 12.3 ms with F.linear and 7.1 ms on MKL-packed weights, 1 row 5.5 and
 5.2 ms. MKL's packed GEMM runs only at the row count it was packed for (any other falls back
 to F.linear), and each count is a full copy of the weights, so the runner packs the target
-for one count only: a speculative verify's tokens (num_draft_tokens), the step that is
-slowest against its bytes. These results are not bit-identical to F.linear (a different
-GEMM kernel; they differ in the last bits, as F.linear's own M = 1 and M = 6 kernels do).
+for one count at a time: a speculative verify's tokens (num_draft_tokens), the step that is
+slowest against its bytes. The copies of the last few counts are kept (FP32_COPIES, within
+the memory share) and the active one is packed when it is chosen, not at its first GEMM: a
+tuner switching between configurations prompt by prompt would otherwise repack the whole
+model inside the first measured cycle of each switch (+46-68 % on that cycle). These
+results are not bit-identical to F.linear (a different GEMM kernel; they differ in the last
+bits, as F.linear's own M = 1 and M = 6 kernels do).
 
 `PackedLinear` is an `nn.Linear` (same parameters, same state_dict names, so checkpoint
 layouts and training see nothing new) whose forward uses the packed copy when it can and
@@ -42,6 +46,8 @@ log = logging.getLogger("specscope.packed")
 # The linears a packer may swap for a PackedLinear (the model's Linear is nn.Linear on the
 # CPU); subclasses with their own forward (tensor-parallel all-reduces) are not.
 _PLAIN = (nn.Linear, Linear)
+# Row counts whose fp32 packed copies a linear keeps (each a full copy of its weight).
+FP32_COPIES = 4
 
 
 @cache
@@ -88,30 +94,40 @@ class PackedLinear(nn.Linear):
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
         self.fp32_rows: int | None = None  # the row count an fp32 MKL pack serves
-        self._mkl: tuple[tuple[int, int, int], torch.Tensor] | None = None
+        # rows -> ((storage, version), packed copy), least recently chosen first.
+        self._mkl: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
 
     def __getstate__(self) -> dict:
         # The packed copies are opaque oneDNN tensors (no storage to copy or pickle): copies
         # and pickles drop them and repack on first use.
         state = self.__dict__.copy()
-        state["_packed"], state["_key"], state["_mkl"] = None, None, None
+        state["_packed"], state["_key"], state["_mkl"] = None, None, {}
         return state
 
-    def set_fp32_rows(self, rows: int | None) -> None:
-        """Serve fp32 GEMMs of exactly `rows` rows from an MKL-packed copy (None: none);
-        a copy for another count is dropped."""
-        if rows != self.fp32_rows:
-            self.fp32_rows, self._mkl = rows, None
+    def set_fp32_rows(self, rows: int | None, keep: int = FP32_COPIES) -> None:
+        """Serve fp32 GEMMs of exactly `rows` rows from an MKL-packed copy, packed now
+        (None: none, and every copy dropped). The copies of the `keep` most recently chosen
+        counts stay, so switching back to one costs nothing."""
+        self.fp32_rows = rows
+        if rows is None:
+            self._mkl = {}
+            return
+        self.mkl_weight()
+        self._mkl[rows] = self._mkl.pop(rows)  # most recently chosen last
+        while len(self._mkl) > keep:
+            del self._mkl[next(iter(self._mkl))]
 
     def mkl_weight(self) -> torch.Tensor:
         """The fp32 weight packed for fp32_rows rows, repacked when the weight changed."""
         w = self.weight
-        key = (w.data_ptr(), _version(w), self.fp32_rows)
-        if self._mkl is None or self._mkl[0] != key:
+        key = (w.data_ptr(), _version(w))
+        have = self._mkl.get(self.fp32_rows)
+        if have is None or have[0] != key:
             with torch.no_grad():
-                self._mkl = (key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(),
-                                                                          self.fp32_rows))
-        return self._mkl[1]
+                have = (key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(),
+                                                                     self.fp32_rows))
+            self._mkl[self.fp32_rows] = have
+        return have[1]
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's blocked layout, repacked when the weight changed."""
@@ -203,11 +219,14 @@ def pack_linears(module: nn.Module, memory_fraction: float | None = None) -> int
 def pack_fp32_rows(module: nn.Module, rows: int | None,
                    memory_fraction: float | None = 0.25) -> int:
     """Serve `module`'s CPU fp32 linears' GEMMs of `rows` rows from MKL-packed copies,
-    swapping plain nn.Linears for PackedLinears first; None (or too little memory: a copy
-    costs the linear weights' bytes once more, made only within `memory_fraction` of the
-    memory available now) drops any copies. Returns how many linears serve `rows`."""
-    if rows is not None and not (mkl_packing_available() and _fits(
-            module, torch.float32, memory_fraction, f"fp32 linears for {rows} rows")):
+    packed now, swapping plain nn.Linears for PackedLinears first. The copies of the last
+    FP32_COPIES counts are kept; None (or too little memory for a new copy: it costs the
+    linear weights' bytes once more, made only within `memory_fraction` of the memory
+    available now) drops them all. Returns how many linears serve `rows`."""
+    if rows is not None and not mkl_packing_available():
+        rows = None
+    if rows is not None and not _has_fp32_copy(module, rows) and not _fits(
+            module, torch.float32, memory_fraction, f"fp32 linears for {rows} rows"):
         rows = None
     served = 0
     for parent, name, child in _cpu_linears(module, torch.float32):
@@ -218,3 +237,9 @@ def pack_fp32_rows(module: nn.Module, rows: int | None,
             child.set_fp32_rows(rows)
             served += rows is not None
     return served
+
+
+def _has_fp32_copy(module: nn.Module, rows: int) -> bool:
+    """Whether `module`'s packed fp32 linears already keep a copy for `rows` rows."""
+    packed = [c for _, _, c in _cpu_linears(module, torch.float32) if isinstance(c, PackedLinear)]
+    return bool(packed) and all(rows in c._mkl for c in packed)

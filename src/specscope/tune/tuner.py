@@ -70,12 +70,13 @@ class Measured:
     accept_length: float | None
     seconds: float
     run_tok_per_s: float | None = None
+    summary: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, config: Config | None, summary: dict, seconds: float) -> Measured:
-        """From a profiler summary of the configuration's runs."""
+        """From a profiler summary of the configuration's runs (kept, for term_errors)."""
         return cls(config, summary["steady_tok_per_s"], summary["accept_length"], seconds,
-                   summary["tok_per_s"])
+                   summary["tok_per_s"], summary)
 
 
 @dataclass
@@ -118,6 +119,32 @@ class TuneResult:
                          f"{str(r.pick or 'off'):<14} predicted {pred:>9} measured {meas:>9}")
         return "\n".join(lines)
 
+    def term_errors(self) -> list[dict[str, Any]]:
+        """Where the cost model misses each confirmed cycle: the draft, verify and other
+        terms (ms per cycle) as modelled and as the confirmation measured them, from the same
+        steady cycles the calibration reads."""
+        rows = []
+        for m in self.measured:
+            if m.config is None or m.summary is None:
+                continue
+            got = calibration_from_summary(m.summary, *m.config)
+            rows.append({"config": list(m.config), **{
+                term: {"model_ms": round(model, 4), "measured_ms": round(meas, 4)}
+                for term, model, meas in (
+                    ("draft", self.cost.draft_ms(*m.config), got.draft_ms),
+                    ("verify", self.cost.verify_ms(*m.config), got.verify_ms),
+                    ("other", self.cost.other, got.other_ms))}})
+        return rows
+
+    def term_lines(self) -> list[str]:
+        """term_errors as one line per confirmed configuration."""
+        def cell(name: str, t: dict[str, float]) -> str:
+            err = t["model_ms"] / t["measured_ms"] - 1 if t["measured_ms"] else 0.0
+            return f"{name} {t['model_ms']:.3f}/{t['measured_ms']:.3f} ({err:+.1%})"
+        return [f"[terms] {tuple(r['config'])} model/measured ms: " +
+                ", ".join(cell(k, r[k]) for k in ("draft", "verify", "other"))
+                for r in self.term_errors()]
+
     def recommendation(self) -> str:
         if self.policy is not None:
             return (f"recommendation by batch size: {self.policy.describe()} -> specscope "
@@ -143,6 +170,7 @@ class TuneResult:
                              for m in self.measured],
                 "top_predictions": [{"config": list(c), "tau": round(t, 3),
                                      "tok_per_s": round(v, 2)} for c, (t, v) in best],
+                "terms": self.term_errors(),
                 "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
                 "policy": self.policy.flag() if self.policy else None,
                 "by_batch": [r.as_dict() for r in self.batch_rows]}
