@@ -497,7 +497,8 @@ def test_the_acceptance_model_reads_the_served_configurations_text(tiny_model_di
                                                                    monkeypatch):
     """With a served configuration, its run over the prompts gives the text the acceptance
     model is measured on (a speculating engine's text, which in bf16 can part from plain
-    decoding's) and counts as its confirmation: run once, listed once."""
+    decoding's); the configuration is confirmed again among the others (a run minutes
+    earlier met another speed of the machine), listed once, from that confirmation."""
     from specscope.tune import tuner
     from specscope.tune.acceptance import AcceptanceModel
 
@@ -505,9 +506,10 @@ def test_the_acceptance_model_reads_the_served_configurations_text(tiny_model_di
     real_run = tuner.run_config
 
     def run_spy(llm, cfg, *a, outputs=None, **k):
+        got = real_run(llm, cfg, *a, outputs=outputs, **k)
         if outputs is not None:
-            filled[cfg] = outputs
-        return real_run(llm, cfg, *a, outputs=outputs, **k)
+            filled[cfg], filled["text run", cfg] = outputs, got[0]
+        return got
 
     def acc_spy(llm, draft, prompts, answers, *a, **k):  # a random draft has no real one
         filled["read"] = answers
@@ -520,4 +522,6 @@ def test_the_acceptance_model_reads_the_served_configurations_text(tiny_model_di
                      calibration_tokens=8, served=(2, 1, 3), log=lambda _: None)
     assert filled["read"] is filled[(2, 1, 3)] and len(filled["read"]) == 2
     assert [m.config for m in res.measured].count((2, 1, 3)) == 1
+    listed = next(m for m in res.measured if m.config == (2, 1, 3))
+    assert listed is not filled["text run", (2, 1, 3)]  # the interleaved confirmation's
     assert res.measured[0].config is None and "text_run" in res.timings

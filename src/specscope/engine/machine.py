@@ -4,6 +4,7 @@ collector (frozen once the engine is built)."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import re
@@ -174,6 +175,10 @@ def freeze_heap() -> None:
     global _heap_frozen
     gc.collect()
     gc.freeze()
+    if not _heap_frozen:
+        # Frozen objects are never finalised at exit (native bindings then report them as
+        # leaked): thaw first.
+        atexit.register(gc.unfreeze)
     _heap_frozen = True
 
 
