@@ -525,3 +525,25 @@ def test_the_acceptance_model_reads_the_served_configurations_text(tiny_model_di
     listed = next(m for m in res.measured if m.config == (2, 1, 3))
     assert listed is not filled["text run", (2, 1, 3)]  # the interleaved confirmation's
     assert res.measured[0].config is None and "text_run" in res.timings
+
+
+def test_a_trees_extra_host_time_is_its_own_term():
+    """The host's time between a cycle's segments is fitted as a constant and a tree's
+    extra (on the H200 trees spent 0.25-0.32 ms a cycle there, chains 0.14-0.18), both
+    identified by the calibration's chains and trees, with their residuals kept."""
+    from specscope.tune.tuner import CALIBRATION
+
+    true = CostModel(a_draft=0.36, b_step=0.08, c_tree=0.1, e_tree=0.05, b_row=0.006,
+                     a_verify=1.32, b_verify=0.01, c_tree_verify=0.3, d_tree_verify=0.06,
+                     other=0.15, plain=1.43, tree_other=0.1)
+    cals = [Calibration(s, k, n, true.draft_ms(s, k, n), true.verify_ms(s, k, n),
+                        true.other_ms(s, k, n)) for s, k, n in CALIBRATION]
+    fit = fit_cost_model(cals, plain_ms=1.43)
+    assert fit.other == pytest.approx(0.15) and fit.tree_other == pytest.approx(0.1)
+    assert fit.cycle_ms(4, 5, 21) - fit.cycle_ms(4, 1, 5) == pytest.approx(
+        true.cycle_ms(4, 5, 21) - true.cycle_ms(4, 1, 5))
+    assert [r["fitted_ms"] for r in fit.residuals["other"]] == pytest.approx(
+        [c.other_ms for c in cals], abs=1e-4)
+    chains_only = [c for c in cals if c.topk == 1]
+    with pytest.raises(ValueError, match="cannot identify"):
+        fit_cost_model(chains_only, plain_ms=1.43)

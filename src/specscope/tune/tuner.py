@@ -132,7 +132,7 @@ class TuneResult:
                 for term, model, meas in (
                     ("draft", self.cost.draft_ms(*m.config), got.draft_ms),
                     ("verify", self.cost.verify_ms(*m.config), got.verify_ms),
-                    ("other", self.cost.other, got.other_ms))}})
+                    ("other", self.cost.other_ms(*m.config), got.other_ms))}})
         return rows
 
     def term_lines(self) -> list[str]:
