@@ -170,7 +170,7 @@ def freeze_heap() -> None:
     (gc.freeze): for a process that has built its engine. The ~350k objects it holds by then
     (torch's and the compilers' modules, the tokenizer) make each full collection a 0.1-0.25 s
     pause (0.13-0.2 s on the H200's host), and one that falls inside a decode cycle stalls
-    it: a launch-bound GPU model's cycle waits for the host. SGLang and vLLM freeze theirs
+    it: a launch-bound GPU model's cycle waits for the host. vLLM freezes its startup heap
     likewise. Engine rebuilds (collect_heap, settle_heap) thaw, collect and freeze again."""
     global _heap_frozen
     gc.collect()
