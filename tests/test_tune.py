@@ -164,11 +164,11 @@ def model_and_prompts(engine):
     from specscope.draft.loader import load_draft
     from specscope.tune.acceptance import measure_acceptance
 
-    prompts = load_prompts("gsm8k", 3) + load_prompts("mt_bench", 1)
+    prompts = load_prompts("gsm8k", 2) + load_prompts("mt_bench", 1)
     engine.set_spec(None)
-    answers = [engine.generate(p, SamplingParams(max_tokens=64))[0].token_ids for p in prompts]
+    answers = [engine.generate(p, SamplingParams(max_tokens=48))[0].token_ids for p in prompts]
     data = target_probe_data(engine.model, [engine.encode_prompt(p) for p in prompts],
-                             64, answers=answers)
+                             48, answers=answers)
     draft = load_draft("default", engine.model_config).model
     draft.attach_target(engine.model)
     return measure_acceptance(draft, data, depth=6), prompts
@@ -185,7 +185,7 @@ def test_acceptance_model_predicts_unrun_configurations(engine, model_and_prompt
     engine.set_spec(SpecConfig(draft="default", num_steps=cfg[0], topk=cfg[1],
                                num_draft_tokens=cfg[2]))
     try:
-        runs = [engine.generate(p, SamplingParams(max_tokens=64))[0].spec["accepted_per_cycle"]
+        runs = [engine.generate(p, SamplingParams(max_tokens=48))[0].spec["accepted_per_cycle"]
                 for p in prompts]
     finally:
         engine.set_spec(None)
