@@ -396,23 +396,25 @@ def measure_interleaved(llm: Any, configs: list[Config], draft: str, prompts: li
 
 def _text_run(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
               base: SpecConfig | None, warmup_tokens: int, served: Config | None, depth: int,
-              acceptance: AcceptanceModel | None, plain_answers: list[list[int]]
-              ) -> tuple[dict[Config, Measured], list[list[int]]]:
-    """The text the acceptance model reads: the served configuration's greedy outputs, and
-    that run's measurement ({served: Measured}, logged; the confirmation measures it again
-    beside the others); without a served
-    configuration (or with a given or simulated acceptance) plain decoding's. A speculating
-    engine's text can part from plain decoding's: in bf16 on a CPU its verify decides near-ties
-    with other kernels, and 3 of 4 MT-Bench answers parted within 11-26 tokens; along the
-    plain text the chains' accept lengths were predicted 11-14 % short, along a chain's own
-    text within 1.1 % (benchmarks/acceptance_model.py --spec-text)."""
+              acceptance: AcceptanceModel | None, plain_answers: list[list[int]], log: Any
+              ) -> list[list[int]]:
+    """The text the acceptance model reads: the served configuration's greedy outputs (that
+    run logged; the confirmation measures the configuration again beside the others);
+    without a served configuration (or with a given or simulated acceptance) plain
+    decoding's. A speculating engine's text can part from plain decoding's: in bf16 on a
+    CPU its verify decides near-ties with other kernels, and 3 of 4 MT-Bench answers parted
+    within 11-26 tokens; along the plain text the chains' accept lengths were predicted
+    11-14 % short, along a chain's own text within 1.1 % (benchmarks/acceptance_model.py
+    --spec-text)."""
     if served is None or acceptance is not None or (base is not None and base.simulated) \
             or served not in all_configs(depth):
-        return {}, plain_answers
+        return plain_answers
     answers: list[list[int]] = []
     m, _ = run_config(llm, served, draft, prompts, params, base, warmup_tokens,
                       outputs=answers)
-    return {served: m}, answers
+    log(f"[tune] served {served}: {m.tok_per_s:.1f} tok/s (confirmed again with the others), "
+        f"its text read by the acceptance model ({m.seconds:.1f} s)")
+    return answers
 
 
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
@@ -444,13 +446,9 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
                                       outputs=answers)
     timings["plain"] = time.perf_counter() - t
     t = time.perf_counter()
-    early, answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served,
-                               depth, acceptance, answers)
+    answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served, depth,
+                        acceptance, answers, log)
     timings["text_run"] = time.perf_counter() - t
-    if early:
-        log(f"[tune] served {served}: {early[served].tok_per_s:.1f} tok/s (confirmed again with "
-            f"the others), its text read by the acceptance model "
-            f"({timings['text_run']:.1f} s)")
     t = time.perf_counter()
     acc = acceptance if acceptance is not None else _acceptance_model(
         llm, draft, prompts, answers, base, depth, calibration_prompts, max_tokens, log)
