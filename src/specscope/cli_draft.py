@@ -160,6 +160,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                budget_seconds=args.budget_seconds, served=served,
                batch_sizes=args.batch_sizes)
     print(res.table())
+    for line in res.term_lines():
+        print(line)
     print(res.recommendation())
     (out_dir / "tune.json").write_text(json.dumps(res.as_dict(), indent=1) + "\n")
     write_plot(res, out_dir / "tune.svg")
