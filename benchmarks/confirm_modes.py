@@ -41,7 +41,7 @@ def main() -> None:
     for c in cfgs:  # warm-up: every configuration's kernels and graphs
         run_config(llm, c, "random", prompts[:1], params, base, warm)
     for r in range(args.rounds):
-        seq = [run_config(llm, c, "random", prompts, params, base, warm)[0] for c in cfgs]
+        seq = [run_config(llm, c, "random", prompts, params, base, warm) for c in cfgs]
         inter = measure_interleaved(llm, cfgs, "random", prompts, params, base, warm)
         for s, i in zip(seq, inter, strict=True):
             ms_s, ms_i = 1e3 * s.accept_length / s.tok_per_s, 1e3 * i.accept_length / i.tok_per_s

@@ -57,7 +57,7 @@ def _row(s: dict) -> dict:
 
 def measure(llm: LLM, cfg, draft: str, prompts: list, params: SamplingParams,
             steady: bool) -> dict:
-    _, s = run_config(llm, cfg, draft, prompts, params, warmup_tokens=8, warm_all=steady)
+    s = run_config(llm, cfg, draft, prompts, params, warmup_tokens=8, warm_all=steady).summary
     return _row(s)
 
 
@@ -69,7 +69,7 @@ def repeated(llm: LLM, configs: list, draft: str, prompts: list, params: Samplin
     runs: dict = {str(cfg or "plain"): [] for cfg in configs}
     for _ in range(repeats):
         for cfg in configs:
-            _, s = run_config(llm, cfg, draft, prompts, params, warmup_tokens=8)
+            s = run_config(llm, cfg, draft, prompts, params, warmup_tokens=8).summary
             # Graph replays on CUDA, the eager phases elsewhere; the whole phase rows.
             mode = s["modes"].get("segments") or s["modes"].get("phases") or {}
             runs[str(cfg or "plain")].append({

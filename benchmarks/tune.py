@@ -125,7 +125,7 @@ def noise_runs(llm: LLM, args: argparse.Namespace, prompts: list, base: SpecConf
     for _ in range(args.noise_runs):
         for name, cfg in (("plain", None), ("(3, 1, 4)", (3, 1, 4))):
             runs[name].append(run_config(llm, cfg, args.draft, prompts, params, base,
-                                         warm)[0].tok_per_s)
+                                         warm).tok_per_s)
     for name, v in runs.items():
         med = sorted(v)[len(v) // 2]
         log_line(lines, f"[noise] {name}: " + ", ".join(f"{x:.1f}" for x in v) +
@@ -234,7 +234,7 @@ def main() -> None:
     t = time.perf_counter()
     rows = []
     for cfg in grid() if not args.quick else [None, (3, 1, 4), (2, 2, 4), (3, 4, 12)]:
-        m, _ = run_config(llm, cfg, args.draft, prompts, params, base, warm)
+        m = run_config(llm, cfg, args.draft, prompts, params, base, warm)
         rows.append(m)
         pred = res.predictions.get(cfg) if cfg else None
         log_line(lines, f"grid {str(cfg or 'plain'):<14} {m.tok_per_s:7.2f} tok/s  tau "
@@ -245,7 +245,7 @@ def main() -> None:
     best = max(rows, key=lambda m: m.tok_per_s)
     pick = next((m for m in rows if m.config == res.recommended), None)
     if pick is None:  # the tuner's pick is not in the grid: measure it like the grid
-        pick, _ = run_config(llm, res.recommended, args.draft, prompts, params, base, warm)
+        pick = run_config(llm, res.recommended, args.draft, prompts, params, base, warm)
     # The grid's best is the maximum of 36 noisy measurements, biased high by the selection
     # itself. Re-measure it and the tuner's pick in alternation (time counted for neither
     # side) and compare medians as well. With simulated acceptance every grid run used the
@@ -257,7 +257,7 @@ def main() -> None:
         for r in range(args.pair_repeats):
             rbase = dataclasses.replace(base, simulate_seed=r + 1) if base else None
             for name, cfg in (("best", best.config), ("pick", pick.config)):
-                m, _ = run_config(llm, cfg, args.draft, prompts, params, rbase, warm)
+                m = run_config(llm, cfg, args.draft, prompts, params, rbase, warm)
                 paired[name].append(m.tok_per_s)
         log_line(lines, f"paired re-measurement (best, pick): {paired['best']} "
                         f"{paired['pick']}")

@@ -234,7 +234,7 @@ def test_the_tuner_fits_expert_costs_on_a_moe_target(model):
     llm = LLM.from_model(model, max_num_seqs=2, kv_cache_memory=8 << 20)
     base = SpecConfig(draft="random", num_steps=3, simulate_acceptance=(0.8,))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    _, plain = run_config(llm, None, "random", ["1 2 3"], params, base, 4)
+    plain = run_config(llm, None, "random", ["1 2 3"], params, base, 4).summary
     assert plain["experts"]["decode"] == K  # one token a step: exactly top_k per layer
     cost, _ = _calibrate(llm, "random", ["1 2 3"], base, plain, 10, 4, all_configs(3))
     assert cost.experts is not None and K <= cost.experts.effective <= 16 * E

@@ -378,7 +378,7 @@ def test_simulated_trees_take_their_shape_from_the_running_draft():
     params = SamplingParams(max_tokens=600, ignore_eos=True)
     errs = {}
     for c in [(5, 1, 6), (6, 4, 16), (6, 2, 16), (4, 4, 8), (3, 8, 16)]:
-        measured, _ = run_config(llm, c, "random", prompts[:1], params, base)
+        measured = run_config(llm, c, "random", prompts[:1], params, base)
         errs[c] = model.tau(*c) / measured.accept_length - 1
         assert abs(errs[c]) < 0.10, (c, model.tau(*c), measured.accept_length)
     assert rank_only.tau(6, 4, 16) / (1 + errs[(6, 4, 16)]) > 1.25 * model.tau(6, 4, 16)
@@ -508,7 +508,7 @@ def test_the_acceptance_model_reads_the_served_configurations_text(tiny_model_di
     def run_spy(llm, cfg, *a, outputs=None, **k):
         got = real_run(llm, cfg, *a, outputs=outputs, **k)
         if outputs is not None:
-            filled[cfg], filled["text run", cfg] = outputs, got[0]
+            filled[cfg], filled["text run", cfg] = outputs, got
         return got
 
     def acc_spy(llm, draft, prompts, answers, *a, **k):  # a random draft has no real one

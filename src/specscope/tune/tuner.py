@@ -190,8 +190,9 @@ def spec_for(cfg: Config | None, draft: str, base: SpecConfig | None = None
 def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
                params: SamplingParams, base: SpecConfig | None = None,
                warmup_tokens: int = 8, warm_all: bool = False,
-               outputs: list[list[int]] | None = None) -> tuple[Measured, dict]:
-    """Measure one configuration in process with the profiler; returns it and the summary.
+               outputs: list[list[int]] | None = None) -> Measured:
+    """Measure one configuration in process with the profiler (its summary kept in the
+    result).
     The warm-up runs `warmup_tokens` of the first prompt (on CUDA, as many as a measured
     request, so that prompt's KV windows have their graphs before the clock runs);
     warm_all: every prompt in full instead, so every window the measured run reaches is
@@ -212,7 +213,7 @@ def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
             outputs.append(out.token_ids)
     s = prof.summary(prof.config)
     llm.enable_profiling(False)
-    return Measured.of(cfg, s, time.perf_counter() - t0), s
+    return Measured.of(cfg, s, time.perf_counter() - t0)
 
 
 def confirmation_set(preds: dict[Config, tuple[float, float]], confirm: int,
@@ -319,8 +320,8 @@ def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | 
     kc = kernel_classes(llm)
     cals, run_s = [], []
     for cfg in tuner_calibration_shapes(llm, configs, kc):
-        m, s = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
-        cals.append(calibration_from_summary(s, *cfg))
+        m = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
+        cals.append(calibration_from_summary(m.summary, *cfg))
         run_s.append(f"{cfg} {m.seconds:.1f}")
     cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary), moe_shape(llm),
                           kernel_class=kc)
@@ -410,8 +411,7 @@ def _text_run(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
             or served not in all_configs(depth):
         return plain_answers
     answers: list[list[int]] = []
-    m, _ = run_config(llm, served, draft, prompts, params, base, warmup_tokens,
-                      outputs=answers)
+    m = run_config(llm, served, draft, prompts, params, base, warmup_tokens, outputs=answers)
     log(f"[tune] served {served}: {m.tok_per_s:.1f} tok/s (confirmed again with the others), "
         f"its text read by the acceptance model ({m.seconds:.1f} s)")
     return answers
@@ -442,8 +442,8 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     # Plain decoding runs once, on every prompt: it is the cost model's plain step and the
     # confirmation's baseline row.
     answers: list[list[int]] = []
-    plain, plain_summary = run_config(llm, None, draft, prompts, params, base, warmup_tokens,
-                                      outputs=answers)
+    plain = run_config(llm, None, draft, prompts, params, base, warmup_tokens,
+                       outputs=answers)
     timings["plain"] = time.perf_counter() - t
     t = time.perf_counter()
     answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served, depth,
@@ -457,7 +457,7 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     timings["acceptance_model"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    cost, run_s = _calibrate(llm, draft, prompts[:calibration_prompts], base, plain_summary,
+    cost, run_s = _calibrate(llm, draft, prompts[:calibration_prompts], base, plain.summary,
                              calibration_tokens, warmup_tokens,
                              all_configs(min(depth, acc.depth)))
     timings["calibration"] = time.perf_counter() - t
@@ -476,10 +476,9 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     # The served configuration runs again among the others although its text run measured
     # it: a run minutes earlier met another speed of the machine (on a 2-core CPU its text
     # run measured 17.6 tok/s where the interleaved runs and the grid then gave 13-15).
-    confirmed = {m.config: m for m in _confirm(
+    result.measured += _confirm(
         llm, draft, prompts, params, base, warmup_tokens, must, more, budget_seconds, t_start,
-        lambda c: plain.seconds * plain.tok_per_s / preds[c][1], log)}
-    result.measured += [confirmed[c] for c in must + more if c in confirmed]
+        lambda c: plain.seconds * plain.tok_per_s / preds[c][1], log)
     timings["confirmation"] = time.perf_counter() - t
     best = pick(result.measured, preds, cost.plain_tok_per_s, tie_margin)
     result.recommended = best.config
