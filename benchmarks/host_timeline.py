@@ -150,10 +150,36 @@ def host_gap(llm: LLM, prompt: list[int], tokens: int, spec: bool) -> dict[str, 
     return {**r, "replay_us": gpu, "host_us": step - gpu}
 
 
+def segments(llm: LLM, prompt: list[int], tokens: int) -> None:
+    """The profiler's graph-replay segments of one request (ms per cycle): what the tuner's
+    cost model reads as draft, verify and other."""
+    prof = llm.enable_profiling(True, interval=None)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    for _ in range(2):  # the first request warms the profiler's event pool
+        prof.reset()
+        for _ in llm.stream(None, params, prompt_ids=prompt):
+            pass
+    s = prof.summary(prof.config)
+    seg = s.get("modes", {}).get("segments")
+    rows = (seg or s)["phases"]
+    print("  profiled, ms per cycle (mean/p50/p90): " + ", ".join(
+        f"{name} {p['mean_ms']:.3f}/{p['p50_ms']:.3f}/{p['p90_ms']:.3f}"
+        for name, p in rows.items())
+        + f" ({(seg or s).get('cycles', '?')} cycles)")
+    llm.enable_profiling(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--spec", action="append", default=None,
+                    help="a speculative configuration steps,topk,tokens (repeatable; "
+                         "default 7,1,8)")
+    ap.add_argument("--simulate", type=float, default=3.9, help="SIMULATED tau")
+    ap.add_argument("--phases", action="store_true",
+                    help="also each configuration's profiled segments (draft, verify, the "
+                         "host time between them) over one request")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("host_timeline.py needs CUDA")
@@ -163,9 +189,14 @@ def main() -> None:
                          gpu_memory_utilization=0.5)
     prompt = torch.randint(0, cfg.vocab_size, (128,)).tolist()
     host_gap(llm, prompt, args.tokens, spec=False)
-    llm.set_spec(SpecConfig(draft="random", num_steps=7, topk=1, num_draft_tokens=8,
-                            simulate_acceptance=3.9))
-    host_gap(llm, prompt, args.tokens, spec=True)
+    for text in args.spec or ["7,1,8"]:
+        k, topk, n = (int(x) for x in text.split(","))
+        llm.set_spec(SpecConfig(draft="random", num_steps=k, topk=topk, num_draft_tokens=n,
+                                simulate_acceptance=args.simulate))
+        print(f"({k}, {topk}, {n}), SIMULATED tau {args.simulate}")
+        host_gap(llm, prompt, args.tokens, spec=True)
+        if args.phases:
+            segments(llm, prompt, args.tokens)
 
 
 if __name__ == "__main__":

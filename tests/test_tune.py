@@ -525,6 +525,12 @@ def test_the_acceptance_model_reads_the_served_configurations_text(tiny_model_di
     listed = next(m for m in res.measured if m.config == (2, 1, 3))
     assert listed is not filled["text run", (2, 1, 3)]  # the interleaved confirmation's
     assert res.measured[0].config is None and "text_run" in res.timings
+    # Each confirmed cycle's terms, modelled and measured, with the host time's spread.
+    terms = res.term_errors()
+    assert [tuple(r["config"]) for r in terms] == [m.config for m in res.measured[1:]]
+    for r, line in zip(terms, res.term_lines(), strict=True):
+        assert r["other"]["measured_ms"] > 0 and r["other_p90_ms"] >= r["other_p50_ms"] > 0
+        assert line.startswith(f"[terms] {tuple(r['config'])}") and "host p50/p90" in line
 
 
 def test_a_trees_extra_host_time_is_its_own_term():

@@ -32,6 +32,7 @@ from specscope.tune.cost import (
     calibration_from_summary,
     fit_cost_model,
     plain_ms_from_summary,
+    steady_phases,
 )
 
 Config = tuple[int, int, int]  # (num_steps, topk, num_draft_tokens)
@@ -121,13 +122,17 @@ class TuneResult:
     def term_errors(self) -> list[dict[str, Any]]:
         """Where the cost model misses each confirmed cycle: the draft, verify and other
         terms (ms per cycle) as modelled and as the confirmation measured them, from the same
-        steady cycles the calibration reads."""
+        steady cycles the calibration reads; and the measured host time's ("other" phase)
+        median and 90th percentile cycle, which tell a steady cost from rare long cycles."""
         rows = []
         for m in self.measured:
             if m.config is None or m.summary is None:
                 continue
             got = calibration_from_summary(m.summary, *m.config)
-            rows.append({"config": list(m.config), **{
+            host = steady_phases(m.summary).get("other", {})
+            rows.append({"config": list(m.config),
+                         "other_p50_ms": round(host.get("p50_ms", 0.0), 4),
+                         "other_p90_ms": round(host.get("p90_ms", 0.0), 4), **{
                 term: {"model_ms": round(model, 4), "measured_ms": round(meas, 4)}
                 for term, model, meas in (
                     ("draft", self.cost.draft_ms(*m.config), got.draft_ms),
@@ -141,7 +146,8 @@ class TuneResult:
             err = t["model_ms"] / t["measured_ms"] - 1 if t["measured_ms"] else 0.0
             return f"{name} {t['model_ms']:.3f}/{t['measured_ms']:.3f} ({err:+.1%})"
         return [f"[terms] {tuple(r['config'])} model/measured ms: " +
-                ", ".join(cell(k, r[k]) for k in ("draft", "verify", "other"))
+                ", ".join(cell(k, r[k]) for k in ("draft", "verify", "other")) +
+                f"; host p50/p90 {r['other_p50_ms']:.3f}/{r['other_p90_ms']:.3f}"
                 for r in self.term_errors()]
 
     def recommendation(self) -> str:
