@@ -139,8 +139,7 @@ def host_gap(llm: LLM, prompt: list[int], tokens: int, spec: bool) -> dict[str, 
     r = timeline(llm, prompt, spec, tokens)
     eng = llm.engine
     if spec:
-        e = next(e for e in eng.spec_graphs.entries.values()
-                 if e.ids.shape[0] == 1 and len(e.segments) == 2)
+        e = eng.spec_graphs.current  # the configuration just run (the engine keeps others')
         gpu = replay_us([seg[0] for seg in e.segments])
     else:
         gpu = replay_us([eng.graphs.graphs[1][0]])
