@@ -223,7 +223,38 @@ def test_tile_plans(pieces: list[int]) -> None:
                             torch.zeros(len(seq), dtype=torch.long, device=DEV), 16, max_len=1)
     for heads, kv_heads in ((4, 4), (8, 2), (32, 4)):
         _covers(build_tiles(pieces, heads, kv_heads, DEV), seq)
+        _covers(build_tiles(pieces, heads, kv_heads, DEV, long_tiles=True), seq)
         _covers(plan_tiles(meta, heads, kv_heads), seq)
+
+
+def test_long_tiles_take_only_long_runs() -> None:
+    """With long tiles, only runs of more than LONG_TILE_ROWS rows (prefill chunks) take
+    them; decode tokens and trees (at most 64 tokens x 4 heads) keep their tiles."""
+    from specscope.kvcache.triton_attention import LONG_TILE_ROWS, tokens_per_tile
+
+    G = 4
+    for n in (1, 6, 33, 64):
+        assert tokens_per_tile(n, G, True) == tokens_per_tile(n, G)
+    assert tokens_per_tile(65, G, True) == LONG_TILE_ROWS // G
+    assert tokens_per_tile(2048, G, True) == LONG_TILE_ROWS // G
+    assert tokens_per_tile(2048, G) == 128 // G
+    sizes = {g.tokens_per_tile for g in build_tiles([300, 1, 8], 32, 8, DEV, True).groups}
+    assert sizes == {LONG_TILE_ROWS // G, 16 // G, 32 // G}
+
+
+def test_prefill_in_long_tiles_matches_the_reference() -> None:
+    """A 300-token prefill chunk after a 40-token prefix, with a decode token beside it,
+    run in long tiles (D = 128, bf16, the shape they serve) equals the reference."""
+    bs, hkv, group, d = 16, 2, 4, 128
+    W = -(-340 // bs) + 1
+    kc, vc = _cache(2 * W, bs, hkv, d, torch.bfloat16, seed=41)
+    bt = _tables(2, W, 2 * W, seed=41)
+    seq = torch.tensor([0] * 300 + [1], device=DEV)
+    pos = torch.cat([torch.arange(40, 340), torch.tensor([77])]).to(DEV)
+    meta = BatchMeta.causal(bt, seq, pos, bs, max_len=340)
+    q = torch.randn(301, group * hkv, d, device=DEV, dtype=torch.bfloat16)
+    _check(q, kc, vc, meta, d ** -0.5,
+           tiles=build_tiles([300, 1], group * hkv, hkv, DEV, long_tiles=True))
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

@@ -59,6 +59,7 @@ from specscope.kvcache.paged import (
     BatchMeta,
     accepted_path_slots,
     block_tables,
+    long_tiles_available,
     tree_meta,
     upload,
     with_pieces,
@@ -184,6 +185,9 @@ class Engine:
         # One block past the pool's: the scratch block CUDA-graph padding rows write into.
         self.kv = model.paged_kv(nb + 1, bs, dtype, dev)
         self.kv.scratch_block = nb
+        # Prefill chunks in the fast attention's long tiles where this GPU holds them.
+        self._long_tiles = long_tiles_available(model.config.head_dim, self.kv.k[0].dtype,
+                                                dev)
         # MoE targets: the per-layer distinct-expert counts of the last forward (device).
         self._experts = getattr(model, "expert_activity", None)
         pools = [Pool(self.pool)]
@@ -575,7 +579,8 @@ class Engine:
         if spec_idx:
             parts += [(tree.size, i, n + tree.size) for i, n in zip(spec_idx, n_host,
                                                                     strict=True)]
-        meta = with_pieces(BatchMeta.cat(metas), parts, *self.model.local_heads, self.device)
+        meta = with_pieces(BatchMeta.cat(metas), parts, *self.model.local_heads, self.device,
+                           long_tiles=self._long_tiles)
         out = _TargetBatch(ids_t, rope, meta, pieces, upload(last, torch.long, dev), sampling,
                            base)
         if p_seqs:

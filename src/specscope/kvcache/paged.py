@@ -53,15 +53,16 @@ def block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def with_pieces(meta: BatchMeta, pieces: list[tuple[int, int, int]], num_heads: int,
-                num_kv_heads: int, device: torch.device, plans: dict | None = None
-                ) -> BatchMeta:
+                num_kv_heads: int, device: torch.device, plans: dict | None = None,
+                long_tiles: bool = False) -> BatchMeta:
     """meta with its pieces, host-known (tokens, block-table row, keys seen) in flattened
     order: the reference's spans always (a short host list; MLA's latent attention runs the
     reference on every device), and on CUDA the fast backend's query tiles.
 
     plans: a cache of tile plans by the pieces' lengths, for steps of static shapes: a
     CUDA-graph capture cannot upload a plan, so its warm-up run builds them here and the
-    capture finds them."""
+    capture finds them. long_tiles: long prefill runs take the fast backend's long tiles
+    (triton_attention.long_tiles_fit says where they run)."""
     spans, a = [], 0
     for n, row, keys in pieces:
         spans.append((a, a + n, row, keys))
@@ -73,7 +74,7 @@ def with_pieces(meta: BatchMeta, pieces: list[tuple[int, int, int]], num_heads: 
         lens = tuple(n for n, _, _ in pieces)
         tiles = None if plans is None else plans.get(lens)
         if tiles is None:
-            tiles = build_tiles(list(lens), num_heads, num_kv_heads, device)
+            tiles = build_tiles(list(lens), num_heads, num_kv_heads, device, long_tiles)
             if plans is not None:
                 plans[lens] = tiles
         meta.tiles = tiles
@@ -367,6 +368,16 @@ def _rope_write_backend():
 
 def fast_backend_available() -> bool:
     return _fast_backend() is not None
+
+
+def long_tiles_available(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the fast backend runs prefill chunks in its long tiles here
+    (triton_attention.long_tiles_fit); False off CUDA or without it."""
+    if device.type != "cuda" or _fast_backend() is None:
+        return False
+    from specscope.kvcache.triton_attention import long_tiles_fit
+
+    return long_tiles_fit(head_dim, dtype, device)
 
 
 @cache

@@ -11,8 +11,9 @@ Design (why each piece is there):
   (token, query head) pairs of the G = H / Hkv heads that share one KV head, so every K/V
   block a tile reads is loaded once for all its tokens and heads, not once per token/head,
   and decode tokens still give the matrix units G rows. Tiles come in groups of one size
-  (16, 32, 64 or 128 rows), one launch per group, so decode tokens are not padded to a
-  prefill tile's 128 rows.
+  (16, 32, 64 or 128 rows; 256 for long prefill runs where the caller says the GPU holds
+  them, `long_tiles_fit`), one launch per group, so decode tokens are not padded to a
+  prefill tile's rows.
 - Key loop. A tile walks the key range its rows can see, [min window_start, max(visible,
   last tree position + 1)) clipped to [0, max_len), BLOCK_N keys a step; each key's physical
   block comes from its sequence's block-table row, so any block_size (a power of two) and any
@@ -59,6 +60,11 @@ LOG2E = 1.4426950408889634
 # Up to 32 rows the dots run as register MMAs with 128-key steps (memory-bound work: decode,
 # small trees, measured ~2x faster there than 64-row tiles); 64 and 128 rows suit prefill.
 TILE_ROWS = (16, 32, 64, 128)
+# Runs of more than this many rows (prefill chunks) may take tiles of this size instead,
+# twice as many rows reusing each K/V step: on the H200 a 16k causal prefill at D = 128 took
+# 6.15 ms a layer against 7.20 with 128-row tiles (benchmarks/paged_attention.py). Their
+# K/V pipeline needs ~160 KB of shared memory (long_tiles_fit).
+LONG_TILE_ROWS = 256
 # The shortest key chunk worth a program of its own when splitting a long key range.
 MIN_SPLIT_KEYS = 256
 # Partial chunks the combine kernel merges per load.
@@ -88,24 +94,39 @@ class TilePlan:
     groups: tuple[TileGroup, ...]
 
 
-def tokens_per_tile(piece_len: int, group_size: int) -> int:
+def tokens_per_tile(piece_len: int, group_size: int, long_tiles: bool = False) -> int:
     """Tokens per tile for a run of `piece_len` tokens of one sequence with G = group_size
     query heads per KV head: the smallest tile of TILE_ROWS rows that holds the whole run,
-    else the largest (a long prefill chunk is cut into several tiles)."""
-    rows = next((r for r in TILE_ROWS if piece_len * group_size <= r), TILE_ROWS[-1])
-    return max(1, rows // group_size)
+    else the largest (a long prefill chunk is cut into several tiles); with long_tiles, a
+    run of more than LONG_TILE_ROWS rows is cut into tiles of that many."""
+    rows = piece_len * group_size
+    if long_tiles and rows > LONG_TILE_ROWS:
+        return max(1, LONG_TILE_ROWS // group_size)
+    fit = next((r for r in TILE_ROWS if rows <= r), TILE_ROWS[-1])
+    return max(1, fit // group_size)
+
+
+def long_tiles_fit(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether LONG_TILE_ROWS tiles run here: a head dim of 128 in 2-byte elements (the
+    shape they were measured on) on a GPU whose blocks may take ~200 KB of shared memory
+    (Hopper and later; an A100 or a consumer GPU keeps 128-row tiles)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or head_dim != 128 or torch.empty((), dtype=dtype).element_size() != 2:
+        return False
+    return _smem_optin(dev) >= LONG_TILE_SMEM
 
 
 def build_tiles(piece_lengths: Sequence[int], num_heads: int, num_kv_heads: int,
-                device: torch.device | str) -> TilePlan:
+                device: torch.device | str, long_tiles: bool = False) -> TilePlan:
     """A TilePlan from the host-known lengths of a batch's pieces, in flattened order (each
     piece a run of consecutive tokens of one sequence: a prefill chunk, a decode token, a
-    tree). Pieces are grouped by tile size; one small host->device copy per group."""
+    tree). Pieces are grouped by tile size; one small host->device copy per group.
+    long_tiles: long runs take LONG_TILE_ROWS tiles (where long_tiles_fit)."""
     G = num_heads // num_kv_heads
     by_size: dict[int, list[tuple[int, int]]] = {}
     start = 0
     for n in piece_lengths:
-        tpt = tokens_per_tile(n, G)
+        tpt = tokens_per_tile(n, G, long_tiles)
         tiles = by_size.setdefault(tpt, [])
         tiles += [(a, min(a + tpt, start + n)) for a in range(start, start + n, tpt)]
         start += n
@@ -356,6 +377,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@cache
+def _smem_optin(device: torch.device) -> int:
+    """Shared memory one block may opt in to on this GPU (bytes; host-side, cached)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0))
+
+
+# A long tile's pipeline (64-key steps, 3 stages, D = 128, bf16): Q 64 KB + K/V 96 KB.
+LONG_TILE_SMEM = 200_000
+
+
 def _kernel_config(block_m: int, D: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for a tile of block_m rows: long key steps for the
     memory-bound small tiles, short ones and a deeper pipeline for the big ones (the best
@@ -363,6 +395,8 @@ def _kernel_config(block_m: int, D: int, elem_size: int) -> tuple[int, int, int]
     the 32- and 64-row tiles take 64-key steps: on the H200 the default model's verify of
     6-9 tokens (32 rows) took 25.6 us a layer with 128-key steps and 12.8 with these, and of
     16 tokens (64 rows) 16.7 against 14.5 (--shape smollm2-135m --sweep)."""
+    if block_m == LONG_TILE_ROWS:  # only where long_tiles_fit (the sweep's best, 8 warps)
+        return _fit_stages(64, 8, 3, block_m, D, elem_size, LONG_TILE_SMEM)
     if D <= 64 and block_m in (32, 64):
         return _fit_stages(64, 4, 3 if block_m == 32 else 2, block_m, D, elem_size)
     if block_m <= 32:
@@ -372,11 +406,12 @@ def _kernel_config(block_m: int, D: int, elem_size: int) -> tuple[int, int, int]
     return _fit_stages(32, 8 if block_m > 64 else 4, 2, block_m, D, elem_size)
 
 
-def _fit_stages(block_n: int, warps: int, stages: int, block_m: int, D: int, elem_size: int
-                ) -> tuple[int, int, int]:
+def _fit_stages(block_n: int, warps: int, stages: int, block_m: int, D: int, elem_size: int,
+                limit: float = 160e3) -> tuple[int, int, int]:
     """Keep K and V tiles of every pipeline stage plus Q in shared memory well inside
-    Hopper's 228 KB: fewer stages down to 2, then shorter key steps (fp32, large D)."""
-    while stages * 2 * block_n * D * elem_size + block_m * D * elem_size > 160e3:
+    Hopper's 228 KB (`limit` bytes): fewer stages down to 2, then shorter key steps (fp32,
+    large D)."""
+    while stages * 2 * block_n * D * elem_size + block_m * D * elem_size > limit:
         if stages > 2:
             stages -= 1
         elif block_n > 16:
