@@ -63,11 +63,12 @@ def _events(c: _Pending) -> list:
 # The event pool's low-water mark: below it, finished cycles are resolved to refill it.
 RECLAIM_BELOW = 64
 # Cycles left pending before end_cycle resolves the finished ones. Resolving a cycle is
-# host work (a CUDA elapsed-time query per phase, its record and totals); done a few cycles
-# at a time it costs each cycle alike. Left to the pool's low-water mark it was one pause of
-# ~50 ms every ~800 cycles on the H200, charged to whichever configuration's cycle met it:
-# the tuner read a tree's host time 0.1-0.2 ms a cycle high from one such pause.
-RESOLVE_EVERY = 4
+# host work (CUDA elapsed-time queries, its record and totals); done cycle by cycle it costs
+# each cycle alike. Left to the pool's low-water mark it was one pause of ~50 ms every ~800
+# cycles on the H200, charged to whichever configuration's cycle met it (the tuner read a
+# tree's host time 0.1-0.2 ms a cycle high from one such pause); four at a time, the H200's
+# host time had a 90th percentile three times its median.
+RESOLVE_EVERY = 1
 
 # Batch-size buckets a summary splits its cycles into (the engine's CUDA-graph buckets).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -94,7 +95,8 @@ class Totals:
     comm_count: int = 0
     comm_bytes: int = 0
 
-    def add(self, r: CycleRecord) -> None:
+    def add(self, r: CycleRecord, other_ms: float | None = None) -> None:
+        """Count one cycle (other_ms: r.other_ms, when the caller has it already)."""
         if r.experts_active is not None:
             acc = self.experts.setdefault("verify" if r.speculating else "decode", [0.0, 0])
             acc[0] += r.experts_active
@@ -102,19 +104,22 @@ class Totals:
         self.cycles += 1
         self.tokens += r.tokens
         self.wall_ms += r.wall_ms
+        phase_ms = self.phase_ms
         for name, _, dur in r.phases:
-            self.phase_ms[name] += dur
-        self.phase_ms["other"] += r.other_ms
+            phase_ms[name] += dur
+        phase_ms["other"] += r.other_ms if other_ms is None else other_ms
         for phase, _, _, dur, nbytes in r.collectives:
             self.comm_ms[phase] += dur
             self.comm_n[phase] += 1
             self.comm_b[phase] += nbytes
             self.comm_count += 1
             self.comm_bytes += nbytes
+        accepted = self.accepted
         if r.accepted_all:
-            self.accepted.update(r.accepted_all)
+            for a in r.accepted_all:
+                accepted[a] += 1
         elif r.accepted is not None:
-            self.accepted[r.accepted] += 1
+            accepted[r.accepted] += 1
 
     @classmethod
     def of(cls, recs: list[CycleRecord]) -> Totals:
@@ -134,9 +139,10 @@ class ConfigTotals:
     buckets: dict[int, Totals] = field(default_factory=lambda: defaultdict(Totals))
 
     def add(self, r: CycleRecord) -> None:
-        self.all.add(r)
-        self.modes[r.mode].add(r)
-        self.buckets[batch_bucket(r.batch)].add(r)
+        other = r.other_ms  # summed once for the three
+        self.all.add(r, other)
+        self.modes[r.mode].add(r, other)
+        self.buckets[batch_bucket(r.batch)].add(r, other)
 
     @classmethod
     def of(cls, recs: list[CycleRecord]) -> ConfigTotals:
@@ -327,13 +333,29 @@ class Profiler:
         """The first n pending cycles and m loose phases, all finished on the device, into
         records; their events back to the pool unless still referenced."""
         used = []
+        # Each event's time since the origin, once: a phase that starts where the last one
+        # ended (and a cycle where the last one did) reuses it, so a cycle costs a device
+        # query per duration and per gap, not two per phase (none is recycled until the end).
+        at: dict[int, float] = {}
+
+        def at_of(ev: object) -> float:
+            t = at.get(id(ev))
+            if t is None:
+                t = at[id(ev)] = self._at(ev)
+            return t
+
         for c in self._pending[:n]:
-            phases = [(name, self._at(a), self._ms(a, b)) for name, a, b in c.marks]
+            start, wall = at_of(c.start), self._ms(c.start, c.end)
+            at.setdefault(id(c.end), start + wall)
+            phases = []
+            for name, a, b in c.marks:
+                t, dur = at_of(a), self._ms(a, b)
+                at.setdefault(id(b), t + dur)
+                phases.append((name, t, dur))
             comm = [(ph, op, self._at(a), self._ms(a, b), nb) for ph, op, a, b, nb in c.comm]
-            rec = CycleRecord(index=c.index, config=c.config, start_ms=self._at(c.start),
-                              wall_ms=self._ms(c.start, c.end), phases=phases,
-                              tokens=c.tokens, accepted=c.accepted, collectives=comm,
-                              **c.step)
+            rec = CycleRecord(index=c.index, config=c.config, start_ms=start, wall_ms=wall,
+                              phases=phases, tokens=c.tokens, accepted=c.accepted,
+                              collectives=comm, **c.step)
             self.records[c.config].append(rec)
             self.totals[c.config].add(rec)
             used += _events(c)
