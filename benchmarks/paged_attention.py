@@ -147,8 +147,12 @@ def check(case: Case, dev: torch.device) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def run_case(case: Case, dev: torch.device, num_splits: int | None = None
-             ) -> dict[str, float | str]:
+def run_case(case: Case, dev: torch.device, num_splits: int | None = None,
+             long_tiles: bool | None = None) -> dict[str, float | str]:
+    """long_tiles: prefill runs in the kernel's long tiles (default: where the engine uses
+    them, triton_attention.long_tiles_fit)."""
+    if long_tiles is None:
+        long_tiles = ta.long_tiles_fit(D, DTYPE, dev)
     W = math.ceil(max(case.bound or 0, case.ctx + case.per_seq) / BS)
     block_bytes = 2 * BS * HKV * D * torch.empty((), dtype=DTYPE).element_size()
     sets = max(1, min(16, ROTATE_BYTES // (case.batch * W * block_bytes)))
@@ -157,7 +161,7 @@ def run_case(case: Case, dev: torch.device, num_splits: int | None = None
             for _ in range(2))
     metas = [build(case, bt, dev) for bt in bts]
     _, pieces, keys, pairs = metas[0]
-    plan = ta.build_tiles(pieces, H, HKV, dev)
+    plan = ta.build_tiles(pieces, H, HKV, dev, long_tiles)
     q = torch.randn(metas[0][0].num_tokens, H, D, device=dev, dtype=DTYPE)
     fn = lambda i: ta.paged_attention(q, k, v, metas[i][0], D ** -0.5, tiles=plan,  # noqa: E731
                                       num_splits=num_splits)
@@ -182,9 +186,11 @@ def variants(case: Case) -> list[dict[str, object]]:
         return [{"config": c} for c in [(32, 4, 4), (64, 4, 2), (128, 4, 3), (64, 4, 3),
                                         (128, 8, 2), (64, 2, 3)]] + [
             {"tile_rows": r} for r in [(16, 64, 128), (32, 64, 128)]]
-    return [{"config": c} for c in [(32, 4, 4), (64, 8, 3), (64, 8, 2), (128, 8, 2),
-                                     (64, 4, 3), (128, 4, 2), (32, 8, 4), (64, 8, 4)]] + [
-        {"rows": 64, "config": c} for c in [(64, 4, 3), (128, 4, 2), (32, 4, 4)]]
+    return [{"long": False, "config": c} for c in [
+        (32, 4, 4), (64, 8, 3), (64, 8, 2), (128, 8, 2), (64, 4, 3), (128, 4, 2), (32, 8, 4),
+        (64, 8, 4)]] + [
+        {"long": False, "rows": 64, "config": c} for c in [(64, 4, 3), (128, 4, 2), (32, 4, 4)]
+    ] + [{"long": True, "config": c} for c in [(64, 8, 3), (64, 8, 2), (128, 8, 2), (32, 8, 3)]]
 
 
 def sweep(case: Case, dev: torch.device) -> list[tuple[str, float]]:
@@ -200,7 +206,8 @@ def sweep(case: Case, dev: torch.device) -> list[tuple[str, float]]:
         if "tile_rows" in var:
             ta.TILE_ROWS = var["tile_rows"]
         try:
-            out.append((str(var), run_case(case, dev, var.get("splits"))["graph_us"]))
+            out.append((str(var), run_case(case, dev, var.get("splits"),
+                                           var.get("long"))["graph_us"]))
             print(f"  {case.name} {var}: {out[-1][1]:.1f} us", flush=True)
         except Exception as e:  # an out-of-resources config: skip it
             print(f"  {case.name} {var}: {type(e).__name__}")
