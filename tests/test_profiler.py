@@ -326,13 +326,12 @@ def test_event_pool_refills_without_breaking_the_tiling(llm: LLM, monkeypatch) -
 
 
 def test_finished_cycles_are_resolved_as_the_run_goes(llm: LLM, monkeypatch) -> None:
-    """With an ample event pool, finished cycles are still resolved a few at a time: left
-    to the pool's low-water mark, hundreds were resolved in one pause (~50 ms on the H200)
-    charged to the one cycle that met it, and the tuner read that configuration's host time
-    high."""
+    """With an ample event pool, each finished cycle is still resolved at the next step's
+    read (while the host waits for the device): left to the pool's low-water mark, hundreds
+    were resolved in one pause (~50 ms on the H200) charged to the one cycle that met it,
+    and the tuner read that configuration's host time high."""
     import torch
 
-    from specscope.profiler import profiler as profmod
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -349,6 +348,6 @@ def test_finished_cycles_are_resolved_as_the_run_goes(llm: LLM, monkeypatch) -> 
         pending.append(len(prof._pending))
     monkeypatch.setattr(prof, "end_cycle", end_cycle)
     llm.generate(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
-    assert len(pending) > 2 * profmod.RESOLVE_EVERY
-    assert max(pending) <= profmod.RESOLVE_EVERY
+    assert len(pending) > 20
+    assert max(pending) <= 1  # only the cycle just ended
     llm.enable_profiling(False)

@@ -731,6 +731,8 @@ class Engine:
         (the sampled rows', the verified rows', by sequence id; the prompt rows' go straight
         to their sequences' prompt_lp). With log-probabilities in the step everything goes
         as fp64 (exact for token ids and counts), else as int64."""
+        if self.timer is not None:  # the read waits for the device: the profiler's work now
+            self.timer.idle()
         ints = [sampled] if verdicts is None else [sampled, verdicts.accepted,
                                                    verdicts.emitted.reshape(-1)]
         experts = self._experts() if self._experts is not None else None

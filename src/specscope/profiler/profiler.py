@@ -62,13 +62,14 @@ def _events(c: _Pending) -> list:
 
 # The event pool's low-water mark: below it, finished cycles are resolved to refill it.
 RECLAIM_BELOW = 64
-# Cycles left pending before end_cycle resolves the finished ones. Resolving a cycle is
-# host work (CUDA elapsed-time queries, its record and totals); done cycle by cycle it costs
-# each cycle alike. Left to the pool's low-water mark it was one pause of ~50 ms every ~800
-# cycles on the H200, charged to whichever configuration's cycle met it (the tuner read a
-# tree's host time 0.1-0.2 ms a cycle high from one such pause); four at a time, the H200's
-# host time had a 90th percentile three times its median.
-RESOLVE_EVERY = 1
+# Finished cycles are resolved (CUDA elapsed-time queries, a record, the totals: tens of
+# microseconds of host work each) by `idle`, which the engine calls as it is about to wait
+# for the device at its step's read: the work fills time the host would spend waiting, and
+# each cycle pays alike. Left to the pool's low-water mark it was one pause of ~50 ms every
+# ~800 cycles on the H200, charged to whichever configuration's cycle met it (the tuner read
+# a tree's host time 0.1-0.2 ms a cycle high from one such pause). Cycles left pending past
+# this many (a loop that never calls idle) are resolved at a cycle's end.
+RESOLVE_EVERY = 32
 
 # Batch-size buckets a summary splits its cycles into (the engine's CUDA-graph buckets).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -275,6 +276,12 @@ class Profiler:
         if self.interval and self._since_log >= self.interval:
             self._since_log = 0
             log.info("%s", format_summary(self.summary(self.config)))
+
+    def idle(self) -> None:
+        """The host is about to wait for the device (the engine's step read): resolve the
+        cycles it has finished meanwhile, off the cycles' critical path."""
+        if self._pending:
+            self._reclaim()
 
     def end_as_request_phase(self) -> None:
         """Close the open cycle as request-level time, not a cycle: a step that only
