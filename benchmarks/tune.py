@@ -110,7 +110,7 @@ def recalibrate(llm: LLM, args: argparse.Namespace, prompts: list, base: SpecCon
     confirmed = [m for m in res.measured if m.config is not None]
     for tokens in dict.fromkeys((args.calibration_tokens, args.max_tokens)):
         cost, _ = _calibrate(llm, args.draft, prompts[:1], base, plain.summary, tokens, warm,
-                             list(res.predictions))
+                             list(res.predictions), args.calibration_rounds)
         log_line(lines, f"[recalibrated, {tokens} tokens] cycle ms, tuner's model / this "
                         "model / confirmation measured: " + ", ".join(
             f"{m.config} {res.cost.cycle_ms(*m.config):.3f} / {cost.cycle_ms(*m.config):.3f} "
@@ -166,6 +166,9 @@ def main() -> None:
                          "side meets a shape first (the tuner, which runs first)")
     ap.add_argument("--calibration-tokens", type=int, default=48,
                     help="tokens of each calibration run (the tuner's calibration_tokens)")
+    ap.add_argument("--calibration-rounds", type=int, default=2,
+                    help="each shape's calibration tokens run in this many parts, the "
+                         "shapes in turn (the tuner's calibration_rounds)")
     ap.add_argument("--noise-runs", type=int, default=0,
                     help="before the tuner (untimed): plain and (3, 1, 4) measured "
                          "alternately this many times each, their spread printed: the "
@@ -219,6 +222,7 @@ def main() -> None:
     res = tune(llm, args.draft, prompts, max_tokens=args.max_tokens,
                log=lambda x: log_line(lines, x), base=base,
                warmup_tokens=warm, calibration_tokens=args.calibration_tokens,
+               calibration_rounds=args.calibration_rounds,
                served=None if args.served == "none" else served_config(args.served))
     tune_s = time.perf_counter() - t
     clock.take("tuner", lines)

@@ -553,3 +553,32 @@ def test_a_trees_extra_host_time_is_its_own_term():
     chains_only = [c for c in cals if c.topk == 1]
     with pytest.raises(ValueError, match="cannot identify"):
         fit_cost_model(chains_only, plain_ms=1.43)
+
+
+def test_the_calibration_measures_its_shapes_in_turn(tiny_model_dir, monkeypatch):
+    """The calibration shapes run their tokens in rounds, every shape once a round, on one
+    engine: a drift of the machine's speed then weighs on every shape alike instead of
+    landing in the shapes measured during it (where the fit would read it as cost)."""
+    from specscope.tune.calibration import CALIBRATION
+    from specscope.tune.tuner import _calibrate, all_configs, run_config
+
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu",
+              spec=SpecConfig(draft="random", num_steps=2))
+    plain = run_config(llm, None, "random", ["1 2 3"], SamplingParams(max_tokens=4), None,
+                       2).summary
+    llm.set_spec(SpecConfig(draft="random", num_steps=2))
+    engine, runs = llm.engine, []
+    generate = llm.generate
+
+    def recording(prompt, params=None):
+        runs.append((llm.spec.num_steps, llm.spec.topk, llm.spec.num_draft_tokens,
+                     params.max_tokens))
+        return generate(prompt, params)
+
+    monkeypatch.setattr(llm, "generate", recording)
+    cost, run_s = _calibrate(llm, "random", ["1 2 3"], None, plain, 12, 2, all_configs(8),
+                             rounds=3)
+    measured = [r for r in runs if r[3] == 4]  # 12 tokens in 3 parts; warm-ups run 2
+    assert [r[:3] for r in measured] == CALIBRATION * 3
+    assert len(runs) == len(CALIBRATION) * 4 and llm.engine is engine
+    assert len(run_s) == len(CALIBRATION) and cost.a_verify > 0

@@ -316,19 +316,25 @@ def tuner_calibration_shapes(llm: Any, configs: list[Config], kc: Any = None) ->
 
 def _calibrate(llm: Any, draft: str, cal_prompts: list[Any], base: SpecConfig | None,
                plain_summary: dict, calibration_tokens: int, warmup_tokens: int,
-               configs: list[Config]) -> tuple[CostModel, list[str]]:
-    """The cost model fitted from the calibration shapes' runs (and each run's seconds):
-    CALIBRATION, and on CUDA a shape for each kernel class of `configs` it misses."""
-    cal_params = SamplingParams(max_tokens=calibration_tokens, ignore_eos=True)
+               configs: list[Config], rounds: int = 2) -> tuple[CostModel, list[str]]:
+    """The cost model fitted from the calibration shapes' runs (and each shape's seconds):
+    CALIBRATION, and on CUDA a shape for each kernel class of `configs` it misses.
+    Each shape's `calibration_tokens` run in `rounds` parts, the shapes in turn
+    (measure_interleaved): a launch-bound model's speed wanders by several per cent over
+    seconds (three calibrations of one H200 process, tens of seconds apart, priced one cycle
+    at 2.449, 2.247 and 2.315 ms), and shapes measured one after another would each take
+    their moment's speed, which the fit would read as cost. The parts cost a prefill each."""
+    per_round = max(1, round(calibration_tokens / rounds))
+    cal_params = SamplingParams(max_tokens=per_round, ignore_eos=True)
     # A calibration run reads its graph replays only (steady_phases), so its warm-up only has
     # to take the first-use costs: a capture in the measured run is left out anyway.
-    cal_warm = min(warmup_tokens, calibration_tokens, 8)
+    cal_warm = min(warmup_tokens, per_round, 8)
     kc = kernel_classes(llm)
-    cals, run_s = [], []
-    for cfg in tuner_calibration_shapes(llm, configs, kc):
-        m = run_config(llm, cfg, draft, cal_prompts, cal_params, base, cal_warm)
-        cals.append(calibration_from_summary(m.summary, *cfg))
-        run_s.append(f"{cfg} {m.seconds:.1f}")
+    shapes = tuner_calibration_shapes(llm, configs, kc)
+    runs = measure_interleaved(llm, shapes, draft, list(cal_prompts) * rounds, cal_params,
+                               base, cal_warm)
+    cals = [calibration_from_summary(m.summary, *m.config) for m in runs]
+    run_s = [f"{m.config} {m.seconds:.1f}" for m in runs]
     cost = fit_cost_model(cals, plain_ms_from_summary(plain_summary), moe_shape(llm),
                           kernel_class=kc)
     return cost, run_s
@@ -425,7 +431,8 @@ def _text_run(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
 
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          confirm: int = 1, depth: int = 10, calibration_prompts: int = 1,
-         calibration_tokens: int = 48, budget_seconds: float | None = None,
+         calibration_tokens: int = 48, calibration_rounds: int = 2,
+         budget_seconds: float | None = None,
          log: Any = print, base: SpecConfig | None = None,
          acceptance: AcceptanceModel | None = None, warmup_tokens: int = 8,
          tie_margin: float = 0.03, served: Config | None = None,
@@ -437,6 +444,8 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     `base`: settings every configuration keeps (draft layer ids, simulated acceptance).
     `acceptance`: a given acceptance model instead of measuring the draft. With a simulated
     `base` and no `acceptance`, the model is the profile's (simulated_acceptance).
+    `calibration_rounds`: each calibration shape's `calibration_tokens` run in that many
+    parts, the shapes in turn (_calibrate).
     `tie_margin`: confirmed configurations measured within this share of the fastest are
     tied, and the tie goes to the higher prediction (pick).
     `batch_sizes`: beyond batch 1, fit speculation by batch size (tune/batch_policy.py):
@@ -465,7 +474,7 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     t = time.perf_counter()
     cost, run_s = _calibrate(llm, draft, prompts[:calibration_prompts], base, plain.summary,
                              calibration_tokens, warmup_tokens,
-                             all_configs(min(depth, acc.depth)))
+                             all_configs(min(depth, acc.depth)), calibration_rounds)
     timings["calibration"] = time.perf_counter() - t
     cal_s = timings["plain"] + timings["calibration"]
     log(f"[tune] cost model from plain + {len(run_s)} calibration configs "
