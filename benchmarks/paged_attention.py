@@ -10,13 +10,17 @@ verifies of 5, 6, 9 and 16 tokens after a 200-token prefix (16-, 32-, 32- and 64
 3 query heads per KV head), swept over configs and over a tile set without the 32-row tile.
 
 Cases: batch-1 decode at contexts 1k/4k/16k, batch-64 decode at 1k, a 16k-token causal
-prefill and a 64-sequence x 8-node verify (after a 1k prefix). Each call's time is the mean
-over many calls between two CUDA events, eager (launch overhead in) and replayed from a CUDA
-graph (the engine's decode path); block tables are shuffled, and calls rotate among several
-disjoint sets of blocks so small cases are not served from the 60 MB L2. Achieved KV
-bandwidth = bytes of K/V a call must read (each visible key of each sequence once) / time;
-TFLOP/s counts 4 * D * H FLOPs per (query, visible key). Each case is first checked
-against attention_reference (float64) at a small size of the same shape.
+prefill, a 64-sequence x 8-node verify (after a 1k prefix), batch-1 verifies of 8 nodes as a
+tree and as a chain in the engine's causal form. `--between linear` also times each call
+right after a decoder layer's linears, as the engine runs it (between_op).
+
+Each call's time is the mean over many calls between two CUDA events, eager (launch
+overhead in) and replayed from a CUDA graph (the engine's decode path); block tables are
+shuffled, and calls rotate among several disjoint sets of blocks so small cases are not
+served from the 60 MB L2. Achieved KV bandwidth = bytes of K/V a call must read (each
+visible key of each sequence once) / time; TFLOP/s counts 4 * D * H FLOPs per (query,
+visible key). Each case is first checked against attention_reference (float64) at a small
+size of the same shape.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from specscope.kvcache import triton_attention as ta
-from specscope.kvcache.paged import BatchMeta, attention_reference, tree_meta
+from specscope.kvcache.paged import BatchMeta, attention_reference, chain_meta, tree_meta
 
 H, HKV, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
 ROTATE_BYTES = 512 << 20  # K/V touched across the rotation: several times the L2
@@ -41,7 +45,8 @@ class Case:
     """One workload: (kind, sequences, context or prefix, tokens per sequence)."""
 
     name: str
-    kind: str  # "decode" | "prefill" | "verify"
+    kind: str  # "decode" | "prefill" | "verify" (a random tree) | "chain" (a chain verify
+    # in the engine's causal form, paged.chain_meta)
     batch: int
     ctx: int
     per_seq: int = 1
@@ -60,7 +65,8 @@ CASES = [Case("decode b1 1k", "decode", 1, 1024), Case("decode b1 4k", "decode",
          Case("verify 64x8 @1k", "verify", 64, 1024, 8),
          Case("decode b1 160 /4k", "decode", 1, 160, 1, 4096),
          Case("verify b1 8 @160 /4k", "verify", 1, 160, 8, 4096),
-         Case("verify b1 8 @1k /4k", "verify", 1, 1024, 8, 4096)]
+         Case("verify b1 8 @1k /4k", "verify", 1, 1024, 8, 4096),
+         Case("verify chain b1 8 @160 /4k", "chain", 1, 160, 8, 4096)]
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 SMALL_CASES = [Case("decode b1 200 /2k", "decode", 1, 200, 1, 2048)] + [
     Case(f"verify b1 {n} @200 /2k", "verify", 1, 200, n, 2048) for n in (5, 6, 9, 16)]
@@ -85,6 +91,10 @@ def build(case: Case, bt: torch.Tensor, dev: torch.device
         meta = BatchMeta.causal(bt, torch.zeros(L, dtype=torch.long, device=dev),
                                 torch.arange(L, device=dev), BS, max_len=L)
         return meta, [L], L, L * (L + 1) // 2
+    if case.kind == "chain":
+        meta = chain_meta(bt, torch.full((B,), L, device=dev), n, BS,
+                          max_len=case.bound or L + n)
+        return meta, [n] * B, B * (L + n), B * n * L + B * n * (n + 1) // 2
     g = torch.Generator().manual_seed(0)
     anc = torch.zeros(B, n, n, dtype=torch.bool)
     for s in range(B):
@@ -105,8 +115,41 @@ def tables(rows: int, width: int, sets: int, dev: torch.device) -> list[torch.Te
             for i in range(sets)]
 
 
-def time_calls(fn: Callable[[int], object], sets: int, graph: bool) -> float:
-    """Mean milliseconds per call of fn(i) over calls rotating among `sets` inputs."""
+def between_op(kind: str, dev: torch.device) -> Callable[[], object] | None:
+    """Work the engine runs between two attention calls, to time a call in that context
+    (`--between`): "copy" 512 MB (the L2 and the TLB hold nothing of the call's), "linear"
+    one 8B decoder layer's four products streamed by the few-row linear at one row (the
+    engine's decode step), "linear-2stage" the same in two pipeline stages (less shared
+    memory), "linear-small" one product of the same tile on a 4 MB weight (the kernel,
+    little traffic), "small" one tiny kernel (a launch, no traffic)."""
+    if kind == "none":
+        return None
+    if kind == "copy":
+        src = torch.empty(256 << 20, dtype=DTYPE, device=dev)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+    if kind == "small":
+        t = torch.zeros(1024, device=dev)
+        return lambda: t.add_(1)
+    from specscope.models.linear_triton import config, linear
+
+    shapes = ((4096, 512),) if kind == "linear-small" else (
+        (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    ws = [torch.randn(n, k, device=dev, dtype=DTYPE) * 0.01 for n, k in shapes]
+    xs = [torch.randn(1, w.shape[1], device=dev, dtype=DTYPE) for w in ws]
+    # linear-2stage: the same products with two pipeline stages (less shared memory)
+    tiles = [(*config(*w.shape)[:3], 2) if kind == "linear-2stage" else None for w in ws]
+    return lambda: [linear(x, w, tile=t) for x, w, t in zip(xs, ws, tiles, strict=True)]
+
+
+def time_calls(fn: Callable[[int], object], sets: int, graph: bool,
+               between: Callable[[], object] | None = None) -> float:
+    """Mean milliseconds per call of fn(i) over calls rotating among `sets` inputs; with
+    `between` (graph only), each call follows that work, whose own time (timed alone) is
+    taken off."""
+    if between is not None:
+        both = time_calls(lambda i: (between(), fn(i)), sets, True)
+        return both - time_calls(lambda i: between(), sets, True)
     reps = max(sets, 32 // sets * sets)
     for i in range(sets):
         fn(i)  # compile and warm up
@@ -148,9 +191,11 @@ def check(case: Case, dev: torch.device) -> float:
 
 
 def run_case(case: Case, dev: torch.device, num_splits: int | None = None,
-             long_tiles: bool | None = None) -> dict[str, float | str]:
+             long_tiles: bool | None = None, between: tuple[str, ...] = ()
+             ) -> dict[str, float | str]:
     """long_tiles: prefill runs in the kernel's long tiles (default: where the engine uses
-    them, triton_attention.long_tiles_fit)."""
+    them, triton_attention.long_tiles_fit). between: also each call's graph time after
+    that work (between_op), as "<kind>_us"."""
     if long_tiles is None:
         long_tiles = ta.long_tiles_fit(D, DTYPE, dev)
     W = math.ceil(max(case.bound or 0, case.ctx + case.per_seq) / BS)
@@ -167,7 +212,8 @@ def run_case(case: Case, dev: torch.device, num_splits: int | None = None,
                                       num_splits=num_splits)
     eager, graph = time_calls(fn, sets, False), time_calls(fn, sets, True)
     kv_bytes = keys * block_bytes / BS
-    return {"case": case.name, "err": check(case, dev), "eager_us": eager * 1e3,
+    ctx = {f"{b}_us": 1e3 * time_calls(fn, sets, True, between_op(b, dev)) for b in between}
+    return {**ctx, "case": case.name, "err": check(case, dev), "eager_us": eager * 1e3,
             "graph_us": graph * 1e3, "kv_GBps": kv_bytes / (graph * 1e-3) / 1e9,
             "tflops": 4 * D * H * pairs / (graph * 1e-3) / 1e12, "rotation_sets": sets}
 
@@ -222,7 +268,11 @@ def main() -> None:
     p.add_argument("--cases", nargs="*", help="names of cases to run (default all)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b",
                    help="whose attention: heads, KV heads and head dim")
+    p.add_argument("--between", default="",
+                   help="comma-separated: also time each call after copy, linear or small "
+                        "work (between_op), that work's own time taken off")
     args = p.parse_args()
+    between = tuple(b for b in args.between.split(",") if b)
     global H, HKV, D
     H, HKV, D = SHAPES[args.shape]
     if not torch.cuda.is_available():
@@ -232,13 +282,14 @@ def main() -> None:
     known = CASES if args.shape == "llama-3.1-8b" else SMALL_CASES
     cases = [c for c in known if not args.cases or c.name in args.cases]
     print(f"{'case':18} {'rel err':>9} {'eager us':>9} {'graph us':>9} {'KV GB/s':>8} "
-          f"{'TFLOP/s':>8}")
+          f"{'TFLOP/s':>8}" + "".join(f" {'after ' + b:>12}" for b in between))
     rows = []
     for c in cases:  # printed as they come: a partial table survives a time limit
-        r = run_case(c, dev)
+        r = run_case(c, dev, between=between)
         rows.append(r)
         print(f"{r['case']:18} {r['err']:9.2e} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
-              f"{r['kv_GBps']:8.0f} {r['tflops']:8.1f}")
+              f"{r['kv_GBps']:8.0f} {r['tflops']:8.1f}"
+              + "".join(f" {r[b + '_us']:12.1f}" for b in between), flush=True)
     sweeps = {}
     for c in cases if args.sweep else []:
         sweeps[c.name] = sweep(c, dev)

@@ -164,3 +164,28 @@ def test_verify_accept_commit_then_decode_over_paged_kv():
         acc = emitted[b, :int(a[b])]
         ref = full_logits(torch.cat([p, trees[b].tokens[:1], acc, bonus[b:b + 1]]))[-1]
         torch.testing.assert_close(got[b], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_chain_verify_in_causal_form_sees_what_its_ancestor_mask_gives(window):
+    """chain_meta (no tree mask: the attention's causal path) against tree_meta with a
+    chain's ancestor mask: the same cache slots written and the same attention output,
+    with and without a sliding window, for chains hung after different prefixes."""
+    from specscope.kvcache.paged import attention_reference, chain_meta, tree_meta
+
+    torch.manual_seed(0)
+    bs, nodes, H, Hkv, D = 4, 5, 4, 2, 8
+    n = torch.tensor([3, 9, 14])
+    tables = torch.randperm(3 * 6).view(3, 6)
+    rows = torch.tensor([2, 0, 1])
+    chain = torch.tril(torch.ones(nodes, nodes, dtype=torch.bool)).expand(3, nodes, nodes)
+    rope = n[:, None] + torch.arange(nodes)
+    tree = tree_meta(tables, n, chain, bs, rows=rows, rope=rope, sliding_window=window,
+                     max_len=24)
+    causal = chain_meta(tables, n, nodes, bs, rows=rows, sliding_window=window, max_len=24)
+    assert causal.tree_mask.shape[1] == 0
+    assert torch.equal(causal.slots, tree.slots)
+    k, v = (torch.randn(18, bs, Hkv, D, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(3 * nodes, H, D, dtype=torch.float64)
+    torch.testing.assert_close(attention_reference(q, k, v, causal, D ** -0.5),
+                               attention_reference(q, k, v, tree, D ** -0.5))

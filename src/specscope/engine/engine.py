@@ -59,6 +59,7 @@ from specscope.kvcache.paged import (
     BatchMeta,
     accepted_path_slots,
     block_tables,
+    chain_meta,
     long_tiles_available,
     tree_meta,
     upload,
@@ -497,9 +498,7 @@ class Engine:
         b, N = tree.tokens.shape
         L, mc = self.config.max_model_len, self.model.config
         rope = n[:, None] + tree.depth  # [b, N]
-        meta = tree_meta(tables, n, tree.ancestor_mask(self.spec.num_steps),
-                         self.config.block_size, rope=rope, sliding_window=mc.sliding_window,
-                         max_len=L)
+        meta = self._verify_meta(tree, tables, n, rope, mc.sliding_window, L)
         meta = with_pieces(meta, [(N, s, L) for s in range(b)], *self.model.local_heads,
                            self.device, plans)
         hidden, taps = self._target(tree.tokens.reshape(1, -1), rope.reshape(1, -1), self.kv,
@@ -511,6 +510,18 @@ class Engine:
         else:
             path, a, bonus = self._simulate(tree, logits, u)
         return self._commit_paths(tree, path, a, bonus, taps[0], tables, n)
+
+    def _verify_meta(self, tree: DraftTree, tables: torch.Tensor, n: torch.Tensor,
+                     rope: torch.Tensor, window: int | None, max_len: int,
+                     rows: torch.Tensor | None = None) -> BatchMeta:
+        """The verify trees' attention metadata: a chain's in the causal form (chain_meta),
+        which reads no tree mask, a tree's through its ancestor mask."""
+        if tree.chain:
+            return chain_meta(tables, n, tree.tokens.shape[1], self.config.block_size,
+                              rows=rows, sliding_window=window, max_len=max_len)
+        return tree_meta(tables, n, tree.ancestor_mask(self.spec.num_steps),
+                         self.config.block_size, rows=rows, rope=rope,
+                         sliding_window=window, max_len=max_len)
 
     def _commit_paths(self, tree: DraftTree, path: torch.Tensor, a: torch.Tensor,
                       bonus: torch.Tensor, taps: torch.Tensor, tables: torch.Tensor | None,
@@ -570,9 +581,9 @@ class Engine:
             n_host = [items[i].seq.num_computed for i in spec_idx]
             n = upload(n_host, torch.long, dev)
             tree_rope = n[:, None] + tree.depth  # [S, N]
-            metas.append(tree_meta(tables, n, tree.ancestor_mask(self.spec.num_steps), bs,
-                                   rows=upload(spec_idx, torch.long, dev), rope=tree_rope,
-                                   sliding_window=window, max_len=max(n_host) + tree.size))
+            metas.append(self._verify_meta(tree, tables, n, tree_rope, window,
+                                           max(n_host) + tree.size,
+                                           upload(spec_idx, torch.long, dev)))
             ids_t = torch.cat([ids_t, tree.tokens.reshape(-1)])
             rope = torch.cat([rope, tree_rope.reshape(-1)])
         parts = [(m, i, items[i].seq.num_computed + m) for i, _, m in pieces]
