@@ -432,8 +432,7 @@ def _text_run(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          confirm: int = 1, depth: int = 10, calibration_prompts: int = 1,
          calibration_tokens: int = 48, calibration_rounds: int = 2,
-         budget_seconds: float | None = None,
-         log: Any = print, base: SpecConfig | None = None,
+         budget_seconds: float | None = None, log: Any = print, base: SpecConfig | None = None,
          acceptance: AcceptanceModel | None = None, warmup_tokens: int = 8,
          tie_margin: float = 0.03, served: Config | None = None,
          batch_sizes: list[int] | None = None) -> TuneResult:
@@ -444,8 +443,7 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     `base`: settings every configuration keeps (draft layer ids, simulated acceptance).
     `acceptance`: a given acceptance model instead of measuring the draft. With a simulated
     `base` and no `acceptance`, the model is the profile's (simulated_acceptance).
-    `calibration_rounds`: each calibration shape's `calibration_tokens` run in that many
-    parts, the shapes in turn (_calibrate).
+    `calibration_rounds`: the parts of each calibration shape's tokens (_calibrate).
     `tie_margin`: confirmed configurations measured within this share of the fastest are
     tied, and the tie goes to the higher prediction (pick).
     `batch_sizes`: beyond batch 1, fit speculation by batch size (tune/batch_policy.py):
