@@ -238,7 +238,7 @@ def test_the_tuner_fits_expert_costs_on_a_moe_target(model):
     assert plain["experts"]["decode"] == K  # one token a step: exactly top_k per layer
     cost, _ = _calibrate(llm, "random", ["1 2 3"], base, plain, 10, 4, all_configs(3))
     assert cost.experts is not None and K <= cost.experts.effective <= 16 * E
-    assert cost.b_expert >= 0 and cost.experts_for(1) == pytest.approx(K)
+    assert cost.b_expert >= 0 and cost.experts_for(1) == K
     assert cost.experts_for(8) > cost.experts_for(2)
     batch2, _ = fit_batch(llm, "random", ["1 2 3", "4 5 6 7"], 2, params, CALIBRATION,
                           spec_for, base, 4)

@@ -109,6 +109,8 @@ class ExpertModel:
     def distinct(self, tokens: float) -> float:
         if tokens <= 0:
             return 0.0
+        if tokens <= 1:  # the curve meets k t at t = 1 (and lies above it before): exact
+            return min(float(self.num_experts), float(self.top_k) * tokens)
         e, k = self.effective, self.top_k
         x = e * (1.0 - (1.0 - k / e) ** tokens)
         return min(float(self.num_experts), x, float(k) * tokens)
