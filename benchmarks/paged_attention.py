@@ -262,6 +262,22 @@ def sweep(case: Case, dev: torch.device) -> list[tuple[str, float]]:
     return out
 
 
+def compiled_kernels() -> dict[object, object]:
+    """Every compiled variant of the attention kernel so far, by its cache key (Triton's
+    JITFunction.device_caches; empty where this Triton keeps them elsewhere)."""
+    out = {}
+    for caches in getattr(ta._attn_kernel, "device_caches", {}).values():
+        out.update(caches[0] if isinstance(caches, tuple) else caches)
+    return out
+
+
+def code_size(kernels: list[object]) -> str:
+    """Machine code bytes, registers and spills of compiled kernels: a kernel's code is
+    fetched again when other kernels between two calls evict it from the SM's caches."""
+    return ", ".join(f"{len(k.asm.get('cubin', b''))} B cubin, {k.n_regs} regs, "
+                     f"{k.n_spills} spills" for k in kernels) or "none compiled"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", action="store_true", help="also time variants() of each case")
@@ -271,6 +287,8 @@ def main() -> None:
     p.add_argument("--between", default="",
                    help="comma-separated: also time each call after copy, linear or small "
                         "work (between_op), that work's own time taken off")
+    p.add_argument("--code-size", action="store_true",
+                   help="also print each case's compiled attention kernels' code size")
     args = p.parse_args()
     between = tuple(b for b in args.between.split(",") if b)
     global H, HKV, D
@@ -285,11 +303,15 @@ def main() -> None:
           f"{'TFLOP/s':>8}" + "".join(f" {'after ' + b:>12}" for b in between))
     rows = []
     for c in cases:  # printed as they come: a partial table survives a time limit
+        before = set(compiled_kernels())
         r = run_case(c, dev, between=between)
         rows.append(r)
         print(f"{r['case']:18} {r['err']:9.2e} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
               f"{r['kv_GBps']:8.0f} {r['tflops']:8.1f}"
               + "".join(f" {r[b + '_us']:12.1f}" for b in between), flush=True)
+        if args.code_size:
+            new = [k for key, k in compiled_kernels().items() if key not in before]
+            print(f"  {c.name}: {code_size(new)}", flush=True)
     sweeps = {}
     for c in cases if args.sweep else []:
         sweeps[c.name] = sweep(c, dev)

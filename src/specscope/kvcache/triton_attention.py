@@ -217,19 +217,23 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, start, stop, lo, k_end, k_ptr, v_ptr, bt_row, kvh,
+def _attend(acc, m_i, l_i, q, start, n_first, restart, n_steps, lo, k_end, k_ptr, v_ptr,
+            bt_row, kvh,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T, qk_scale,
             D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
             MASKED: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
             UPCAST: tl.constexpr):
-    """Online softmax over keys [start, stop), BLOCK_N a step, each key's physical block
-    read from the block-table row. MASKED steps apply every row's visibility; unmasked ones
-    hold only keys all rows see (no mask arithmetic, no predicated loads). DP: D padded to
-    a power of two (Triton's ranges), the padding columns loaded as zeros."""
+    """Online softmax over n_steps key steps of BLOCK_N keys: n_first from start, the rest
+    from restart (so one loop, and one copy of its code, covers both masked runs), each
+    key's physical block read from the block-table row. MASKED steps apply every row's
+    visibility; unmasked ones hold only keys all rows see (no mask arithmetic, no predicated
+    loads). DP: D padded to a power of two (Triton's ranges), the padding columns loaded as
+    zeros."""
     d = tl.arange(0, DP)
     d_ok = d < D
-    for kb in range(start, stop, BLOCK_N):
+    for i in range(0, n_steps):
+        kb = tl.where(i < n_first, start + i * BLOCK_N, restart + (i - n_first) * BLOCK_N)
         pos = kb + tl.arange(0, BLOCK_N)
         if MASKED:
             kv_ok = (pos >= lo) & (pos < k_end)
@@ -280,9 +284,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
                  HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One (tile, KV head, key chunk) program: flash attention of the tile's rows over the
-    chunk of its key range, in three runs of key steps: masked up to the first step every
+    chunk of its key range in three runs of key steps: masked up to the first step every
     row sees whole, unmasked while all rows see every key, masked again to the end (the
-    causal diagonal, the tree). Tiles run last first: in a prefill chunk the later tiles
+    causal diagonal, the tree); the two masked runs go first, in one loop. Tiles run last
+    first: in a prefill chunk the later tiles
     have the longer key ranges, so the tail of the launch is short."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh, split = tl.program_id(1), tl.program_id(2)
@@ -311,13 +316,20 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    for phase in tl.static_range(3):
-        start = k_begin if phase == 0 else (a if phase == 1 else b)
-        stop = a if phase == 0 else (b if phase == 1 else k_end)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, start, stop, lo, k_end, k_ptr, v_ptr,
+    # The masked steps ([k_begin, a) and [b, k_end)) in one loop, then the unmasked ones:
+    # two loop bodies in the kernel, not three. A kernel's code is fetched again after the
+    # linears between two attention calls evict it, and on the H200 the larger tree-mask
+    # kernel paid that at every call.
+    n_lead = tl.cdiv(a - k_begin, BLOCK_N)
+    n_masked = n_lead + tl.cdiv(k_end - b, BLOCK_N)
+    n_open = tl.cdiv(b - a, BLOCK_N)
+    for phase in tl.static_range(2):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_begin if phase == 0 else a,
+                                n_lead if phase == 0 else n_open, b,
+                                n_masked if phase == 0 else n_open, lo, k_end, k_ptr, v_ptr,
                                 bt_row, kvh, stride_kb, stride_kt, stride_kh, stride_vb,
                                 stride_vt, stride_vh, tok, row_ok, vis, ws, ts, tm_ptr,
-                                stride_tm, T, qk_scale, D, DP, BS, BLOCK_N, phase != 1,
+                                stride_tm, T, qk_scale, D, DP, BS, BLOCK_N, phase == 0,
                                 HAS_TREE, PRECISION, UPCAST)
     if SPLIT:
         part = ((split * tl.num_programs(0) + tile) * tl.num_programs(1) + kvh) * BLOCK_M + r
