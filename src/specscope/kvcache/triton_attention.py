@@ -217,58 +217,88 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, start, n_first, restart, n_steps, lo, k_end, k_ptr, v_ptr,
-            bt_row, kvh,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T, qk_scale,
-            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
-            UPCAST: tl.constexpr):
-    """Online softmax over n_steps key steps of BLOCK_N keys: n_first from start, the rest
-    from restart (so one loop, and one copy of its code, covers both masked runs), each
-    key's physical block read from the block-table row. MASKED steps apply every row's
-    visibility; unmasked ones hold only keys all rows see (no mask arithmetic, no predicated
-    loads). DP: D padded to a power of two (Triton's ranges), the padding columns loaded as
-    zeros."""
-    d = tl.arange(0, DP)
-    d_ok = d < D
+def _attend_masked(acc, m_i, l_i, q, start, n_first, restart, n_steps, lo, k_end, k_ptr,
+                   v_ptr, bt_row, kvh,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T, qk_scale,
+                   D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """Online softmax over n_steps masked key steps of BLOCK_N keys: n_first from start,
+    the rest from restart, so one loop (one copy of its code) covers both masked runs."""
     for i in range(0, n_steps):
         kb = tl.where(i < n_first, start + i * BLOCK_N, restart + (i - n_first) * BLOCK_N)
-        pos = kb + tl.arange(0, BLOCK_N)
-        if MASKED:
-            kv_ok = (pos >= lo) & (pos < k_end)
-            blk = tl.load(bt_row + pos // BS, mask=kv_ok, other=0).to(tl.int64)
-        else:
-            blk = tl.load(bt_row + pos // BS).to(tl.int64)  # [BLOCK_N] physical blocks
-        k_off = blk * stride_kb + (pos % BS) * stride_kt + kvh * stride_kh
-        v_off = blk * stride_vb + (pos % BS) * stride_vt + kvh * stride_vh
-        if MASKED:
-            k = tl.load(k_ptr + k_off[:, None] + d[None, :],
-                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        elif DP != D:
-            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptr + k_off[:, None] + d[None, :])  # [BLOCK_N, DP]
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if MASKED:
-            seen = _row_mask(pos, kv_ok, tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T,
-                             HAS_TREE)
-            s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptr + v_off[:, None] + d[None, :],
-                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        elif DP != D:
-            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptr + v_off[:, None] + d[None, :])
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
+        kb = tl.multiple_of(kb, BLOCK_N)  # both runs start on whole key steps
+        acc, m_i, l_i = _key_step(acc, m_i, l_i, q, kb, lo, k_end, k_ptr, v_ptr, bt_row,
+                                  kvh, stride_kb, stride_kt, stride_kh, stride_vb,
+                                  stride_vt, stride_vh, tok, row_ok, vis, ws, ts,
+                                  tm_ptr, stride_tm, T, qk_scale, D, DP, BS, BLOCK_N,
+                                  True, HAS_TREE, PRECISION, UPCAST)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_open(acc, m_i, l_i, q, start, stop, k_ptr, v_ptr, bt_row, kvh,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+                 D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over keys [start, stop) that every row sees: no mask arithmetic,
+    no predicated loads, a loop over the key position itself (a select in its place, as
+    the masked loop has, cost the long prefill tiles a quarter of their speed)."""
+    for kb in range(start, stop, BLOCK_N):
+        acc, m_i, l_i = _key_step(acc, m_i, l_i, q, kb, 0, 0, k_ptr, v_ptr, bt_row, kvh,
+                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                  stride_vh, 0, 0, 0, 0, 0, k_ptr, 0, 0, qk_scale, D, DP,
+                                  BS, BLOCK_N, False, False, PRECISION, UPCAST)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _key_step(acc, m_i, l_i, q, kb, lo, k_end, k_ptr, v_ptr, bt_row, kvh,
+              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+              tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T, qk_scale,
+              D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """One step of BLOCK_N keys from kb, each key's physical block read from the
+    block-table row. DP: D padded to a power of two (Triton's ranges), the padding columns
+    loaded as zeros."""
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    pos = kb + tl.arange(0, BLOCK_N)
+    if MASKED:
+        kv_ok = (pos >= lo) & (pos < k_end)
+        blk = tl.load(bt_row + pos // BS, mask=kv_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // BS).to(tl.int64)  # [BLOCK_N] physical blocks
+    k_off = blk * stride_kb + (pos % BS) * stride_kt + kvh * stride_kh
+    v_off = blk * stride_vb + (pos % BS) * stride_vt + kvh * stride_vh
+    if MASKED:
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :],
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    elif DP != D:
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :])  # [BLOCK_N, DP]
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        seen = _row_mask(pos, kv_ok, tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T,
+                         HAS_TREE)
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :],
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    elif DP != D:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :])
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return acc, m_new, l_i
 
 
 # Ints that change from step to step (the key bound, the block-table width, the tree width)
@@ -317,20 +347,19 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     # The masked steps ([k_begin, a) and [b, k_end)) in one loop, then the unmasked ones:
-    # two loop bodies in the kernel, not three. A kernel's code is fetched again after the
-    # linears between two attention calls evict it, and on the H200 the larger tree-mask
-    # kernel paid that at every call.
+    # two loop bodies in the kernel, not three. A kernel's code (and its spills) is
+    # fetched again after the linears between two attention calls evict it, and on the
+    # H200 the larger tree-mask kernel paid that at every call.
     n_lead = tl.cdiv(a - k_begin, BLOCK_N)
-    n_masked = n_lead + tl.cdiv(k_end - b, BLOCK_N)
-    n_open = tl.cdiv(b - a, BLOCK_N)
-    for phase in tl.static_range(2):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_begin if phase == 0 else a,
-                                n_lead if phase == 0 else n_open, b,
-                                n_masked if phase == 0 else n_open, lo, k_end, k_ptr, v_ptr,
-                                bt_row, kvh, stride_kb, stride_kt, stride_kh, stride_vb,
-                                stride_vt, stride_vh, tok, row_ok, vis, ws, ts, tm_ptr,
-                                stride_tm, T, qk_scale, D, DP, BS, BLOCK_N, phase == 0,
-                                HAS_TREE, PRECISION, UPCAST)
+    acc, m_i, l_i = _attend_masked(acc, m_i, l_i, q, k_begin, n_lead, b,
+                                   n_lead + tl.cdiv(k_end - b, BLOCK_N), lo, k_end, k_ptr,
+                                   v_ptr, bt_row, kvh, stride_kb, stride_kt, stride_kh,
+                                   stride_vb, stride_vt, stride_vh, tok, row_ok, vis, ws, ts,
+                                   tm_ptr, stride_tm, T, qk_scale, D, DP, BS, BLOCK_N,
+                                   HAS_TREE, PRECISION, UPCAST)
+    acc, m_i, l_i = _attend_open(acc, m_i, l_i, q, a, b, k_ptr, v_ptr, bt_row, kvh,
+                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                 stride_vh, qk_scale, D, DP, BS, BLOCK_N, PRECISION, UPCAST)
     if SPLIT:
         part = ((split * tl.num_programs(0) + tile) * tl.num_programs(1) + kvh) * BLOCK_M + r
         tl.store(part_acc_ptr + part[:, None].to(tl.int64) * D + d[None, :], acc,
