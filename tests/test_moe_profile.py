@@ -215,6 +215,38 @@ def test_cost_model_fits_the_expert_term_and_prices_draft_tokens_by_it():
     assert best_chain(moe) < best_chain(per_token)
 
 
+def test_a_saturated_expert_count_leaves_the_expert_term_out():
+    """At batch 64 every calibration's verify activates all the experts the router reaches
+    (seen on the H200 with Qwen3-30B-A3B's shape, whose batch policy fit then raised: rank
+    10 of 11), so X(B n) is a constant the verify's constant already holds. The fit leaves
+    the term out instead of raising and prices every configuration as the truth does; at
+    batch 1 the same shapes still fit it."""
+    from specscope.engine.machine import kernel_class
+    from specscope.tune.calibration import calibration_shapes
+    from specscope.tune.tuner import all_configs
+
+    def classes(n: int) -> str:  # Qwen3-30B-A3B: 8 query heads a KV head, GEMMs at batch 64
+        return kernel_class(n, 8, 64, (16, 32, 64, 128), 16)
+
+    truth = ExpertModel(128, 8, 10.0)
+    configs = all_configs(10)
+    step = {c: 0.1 * i for i, c in enumerate(sorted({classes(c[2]) for c in configs}))}
+    cals = []
+    for s, k, n in calibration_shapes(classes, configs, moe=True):
+        x = truth.distinct(64 * n)
+        v = sum(c * w for c, w in zip(verify_columns(s, k, n), (2.0, 0.05, 0.3, 0.05),
+                                      strict=True)) + 0.2 * x + step[classes(n)]
+        cals.append(Calibration(s, k, n, 1.0 + 0.4 * (s - 1), v, 0.1, experts=x))
+    assert max(c.experts for c in cals) - min(c.experts for c in cals) < 1e-6  # saturated
+    cost = fit_cost_model(cals, plain_ms=2.5, moe=(128, 8), batch=64, kernel_class=classes)
+    assert cost.b_expert == 0.0 and cost.experts is not None
+    for c in cals:
+        assert cost.verify_ms(c.num_steps, c.topk, c.num_draft_tokens) == pytest.approx(
+            c.verify_ms, rel=1e-6)
+    spread = fit_cost_model(_cals(truth, b_expert=0.05), plain_ms=2.5, moe=(128, 8))
+    assert spread.b_expert == pytest.approx(0.05, rel=0.02)  # batch 1: not saturated
+
+
 def test_calibration_reads_the_steady_verify_experts():
     phases = {"verify_commit": {"mean_ms": 3.0}, "draft": {"mean_ms": 1.0}}
     s = {"phases": phases, "experts": {"verify": 9.0},

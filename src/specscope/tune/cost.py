@@ -369,14 +369,15 @@ def fit_cost_model(cals: list[Calibration], plain_ms: float,
     d, d_res = _fit_line("draft", DRAFT_TERMS, draft_columns, compute, "draft_ms")
     experts = None
     v_terms, base_columns = VERIFY_TERMS, verify_columns
+    steps = _class_steps(cals, kernel_class)
     if moe is not None and cals and all(c.experts is not None for c in cals):
         experts = fit_expert_model([(batch * c.num_draft_tokens, c.experts) for c in cals],
                                    *moe)
-        v_terms = VERIFY_TERMS + ("b_expert",)
 
-        def base_columns(s: int, k: int, n: int) -> list[float]:
+        def with_experts(s: int, k: int, n: int) -> list[float]:
             return verify_columns(s, k, n) + [experts.distinct(batch * n)]
-    steps = _class_steps(cals, kernel_class)
+        if _expert_term_identified(cals, with_experts, steps, kernel_class):
+            v_terms, base_columns = VERIFY_TERMS + ("b_expert",), with_experts
 
     def v_columns(s: int, k: int, n: int) -> list[float]:
         own = kernel_class(n) if steps else None
@@ -397,6 +398,24 @@ def fit_cost_model(cals: list[Calibration], plain_ms: float,
                      experts=experts,
                      batch=batch, kernel_class=kernel_class if steps else None,
                      verify_class_ms=classes)
+
+
+def _expert_term_identified(cals: list[Calibration], with_experts: Any, steps: list[str],
+                            kernel_class: Any) -> bool:
+    """Whether the calibration identifies the expert term beside the others. At a large
+    batch every calibration's verify activates every expert a random or trained router
+    reaches (on the H200, Qwen3-30B-A3B's shape at batch 64: 128 routed tokens and more a
+    layer), so X(B n) is one constant and its cost is part of a_verify: the term is then
+    left out (b_expert 0), as it changes no prediction at that batch, where raising would
+    stop a tuner that has nothing left to learn from it. Otherwise the verify line's own
+    check (_check_identified) names what is missing."""
+    def rows(columns: Any) -> torch.Tensor:
+        return torch.tensor([columns(c.num_steps, c.topk, c.num_draft_tokens) + [
+            float(kernel_class(c.num_draft_tokens) == k) for k in steps] for c in cals],
+            dtype=torch.float64)
+    full, without = rows(with_experts), rows(verify_columns)
+    rank = int(torch.linalg.matrix_rank(full))
+    return rank == full.shape[1] or rank > int(torch.linalg.matrix_rank(without))
 
 
 def _class_steps(cals: list[Calibration], kernel_class: Any) -> list[str]:
