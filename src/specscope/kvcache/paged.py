@@ -451,14 +451,29 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # Rows g * n + t of each KV head's group (one token: the heads as they lie).
         qf = qs.reshape(Hkv, G, D) if one else qs.transpose(0, 1).reshape(Hkv, G * n, D)
         if cuda:  # 4-D, as SDPA's fused CUDA kernels take it (3-D falls back to the math path)
-            qf, k, v = qf[None], k[None], v[None]
-        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale)
+            o = F.scaled_dot_product_attention(qf[None], k[None], v[None], attn_mask=m,
+                                               scale=scale)
+        else:
+            o = _cpu_attention(qf, k, v, m, scale)
         o = o.reshape(1, H * Dv) if one else \
             o.reshape(H, n, Dv).transpose(0, 1).reshape(n, H * Dv)
         if whole:  # one piece is the whole batch (batch-1 steps): its rows are the output
             return o
         out[a:b] = o
     return out
+
+
+def _cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Softmax attention on the CPU as two batched products with the scores in fp32: q [Hkv,
+    R, D] over k, v [Hkv, L, D] (any strides), mask [1, R, L] or None -> [Hkv, R, Dv] in q's
+    dtype. SDPA's CPU kernels, which compute in fp32 too, took 1.1-1.7x as long for the
+    default model's decode and verify rows, bf16 or fp32, on AVX-512 and AVX2 alike
+    (benchmarks/cpu_kernels.py --attention; docs/cpu.md)."""
+    scores = torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scale)  # [Hkv, R, L]
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.bmm(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def _prepare_spans(meta: BatchMeta, G: int, bs: int) -> None:

@@ -1,0 +1,125 @@
+"""The default model's linears on the CPU in each weight format torch has a kernel for, at
+1 and 6 rows (a decode step, a chain-of-5 verify): whether a format's cost stays flat in the
+rows, i.e. whether its kernel streams each weight once for a few-token forward.
+
+    python benchmarks/cpu_kernels.py
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/cpu_kernels.py
+    python benchmarks/cpu_kernels.py --attention    # the attention instead (below)
+
+Formats: dense fp32 and bf16 (F.linear), int8 weights with a scale per output row
+(`_weight_int8pack_mm`, bf16 and fp32 activations) and the GGUF path's 4-bit weights in
+groups of 32 (`_weight_int4pack_mm_for_cpu`, bf16 activations). Random weights of SmolLM2-135M's
+shapes; microseconds per call, the mean of 200 after 10 untimed. A table, then a JSON line.
+
+--attention: one layer's attention of the default model (3 KV heads, 3 query heads each,
+head dim 64) for 1 and 6 query tokens (a decode token, a chain-of-5 verify under a tree
+mask) over 64 to 2,048 keys laid out as the paged cache holds them ([keys, KV heads, D],
+read as a transposed view), in bf16 and fp32: torch's SDPA against the engine's CPU path
+(kvcache/paged.py _cpu_attention: two batched products, scores in fp32), with each one's
+largest difference from a float64 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
+          "down_proj": (576, 1536), "lm_head": (49152, 576)}
+
+
+def bench(fn: Callable[[], object], reps: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+def formats(n: int, k: int) -> dict[str, tuple[torch.dtype, Callable]]:
+    """Each format's activation dtype and its product x W^T (x made in that dtype)."""
+    w = torch.randn(n, k) * 0.02
+    wb = w.bfloat16()
+    s = w.abs().amax(1) / 127
+    w8 = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+    p4 = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k),
+                                                                 dtype=torch.int32), 1)
+    sz = torch.stack([torch.rand(k // 32, n), torch.rand(k // 32, n)], -1).bfloat16()
+    f32, b16, sb = torch.float32, torch.bfloat16, s.bfloat16()
+    return {"fp32": (f32, lambda x: F.linear(x, w)),
+            "bf16": (b16, lambda x: F.linear(x, wb)),
+            "int8 (bf16 x)": (b16, lambda x: torch._weight_int8pack_mm(x, w8, sb)),
+            "int8 (fp32 x)": (f32, lambda x: torch._weight_int8pack_mm(x, w8, s)),
+            "int4 (bf16 x)": (b16, lambda x: torch._weight_int4pack_mm_for_cpu(x, p4, 32,
+                                                                               sz))}
+
+
+def attention_case(dtype: torch.dtype, n: int, L: int) -> dict:
+    """SDPA against the engine's CPU attention for n query tokens over L keys."""
+    from specscope.kvcache.paged import _cpu_attention
+
+    q = torch.randn(3, 3 * n, 64, dtype=dtype)
+    k, v = (torch.randn(L, 3, 64, dtype=dtype).transpose(0, 1) for _ in range(2))
+    m = None
+    if n > 1:  # the tree's own keys under a random ancestor pattern, each sees itself
+        m = torch.ones(1, 3 * n, L, dtype=torch.bool)
+        m[..., -n:] = torch.rand(1, 3 * n, n) > 0.5
+        m[..., -1] = True
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m,
+                                         scale=0.125)
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.125)
+
+    def ours() -> torch.Tensor:
+        return _cpu_attention(q, k, v, m, 0.125)
+    return {"dtype": str(dtype).split(".")[-1], "tokens": n, "keys": L,
+            "sdpa_us": bench(sdpa), "engine_us": bench(ours),
+            "sdpa_err": float((sdpa().double() - ref).abs().max()),
+            "engine_err": float((ours().double() - ref).abs().max())}
+
+
+def attention_rows() -> list[dict]:
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (1, 6):
+            for L in (64, 256, 512, 1024, 2048):
+                r = attention_case(dtype, n, L)
+                rows.append(r)
+                print(f"{r['dtype']:8} {n} tokens {L:5} keys: SDPA {r['sdpa_us']:7.1f} us, "
+                      f"engine {r['engine_us']:7.1f} us ({r['sdpa_us'] / r['engine_us']:.2f}x"
+                      f"); max error {r['sdpa_err']:.1e} / {r['engine_err']:.1e}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--attention", action="store_true")
+    args = ap.parse_args()
+    print(json.dumps({"aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                      "threads": torch.get_num_threads()}))
+    if args.attention:
+        with torch.inference_mode():
+            rows = attention_rows()
+        print(json.dumps({"bench": "cpu_kernels", "attention": rows}))
+        return
+    rows = []
+    with torch.inference_mode():
+        for name, (n, k) in SHAPES.items():
+            for fmt, (dtype, fn) in formats(n, k).items():
+                xs = {m: torch.randn(m, k, dtype=dtype) for m in (1, 6)}
+                us = {m: bench(lambda x=xs[m], fn=fn: fn(x)) for m in xs}
+                rows.append({"linear": name, "format": fmt, "us_1": us[1], "us_6": us[6]})
+                print(f"{name:13} {fmt:14} 1 row {us[1]:9.1f} us   6 rows {us[6]:9.1f} us "
+                      f"({us[6] / us[1]:.1f}x)", flush=True)
+    print(json.dumps({"bench": "cpu_kernels", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
