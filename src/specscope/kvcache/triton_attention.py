@@ -266,20 +266,14 @@ def _key_step(acc, m_i, l_i, q, kb, lo, k_end, k_ptr, v_ptr, bt_row, kvh,
     d = tl.arange(0, DP)
     d_ok = d < D
     pos = kb + tl.arange(0, BLOCK_N)
+    kv_ok = (pos >= lo) & (pos < k_end)  # read only by MASKED steps
     if MASKED:
-        kv_ok = (pos >= lo) & (pos < k_end)
         blk = tl.load(bt_row + pos // BS, mask=kv_ok, other=0).to(tl.int64)
     else:
         blk = tl.load(bt_row + pos // BS).to(tl.int64)  # [BLOCK_N] physical blocks
     k_off = blk * stride_kb + (pos % BS) * stride_kt + kvh * stride_kh
     v_off = blk * stride_vb + (pos % BS) * stride_vt + kvh * stride_vh
-    if MASKED:
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-    elif DP != D:
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-    else:
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :])  # [BLOCK_N, DP]
+    k = _load_rows(k_ptr, k_off, d, d_ok, kv_ok, MASKED, D, DP)  # [BLOCK_N, DP]
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         seen = _row_mask(pos, kv_ok, tok, row_ok, vis, ws, ts, tm_ptr, stride_tm, T,
@@ -290,15 +284,22 @@ def _key_step(acc, m_i, l_i, q, kb, lo, k_end, k_ptr, v_ptr, bt_row, kvh,
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-    elif DP != D:
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-    else:
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :])
+    v = _load_rows(v_ptr, v_off, d, d_ok, kv_ok, MASKED, D, DP)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _load_rows(ptr, off, d, d_ok, kv_ok, MASKED: tl.constexpr, D: tl.constexpr,
+               DP: tl.constexpr):
+    """K or V rows [BLOCK_N, DP] at row offsets off: predicated by key (MASKED) and by
+    column where D is padded, else a plain load."""
+    if MASKED:
+        return tl.load(ptr + off[:, None] + d[None, :], mask=kv_ok[:, None] & d_ok[None, :],
+                       other=0.0)
+    if DP != D:
+        return tl.load(ptr + off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    return tl.load(ptr + off[:, None] + d[None, :])
 
 
 # Ints that change from step to step (the key bound, the block-table width, the tree width)
@@ -317,8 +318,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
     chunk of its key range in three runs of key steps: masked up to the first step every
     row sees whole, unmasked while all rows see every key, masked again to the end (the
     causal diagonal, the tree); the two masked runs go first, in one loop. Tiles run last
-    first: in a prefill chunk the later tiles
-    have the longer key ranges, so the tail of the launch is short."""
+    first: in a prefill chunk the later tiles have the longer key ranges, so the tail of
+    the launch is short."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh, split = tl.program_id(1), tl.program_id(2)
     first, end, tok, g, row_ok, r = _tile_rows(tiles_ptr, tile, G, BLOCK_M)

@@ -327,8 +327,7 @@ def _check_identified(name: str, terms: tuple[str, ...], rows: list[list[float]]
                       cals: list[Calibration]) -> None:
     """Every term of a line must be identified by the calibration: its design matrix must
     have full column rank (else least squares would share one effect between two terms)."""
-    A = torch.tensor(rows, dtype=torch.float64)
-    rank = int(torch.linalg.matrix_rank(A))
+    rank = _rank(rows)
     if rank < len(terms):
         shapes = sorted({(c.num_steps, c.topk, c.num_draft_tokens) for c in cals})
         raise ValueError(f"cost model: the calibration configurations {shapes} cannot "
@@ -379,9 +378,7 @@ def fit_cost_model(cals: list[Calibration], plain_ms: float,
         if _expert_term_identified(cals, with_experts, steps, kernel_class):
             v_terms, base_columns = VERIFY_TERMS + ("b_expert",), with_experts
 
-    def v_columns(s: int, k: int, n: int) -> list[float]:
-        own = kernel_class(n) if steps else None
-        return base_columns(s, k, n) + [float(own == c) for c in steps]
+    v_columns = _with_class_steps(base_columns, kernel_class, steps)
     v, v_res = _fit_line("verify", v_terms + tuple(f"class {c}" for c in steps), v_columns,
                          cals, "verify_ms", free=len(steps))
     classes = {kernel_class(min(c.num_draft_tokens for c in cals)): 0.0} if steps else {}
@@ -409,13 +406,25 @@ def _expert_term_identified(cals: list[Calibration], with_experts: Any, steps: l
     left out (b_expert 0), as it changes no prediction at that batch, where raising would
     stop a tuner that has nothing left to learn from it. Otherwise the verify line's own
     check (_check_identified) names what is missing."""
-    def rows(columns: Any) -> torch.Tensor:
-        return torch.tensor([columns(c.num_steps, c.topk, c.num_draft_tokens) + [
-            float(kernel_class(c.num_draft_tokens) == k) for k in steps] for c in cals],
-            dtype=torch.float64)
-    full, without = rows(with_experts), rows(verify_columns)
-    rank = int(torch.linalg.matrix_rank(full))
-    return rank == full.shape[1] or rank > int(torch.linalg.matrix_rank(without))
+    def rank(columns: Any) -> tuple[int, int]:  # (rank, columns) of the verify line
+        rows = [_with_class_steps(columns, kernel_class, steps)(
+            c.num_steps, c.topk, c.num_draft_tokens) for c in cals]
+        return _rank(rows), len(rows[0])
+    (full, width), (without, _) = rank(with_experts), rank(verify_columns)
+    return full == width or full > without
+
+
+def _with_class_steps(columns: Any, kernel_class: Any, steps: list[str]) -> Any:
+    """columns(s, k, n) with an indicator per kernel class step appended (the verify line's
+    design row)."""
+    def row(s: int, k: int, n: int) -> list[float]:
+        own = kernel_class(n) if steps else None
+        return columns(s, k, n) + [float(own == c) for c in steps]
+    return row
+
+
+def _rank(rows: list[list[float]]) -> int:
+    return int(torch.linalg.matrix_rank(torch.tensor(rows, dtype=torch.float64)))
 
 
 def _class_steps(cals: list[Calibration], kernel_class: Any) -> list[str]:
