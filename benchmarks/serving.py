@@ -37,7 +37,12 @@ from specscope.config import SamplingParams, SpecConfig, SpecPolicy  # noqa: E40
 from specscope.draft.eagle3 import random_draft  # noqa: E402
 from specscope.engine.engine import BatchConfig, Engine  # noqa: E402
 from specscope.engine.sequence import Sequence  # noqa: E402
-from specscope.kvcache.budget import KVLayout, kv_budget, parse_bytes  # noqa: E402
+from specscope.kvcache.budget import (  # noqa: E402
+    KVLayout,
+    activation_bytes,
+    kv_budget,
+    parse_bytes,
+)
 from specscope.models.registry import config_from_hf  # noqa: E402
 
 
@@ -70,9 +75,11 @@ def build_engine(args, model, spec: bool, max_len: int, steps: int = 7) -> Engin
         layouts.append(KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype))
         if args.spec_policy:
             policy = SpecPolicy.parse(args.spec_policy, spec_cfg)
+    # The engine's own bound where it is larger (a speculating MoE model's verify logits).
+    reserve = max(args.activation_reserve, activation_bytes(
+        mc, args, dtype, args.max_num_batched_tokens if spec else 0))
     budget = kv_budget(layouts, 16, dev, gpu_memory_utilization=args.gpu_memory_utilization,
-                       kv_cache_memory=args.kv_cache_memory,
-                       activation_bytes=args.activation_reserve)
+                       kv_cache_memory=args.kv_cache_memory, activation_bytes=reserve)
     print(budget.describe(max_len), file=sys.stderr)
     cfg = BatchConfig(num_blocks=budget.num_blocks, block_size=16,
                        max_num_batched_tokens=args.max_num_batched_tokens,

@@ -64,3 +64,19 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_rejects_nonsense(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+def test_a_speculating_engine_reserves_its_verify_logits():
+    """A verify computes every tree node's logits: on Qwen3-30B-A3B's 152k vocabulary a
+    2,048-node verify needs 3.1 GB (bf16 output, its fp32 copy, the probabilities), more
+    than the sampled rows' bound, and the reserve covers it."""
+    from types import SimpleNamespace
+
+    from specscope.kvcache.budget import activation_bytes
+
+    model = SimpleNamespace(hidden_size=2048, intermediate_size=6144, vocab_size=151936)
+    engine = SimpleNamespace(max_num_batched_tokens=2048, max_num_seqs=256)
+    plain = activation_bytes(model, engine, torch.bfloat16)
+    spec = activation_bytes(model, engine, torch.bfloat16, verify_rows=2048)
+    assert spec - plain == 10 * 151936 * 2048 - 12 * 151936 * 256
+    assert spec > 3.5e9

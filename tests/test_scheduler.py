@@ -187,3 +187,19 @@ def test_sequence_token_slices_equal_the_whole_list():
             assert seq.tokens(a, b) == whole[a:b], (a, b)
     assert seq.last_token == 7
     assert Sequence("t", [9, 8], SamplingParams()).last_token == 8
+
+
+def test_a_step_verifies_no_more_trees_than_fit_the_budget_once_padded():
+    """Trees of 7 nodes on a 48-token budget: 6 would fit, but a CUDA-graph verify pads 6 to
+    the bucket of 8 (56 rows of logits), so a step verifies at most 4; the other running
+    sequences take plain steps beside them."""
+    rng = random.Random(6)
+    s = _sched(num_blocks=256, spec_tokens=7, max_tokens=48, max_seqs=8)
+    assert s.max_trees() == 4
+    seqs = [_seq(i, [rng.randrange(1000) for _ in range(5)]) for i in range(8)]
+    plans = _drive(s, seqs, 24, rng)
+    trees = [sum(it.speculative for it in p.scheduled) for p in plans]
+    assert max(trees) == 4
+    assert any(t == 4 and len(p.scheduled) > 4 for t, p in zip(trees, plans, strict=True))
+    assert _sched(spec_tokens=0).max_trees() == 0
+    assert _sched(spec_tokens=2, max_tokens=2048, max_seqs=8).max_trees() == 1024

@@ -374,7 +374,9 @@ class LLM(TensorParallelRanks):
         budget = kv_budget(layouts, ec.block_size, self.device,
                            gpu_memory_utilization=ec.gpu_memory_utilization,
                            kv_cache_memory=ec.kv_cache_memory,
-                           activation_bytes=activation_bytes(mc, ec, self.dtype),
+                           activation_bytes=activation_bytes(
+                               mc, ec, self.dtype,
+                               ec.max_num_batched_tokens if draft is not None else 0),
                            max_tokens=ec.max_num_seqs * (self.max_model_len + lookahead))
         if self.tp is not None:  # every rank holds the same block ids: what fits on all
             n = self.tp.group.min_int(budget.num_blocks)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from specscope.engine.sequence import Sequence, SequenceStatus
 from specscope.kvcache.block_pool import ROOT_HASH, BlockPool, block_hash
+from specscope.profiler.profiler import BATCH_BUCKETS
 
 
 def block_key(parent: bytes, tokens: Seq[int], j: int, block_size: int, draft: bool) -> bytes:
@@ -148,10 +149,12 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
+        trees = self.max_trees()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            item = self._plan_running(seq, budget)
+            item = self._plan_running(seq, budget, trees > 0)
+            trees -= item.speculative
             while not self._reserve(seq, item):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -167,8 +170,23 @@ class Scheduler:
             self._admit(plan, budget)
         return plan
 
-    def _plan_running(self, seq: Sequence, budget: int) -> Scheduled:
-        if seq.num_uncomputed == 1 and self._can_speculate(seq) and budget >= self.spec_tokens:
+    def max_trees(self) -> int:
+        """Trees one step may verify: as many as fit the token budget once padded to their
+        batch-size bucket. A CUDA-graph verify runs the bucket's trees whole and computes
+        every row's logits (fp32, the vocabulary wide): at 64 sequences of 57-node trees on
+        a 2,048-token budget, 35 trees padded to 64 asked for 3,648 rows of logits, past
+        what the activation reserve (kvcache/budget.py) held for."""
+        if self.spec_tokens <= 1:
+            return 0
+        fit = self.max_num_batched_tokens // self.spec_tokens
+        if fit >= BATCH_BUCKETS[-1]:
+            return fit
+        return max(b for b in BATCH_BUCKETS if b <= fit)
+
+    def _plan_running(self, seq: Sequence, budget: int, may_speculate: bool = True
+                      ) -> Scheduled:
+        if may_speculate and seq.num_uncomputed == 1 and self._can_speculate(seq) \
+                and budget >= self.spec_tokens:
             return Scheduled(seq, self.spec_tokens, speculative=True)
         return Scheduled(seq, min(seq.num_uncomputed, budget))
 

@@ -126,14 +126,18 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def activation_bytes(model: Any, engine: Any, dtype: torch.dtype) -> int:
+def activation_bytes(model: Any, engine: Any, dtype: torch.dtype, verify_rows: int = 0) -> int:
     """A bound on one step's activation memory on top of the weights and the KV pools (what
     the pools must leave free): a step of max_num_batched_tokens tokens holds a few
     hidden-sized and two intermediate-sized buffers per token, the sampled rows' fp32 logits
     and probabilities, and the allocator's slack. model: a ModelConfig; engine: an
-    EngineConfig."""
+    EngineConfig. verify_rows: the most tree nodes one verify carries (speculating engines:
+    the token budget, Scheduler.max_trees), whose logits a verify computes for every node
+    (the lm_head's output, its fp32 copy and probabilities: 3.3 GB for 3,648 nodes of
+    Qwen3's 152k vocabulary)."""
     el = torch.empty((), dtype=dtype).element_size()
     tokens, seqs = engine.max_num_batched_tokens, engine.max_num_seqs
     per_token = el * (8 * model.hidden_size + 3 * model.intermediate_size)
     logits = 4 * 3 * model.vocab_size * max(seqs, 64)  # logits, probs, a race buffer
-    return tokens * per_token + logits + 512 * (1 << 20)
+    verify = (el + 8) * model.vocab_size * verify_rows
+    return tokens * per_token + max(logits, verify) + 512 * (1 << 20)
