@@ -181,7 +181,7 @@ class Scheduler:
         fit = self.max_num_batched_tokens // self.spec_tokens
         if fit >= BATCH_BUCKETS[-1]:
             return fit
-        return max(b for b in BATCH_BUCKETS if b <= fit)
+        return max((b for b in BATCH_BUCKETS if b <= fit), default=0)
 
     def _plan_running(self, seq: Sequence, budget: int, may_speculate: bool = True
                       ) -> Scheduled:
