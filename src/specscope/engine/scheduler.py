@@ -173,9 +173,8 @@ class Scheduler:
     def max_trees(self) -> int:
         """Trees one step may verify: as many as fit the token budget once padded to their
         batch-size bucket. A CUDA-graph verify runs the bucket's trees whole and computes
-        every row's logits (fp32, the vocabulary wide): at 64 sequences of 57-node trees on
-        a 2,048-token budget, 35 trees padded to 64 asked for 3,648 rows of logits, past
-        what the activation reserve (kvcache/budget.py) held for."""
+        every padded row's logits, the vocabulary wide; the activation reserve
+        (kvcache/budget.py) holds the budget's rows of them, not twice that."""
         if self.spec_tokens <= 1:
             return 0
         fit = self.max_num_batched_tokens // self.spec_tokens
@@ -183,8 +182,7 @@ class Scheduler:
             return fit
         return max((b for b in BATCH_BUCKETS if b <= fit), default=0)
 
-    def _plan_running(self, seq: Sequence, budget: int, may_speculate: bool = True
-                      ) -> Scheduled:
+    def _plan_running(self, seq: Sequence, budget: int, may_speculate: bool) -> Scheduled:
         if may_speculate and seq.num_uncomputed == 1 and self._can_speculate(seq) \
                 and budget >= self.spec_tokens:
             return Scheduled(seq, self.spec_tokens, speculative=True)
