@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from specscope.native import cpu_kernels_for
+
 if TYPE_CHECKING:
     from specscope.kvcache.budget import KVLayout
 
@@ -363,12 +365,31 @@ def paged_attend_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     whose half is not a power of two, a cache in another dtype): the caller then runs
     the reference (project, paged_attend)."""
     D = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    if not qkv.is_cuda:
+        return _native_attend_qkv(qkv, cos, sin, k_cache, v_cache, meta, scale, num_heads,
+                                  num_kv_heads, norms, eps, D)
     fast, fused = _fast_backend(), _rope_write_backend()
     if fast is None or fused is None or D & (D - 1) or D < 4 or k_cache.dtype != qkv.dtype:
         return None
     q = _rope_write(fused, qkv.contiguous(), cos.contiguous(), sin.contiguous(), meta.slots,
                     k_cache, v_cache, num_heads, num_kv_heads, norms, eps)
     return fast(q, k_cache, v_cache, meta, scale, tiles=meta.tiles)
+
+
+def _native_attend_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                       scale: float, num_heads: int, num_kv_heads: int,
+                       norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float, D: int
+                       ) -> torch.Tensor | None:
+    """paged_attend_qkv on the CPU: the native kernel (specscope/native) where it applies,
+    else None (the caller runs the reference)."""
+    native = cpu_kernels_for(qkv)
+    if native is None or not native.attend_applies(qkv, k_cache, v_cache, cos, D):
+        return None
+    if norms is not None and any(w.dtype != qkv.dtype for w in norms):
+        return None
+    return native.attend_qkv(qkv, cos, sin, k_cache, v_cache, meta, scale, num_heads,
+                             num_kv_heads, norms, eps)
 
 
 @torch.compiler.disable

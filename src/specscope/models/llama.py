@@ -28,6 +28,7 @@ from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, paged_atte
 from specscope.models.linear import Linear, hand_kernels_apply, linear
 from specscope.models.registry import Family
 from specscope.models.rope import apply_rope_rolled, rope_tables, signed_sin
+from specscope.native import cpu_kernels_for
 from specscope.parallel.group import TPGroup
 from specscope.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from specscope.parallel.shard import attention_pieces, gated_mlp_pieces
@@ -45,8 +46,12 @@ def _fused_backend():
 
 
 def fused_kernels(x: torch.Tensor):
-    """The fused kernels where they apply to x (models/linear.py hand_kernels_apply)."""
-    return _fused_backend() if hand_kernels_apply(x) else None
+    """The fused layer kernels where they apply to x: Triton's on CUDA (models/linear.py
+    hand_kernels_apply), the native C kernels on the CPU (specscope/native); None: the
+    torch reference."""
+    if hand_kernels_apply(x):
+        return _fused_backend()
+    return cpu_kernels_for(x) if x.device.type == "cpu" else None
 
 
 class RMSNorm(nn.Module):
@@ -57,8 +62,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _fast(self, x: torch.Tensor):
         fast = fused_kernels(x)
+        # The native CPU kernel takes a weight of the activation's dtype only.
+        return fast if fast is None or x.is_cuda or self.weight.dtype == x.dtype else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self._fast(x)
         if fast is not None:
             return fast.rms_norm(x.contiguous(), self.weight, self.eps)[0]
         # One fused op instead of pow/mean/add/rsqrt/mul: same result, fewer kernels.
@@ -68,8 +78,8 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of h, h) for h = residual + x: the residual add and the norm after it
-        in one kernel on CUDA."""
-        fast = fused_kernels(x)
+        in one kernel on CUDA and on the CPU."""
+        fast = self._fast(x)
         if fast is not None:
             return fast.rms_norm(x.contiguous(), self.weight, self.eps, residual.contiguous())
         h = residual + x
@@ -180,14 +190,15 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = cfg.head_dim ** -0.5
 
-    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+              qkv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., T, hidden] -> token-major heads: q and k side by side as they sit in the
         fused projection, normed and rotated in one pass, qk [..., T, H + Hkv, D], and v
         [..., T, Hkv, D] (views of the projection: no transposes). cos and sin_signed
-        (rope.signed_sin) [..., T, 1, D]."""
+        (rope.signed_sin) [..., T, 1, D]. qkv: the projection of x where the caller has it."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [..., T, (H + 2 Hkv) D]
+        if qkv is None:
+            qkv = self.qkv_proj(x)  # [..., T, (H + 2 Hkv) D]
         lead = qkv.shape[:-1]
         qk = qkv[..., :(H + Hkv) * D].view(*lead, H + Hkv, D)
         if self.q_norm is not None:
@@ -209,8 +220,9 @@ class Attention(nn.Module):
             # A flattened batch, token-major: x [N, hidden] (a dense model's backbone) or
             # [1, N, hidden] (a family whose other layers keep the batch axis).
             rows = x if x.dim() == 2 else x[0]
-            out = self._paged_fused(rows, ctx, kv) if fused_kernels(x) is not None else None
-            if out is None:
+            if fused_kernels(x) is not None:
+                out = self._paged_fused(rows, ctx, kv)
+            else:
                 out = self._paged(rows, ctx, kv)
             out = self.o_proj(out)  # [N, hidden]
             return out if x.dim() == 2 else out[None]
@@ -225,25 +237,28 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _paged(self, x: torch.Tensor, ctx: ForwardContext,
-               kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+               kv: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """A paged forward's attention, token-major and unfused: x [N, hidden] -> [N, H*D]
-        (the cache is token-major too)."""
+        (the cache is token-major too); qkv: x's projection where already computed."""
         cos, _, sin_signed = ctx.rope_tokens
-        qk, v = self.heads(x, cos, sin_signed)
+        qk, v = self.heads(x, cos, sin_signed, qkv)
         H = self.num_heads
         return paged_attend(qk[:, :H], qk[:, H:], v, kv[0], kv[1], ctx.paged, self.scale)
 
     def _paged_fused(self, x: torch.Tensor, ctx: ForwardContext,
-                     kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
-        """A paged forward's attention from the projection rows in two launches (norms,
-        rotary and the KV write fused; then the attention kernel), or None where the
-        fused kernel does not apply (kvcache/paged.py paged_attend_qkv). x [N, hidden]."""
+                     kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A paged forward's attention from the projection rows in fused kernels (norms,
+        rotary and the KV write in one; then the attention: kvcache/paged.py
+        paged_attend_qkv), or the reference from the same rows where they do not apply.
+        x [N, hidden] -> [N, H*D]."""
         qkv = self.qkv_proj(x)  # [N, (H + 2 Hkv) D]
         norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         cos, sin, _ = ctx.rope_tokens
-        return paged_attend_qkv(qkv, cos[:, 0], sin[:, 0], kv[0], kv[1], ctx.paged,
-                                self.scale, self.num_heads, self.num_kv_heads, norms, eps)
+        out = paged_attend_qkv(qkv, cos[:, 0], sin[:, 0], kv[0], kv[1], ctx.paged,
+                               self.scale, self.num_heads, self.num_kv_heads, norms, eps)
+        return out if out is not None else self._paged(x, ctx, kv, qkv)
 
 
 class MLP(nn.Module):
@@ -268,7 +283,7 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up: one kernel on CUDA."""
+        """silu(gate) * up: one kernel on CUDA and on the CPU."""
         fast = fused_kernels(gate_up)
         if fast is not None:
             return fast.silu_mul(gate_up)

@@ -1,0 +1,156 @@
+"""specscope's native CPU layer kernels (cpu_kernels.c), built on the machine that runs them.
+
+On the CPU a small model's decode step is mostly framework time between its matmuls: tens of
+ATen calls a layer at 1-10 us each (docs/cpu.md). The C kernels do a layer's work between
+its matmuls in four calls: RMSNorm with the residual add, silu(gate) * up, and q/k norms +
+rotary + the paged KV write + attention. The torch code in models/ and kvcache/ stays their
+reference, and runs wherever they do not apply or could not be built.
+
+The library is compiled with the system C compiler ($CC, else cc, gcc or clang) the first
+time a process asks for it, into the cache directory ($SPECSCOPE_CACHE_DIR, else
+~/.cache/specscope) under a name that hashes the source, the flags and the compiler: a
+later process loads it at once. It is written under a temporary name and renamed into
+place, so an interrupted build is never taken for a whole one; a cached file that does not
+load is built again. The instruction set follows torch's own CPU capability
+(`torch.backends.cpu.get_cpu_capability()`), so `ATEN_CPU_CAPABILITY=avx2` holds these
+kernels to AVX2 as it holds torch's. `SPECSCOPE_NATIVE=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from specscope.native.cpu import CpuKernels
+
+log = logging.getLogger("specscope")
+
+VERSION = 1  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
+SOURCE = "cpu_kernels.c"
+__all__ = ["CpuKernels", "cpu_kernels", "cpu_kernels_for", "build_flags"]
+
+
+def build_flags() -> list[str]:
+    """The compiler flags for this machine: the instruction set torch's CPU kernels run at."""
+    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-std=c99"]
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return flags
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    if cap.startswith("AVX512"):
+        return flags + ["-march=native"]
+    if cap == "AVX2":
+        return flags + ["-mavx2", "-mfma", "-mf16c"]
+    return flags  # DEFAULT: the x86-64 baseline
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or cc
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECSCOPE_CACHE_DIR") or "~/.cache/specscope"
+    path = Path(root).expanduser() / "native"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    path = Path(tempfile.gettempdir()) / f"specscope-native-{os.environ.get('USER', 'user')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _library_path(cc: str, flags: list[str], source: bytes) -> Path:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cc.encode(),
+                                     version.encode()])).hexdigest()[:16]
+    return _cache_dir() / f"cpu_kernels-{key}.so"
+
+
+def _build(cc: str, flags: list[str], source: bytes, path: Path) -> None:
+    """Compile into a temporary file beside `path`, then rename it into place (atomic)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / SOURCE
+        src.write_bytes(source)
+        part = path.with_name(f"{path.name}.{os.getpid()}.part")
+        try:
+            done = subprocess.run([cc, *flags, "-o", str(part), str(src), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cc} exited with {done.returncode}: "
+                                   f"{done.stderr.strip()[-800:]}")
+            os.replace(part, path)
+        finally:
+            part.unlink(missing_ok=True)
+
+
+def _load(path: Path) -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(path))
+        return lib if lib.sc_version() == VERSION else None
+    except (OSError, AttributeError):
+        return None
+
+
+@cache
+def cpu_kernels() -> CpuKernels | None:
+    """The native CPU kernels, built or loaded once a process; None where they are turned
+    off (SPECSCOPE_NATIVE=0) or cannot be built (no C compiler: said once in the log, and
+    the torch reference runs)."""
+    if os.environ.get("SPECSCOPE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found (set CC): the CPU layers run their slower torch "
+                    "reference; install gcc or clang for specscope's native CPU kernels")
+        return None
+    source = resources.files("specscope.native").joinpath(SOURCE).read_bytes()
+    flags = build_flags()
+    path = _library_path(cc, flags, source)
+    lib = _load(path) if path.exists() else None
+    if lib is None:
+        try:
+            _build(cc, flags, source, path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("specscope's native CPU kernels did not build (%s); the CPU layers "
+                        "run their slower torch reference", e)
+            return None
+        lib = _load(path)
+        if lib is None:
+            log.warning("specscope's native CPU kernels built at %s but did not load; the "
+                        "CPU layers run their torch reference", path)
+            return None
+    return CpuKernels(lib, path)
+
+
+def cpu_kernels_for(x: torch.Tensor) -> CpuKernels | None:
+    """The native kernels where they may serve x: a CPU tensor of fp32 or bf16, at
+    inference (they have no backward), outside torch.compile's tracing."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    return cpu_kernels()

@@ -1,0 +1,113 @@
+"""The native CPU kernels' Python side: tensors in, ctypes calls out (native/__init__.py
+builds and loads the library). The same calls as the fused Triton kernels on CUDA
+(models/fused_triton.py rms_norm and silu_mul; kvcache/paged.py paged_attend_qkv), for CPU
+tensors of fp32 or bf16."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specscope.kvcache.paged import BatchMeta
+
+_P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+# At most this many query tokens a call go through the native attention: decode steps,
+# verifies and draft steps. A prefill chunk's attention is matmul-sized work, which torch's
+# multi-threaded products do better than this single-threaded loop.
+ATTENTION_MAX_TOKENS = 16
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else \
+        t.to(torch.int64).contiguous()
+
+
+class CpuKernels:
+    """The loaded library's kernels. Every call takes contiguous CPU tensors of one dtype
+    (fp32 or bf16) and returns new ones; each row's result depends on that row alone."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._norm = lib.sc_rms_norm
+        self._norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, _F, _INT]
+        self._norm.restype = None
+        self._silu = lib.sc_silu_mul
+        self._silu.argtypes = [_P, _P, _I, _I, _INT]
+        self._silu.restype = None
+        self._attend = lib.sc_attend_qkv
+        self._attend.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P,
+                                 _P, _P, _P, _I, _I, _P, _P, _F, _F, _P, _INT]
+        self._attend.restype = _INT
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rms_norm(h), h) with h = x (+ residual), rounded as HF's RMSNorm
+        rounds (fp32 statistics, the normed row cast back before the weight). x and
+        residual [..., D] contiguous, weight [D] of x's dtype."""
+        if weight.dtype != x.dtype:  # the reference's result type: leave it to torch
+            raise TypeError("native rms_norm takes a weight of the activation's dtype")
+        D = x.shape[-1]
+        out = torch.empty_like(x)
+        h = torch.empty_like(x) if residual is not None else x
+        self._norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+                   h.data_ptr() if residual is not None else None, x.numel() // max(D, 1), D,
+                   eps, x.dtype == torch.bfloat16)
+        return out, h
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [..., 2I] (gate columns, then up): [..., I]."""
+        two_i = gate_up.shape[-1]
+        x = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
+        out = torch.empty(*x.shape[:-1], two_i // 2, dtype=x.dtype)
+        self._silu(x.data_ptr(), out.data_ptr(), x.numel() // max(two_i, 1), two_i // 2,
+                   x.dtype == torch.bfloat16)
+        return out
+
+    @staticmethod
+    def attend_applies(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       cos: torch.Tensor, head_dim: int) -> bool:
+        """Whether attend_qkv serves this call: few enough tokens, one dtype throughout,
+        a K/V cache of separate contiguous tensors (not MLA's shared latent)."""
+        return (qkv.shape[0] <= ATTENTION_MAX_TOKENS and head_dim % 8 == 0
+                and k_cache.dtype == qkv.dtype == v_cache.dtype == cos.dtype
+                and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k_cache.shape[-1] == v_cache.shape[-1] == head_dim)
+
+    def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                   scale: float, num_heads: int, num_kv_heads: int,
+                   norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float
+                   ) -> torch.Tensor:
+        """kvcache/paged.py paged_attend_qkv on the CPU: q/k norms, rotary (cos/sin [N,
+        D]), the KV write at meta.slots, attention over the paged cache. qkv [N, (H + 2 Hkv)
+        D] -> [N, H * D]. Check attend_applies first."""
+        N = qkv.shape[0]
+        H, Hkv = num_heads, num_kv_heads
+        D = qkv.shape[1] // (H + 2 * Hkv)
+        qkv, cos, sin = (t if t.is_contiguous() else t.contiguous() for t in (qkv, cos, sin))
+        out = torch.empty(N, H * D, dtype=qkv.dtype)
+        tables = _i64(meta.block_tables)
+        mask = meta.tree_mask if meta.tree_mask.is_contiguous() else meta.tree_mask.contiguous()
+        index = [_i64(t) for t in (meta.slots, meta.seq_index, meta.visible,
+                                   meta.window_start, meta.tree_start)]
+        qn, kn = norms if norms is not None else (None, None)
+        rc = self._attend(qkv.data_ptr(), N, H, Hkv, D, cos.data_ptr(), sin.data_ptr(),
+                          k_cache.data_ptr(), v_cache.data_ptr(), index[0].data_ptr(),
+                          index[1].data_ptr(), tables.data_ptr(), tables.shape[1],
+                          k_cache.shape[1], index[2].data_ptr(), index[3].data_ptr(),
+                          index[4].data_ptr(), mask.data_ptr(), mask.shape[1], meta.max_len,
+                          _ptr(qn), _ptr(kn), eps, scale, out.data_ptr(),
+                          qkv.dtype == torch.bfloat16)
+        if rc != 0:
+            raise MemoryError(f"native CPU attention could not allocate its scratch for {N} "
+                              f"tokens over {meta.max_len} keys")
+        return out

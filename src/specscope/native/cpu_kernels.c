@@ -1,0 +1,354 @@
+/* specscope's CPU layer kernels: the work between a decoder layer's matmuls, one call each.
+ *
+ * A 135M-parameter model's decode step on two CPU cores spends most of its time in the
+ * framework between its matmuls (tens of ATen calls a layer at 1-10 us each: docs/cpu.md).
+ * These kernels do that work in four calls a layer: RMSNorm (with the residual add before
+ * it), silu(gate) * up, and q/k norms + rotary + the paged KV write + attention over the
+ * paged cache. Built on the user's machine by specscope/native/__init__.py; the torch code
+ * in models/ and kvcache/ is their reference and runs wherever they do not.
+ *
+ * Numerics follow the torch reference: 16-bit activations are rounded to bf16 (round to
+ * nearest even) wherever the reference rounds (after each elementwise op it runs in bf16),
+ * reductions and the softmax run in fp32. Each row's result depends on that row alone
+ * (never on how many rows share the call), so a token's logits are the same in a decode
+ * step and in a verify.
+ *
+ * dtype codes: 0 = float32, 1 = bfloat16 (activations, weights of the norms, the cache).
+ * Head dims are multiples of 8 (the attention's vectors).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);  /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+/* x rounded as the activation dtype holds it. */
+static inline float rnd(float x, int bf16) {
+    return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x;
+}
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float x, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(x);
+    else ((float *)p)[i] = x;
+}
+
+/* n values from p (offset i) into dst as fp32. */
+static void load_row(float *dst, const void *p, int64_t i, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)p + i;
+        for (int64_t d = 0; d < n; d++) dst[d] = bf16_to_f32(s[d]);
+    } else {
+        memcpy(dst, (const float *)p + i, (size_t)n * sizeof(float));
+    }
+}
+
+/* Eight floats in one vector (GCC and clang vector extensions): AVX2's register width, half
+ * of AVX-512's, two of NEON's; the compiler picks the instructions. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline void st8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* The lanes added pairwise in a fixed order. */
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+static inline v8f max8(v8f a, v8f b) {
+    v8i m = a > b;
+    union { v8f f; v8i i; } x = {a}, y = {b}, r;
+    r.i = (x.i & m) | (y.i & ~m);
+    return r.f;
+}
+
+/* exp(x) for x <= 0, eight at a time, to about 2 ulp: Cody-Waite reduction by n =
+ * round(x / ln 2) (for y <= 0, floor(y + 1/2) = -trunc(1/2 - y)), Cephes' polynomial. */
+static inline v8f exp8_neg(v8f x) {
+    x = max8(x, splat(-87.0f));
+    v8f y = x * 1.44269504088896341f;
+    v8i ni = -__builtin_convertvector(0.5f - y, v8i);
+    v8f n = __builtin_convertvector(ni, v8f);
+    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { v8i i; v8f f; } s;
+    s.i = (ni + 127) << 23;
+    return p * s.f;
+}
+
+/* The same for one value (the tails of rows whose length is not a multiple of 8). */
+static inline float exp_neg(float x) {
+    v8f v = exp8_neg(splat(x));
+    return v[0];
+}
+
+/* Sum of a[d] * b[d] in a fixed order: two vector accumulators, then pairwise. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v8f acc0 = splat(0.0f), acc1 = splat(0.0f);
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+        acc0 += ld8(a + d) * ld8(b + d);
+        acc1 += ld8(a + d + 8) * ld8(b + d + 8);
+    }
+    if (d + 8 <= n) { acc0 += ld8(a + d) * ld8(b + d); d += 8; }
+    float s = hsum8(acc0 + acc1);
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* Sum of a[0..n) in a fixed order, as dot. */
+static inline float lane_sum(const float *a, int64_t n) {
+    v8f acc = splat(0.0f);
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) acc += ld8(a + d);
+    float s = hsum8(acc);
+    for (; d < n; d++) s += a[d];
+    return s;
+}
+
+/* a[0..n) = exp(a - mx), in place; returns their sum. */
+static float exp_shifted(float *a, int64_t n, float mx) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) st8(a + j, exp8_neg(ld8(a + j) - mx));
+    for (; j < n; j++) a[j] = exp_neg(a[j] - mx);
+    return lane_sum(a, n);
+}
+
+static float row_max(const float *a, int64_t n) {
+    v8f m = splat(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) m = max8(m, ld8(a + j));
+    float mx = -INFINITY;
+    for (int l = 0; l < 8; l++) mx = m[l] > mx ? m[l] : mx;
+    for (; j < n; j++) mx = a[j] > mx ? a[j] : mx;
+    return mx;
+}
+
+static inline float sum_squares(const float *a, int64_t n) {
+    return dot(a, a, n);
+}
+
+/* One row: out = w * rnd(h * rsqrt(mean(h^2) + eps)), h already fp32 (HF's RMSNorm: the
+ * normalised row is cast back before the weight multiplies it). */
+static void norm_row(const float *h, const void *w, void *out, int64_t o, int64_t D, float eps,
+                     int bf16) {
+    float inv = 1.0f / sqrtf(sum_squares(h, D) / (float)D + eps);
+    for (int64_t d = 0; d < D; d++)
+        store(out, o + d, load(w, d, bf16) * rnd(h[d] * inv, bf16), bf16);
+}
+
+/* x [N, D] (+ residual [N, D] into h [N, D], rounded) -> out [N, D]. residual may be NULL
+ * (then h is not written). */
+void sc_rms_norm(const void *x, const void *residual, const void *w, void *out, void *h,
+                 int64_t N, int64_t D, float eps, int bf16) {
+    float *row = (float *)malloc((size_t)D * sizeof(float));
+    if (!row) return;
+    for (int64_t i = 0; i < N; i++) {
+        int64_t o = i * D;
+        for (int64_t d = 0; d < D; d++) {
+            float v = load(x, o + d, bf16);
+            if (residual) {
+                v = rnd(v + load(residual, o + d, bf16), bf16);
+                store(h, o + d, v, bf16);
+            }
+            row[d] = v;
+        }
+        norm_row(row, w, out, o, D, eps, bf16);
+    }
+    free(row);
+}
+
+/* gate_up [N, 2I] (gate then up) -> out [N, I] = rnd(rnd(silu(gate)) * up). */
+void sc_silu_mul(const void *gate_up, void *out, int64_t N, int64_t I, int bf16) {
+    float *g = (float *)malloc((size_t)I * sizeof(float));
+    if (!g) return;
+    for (int64_t i = 0; i < N; i++) {
+        load_row(g, gate_up, i * 2 * I, I, bf16);
+        /* silu(x) = x / (1 + exp(-x)) = x e / (1 + e) with e = exp(x): exp of -|x| either
+         * way, so the argument is never positive. */
+        int64_t d = 0;
+        for (; d + 8 <= I; d += 8) {
+            v8f x = ld8(g + d);
+            v8f e = exp8_neg(-max8(x, -x));
+            v8f pos = x / (1.0f + e), neg = x * e / (1.0f + e);
+            v8i m = x < 0.0f;
+            union { v8f f; v8i i; } a = {neg}, b = {pos}, r;
+            r.i = (a.i & m) | (b.i & ~m);
+            st8(g + d, r.f);
+        }
+        for (; d < I; d++) {
+            float x = g[d], e = exp_neg(x < 0.0f ? x : -x);
+            g[d] = x < 0.0f ? x * e / (1.0f + e) : x / (1.0f + e);
+        }
+        for (int64_t d = 0; d < I; d++)
+            store(out, i * I + d, rnd(g[d], bf16) * load(gate_up, i * 2 * I + I + d, bf16),
+                  bf16);
+    }
+    free(g);
+}
+
+/* One head row x [D] (fp32, already in the activation's precision) rotated in place:
+ * x * cos + rotate_half(x) * sin, each product and the sum rounded as the reference's
+ * elementwise ops round them. */
+static void rope_row(float *x, const void *cos, const void *sin, int64_t t, int64_t D,
+                     float *tmp, int bf16) {
+    int64_t half = D / 2;
+    for (int64_t d = 0; d < D; d++) {
+        float c = load(cos, t * D + d, bf16), s = load(sin, t * D + d, bf16);
+        float other = d < half ? -x[d + half] : x[d - half];
+        tmp[d] = rnd(rnd(x[d] * c, bf16) + rnd(other * s, bf16), bf16);
+    }
+    memcpy(x, tmp, (size_t)D * sizeof(float));
+}
+
+/* Per-head RMSNorm of a [D] row in place (Qwen3's q/k norms), as norm_row. */
+static void head_norm(float *x, const void *w, int64_t D, float eps, int bf16) {
+    float inv = 1.0f / sqrtf(sum_squares(x, D) / (float)D + eps);
+    for (int64_t d = 0; d < D; d++) x[d] = rnd(load(w, d, bf16) * rnd(x[d] * inv, bf16), bf16);
+}
+
+typedef struct {
+    const int64_t *seq_index, *block_tables, *visible, *window_start, *tree_start;
+    const uint8_t *tree_mask;
+    int64_t max_blocks, block_size, T;
+} Meta;
+
+/* Slots of positions [a, b) of block-table row `row`, into out; returns b - a. One
+ * division a block, not one a key. */
+static int64_t slots_of_range(const Meta *m, int64_t row, int64_t a, int64_t b, int64_t *out) {
+    const int64_t *table = m->block_tables + row * m->max_blocks;
+    int64_t bs = m->block_size, n = 0;
+    for (int64_t p = a; p < b;) {
+        int64_t blk = p / bs, off = p - blk * bs, end = (blk + 1) * bs < b ? (blk + 1) * bs : b;
+        int64_t base = table[blk] * bs;
+        for (int64_t q = off; q < off + (end - p); q++) out[n++] = base + q;
+        p = end;
+    }
+    return n;
+}
+
+/* The cache slots token i sees, in position order: its prefix window, then its tree
+ * ancestors (and itself) not already in the window. Returns how many. */
+static int64_t key_slots(const Meta *m, int64_t i, int64_t *slots) {
+    int64_t vis = m->visible[i], ws = m->window_start[i] < 0 ? 0 : m->window_start[i];
+    int64_t row = m->seq_index[i];
+    int64_t n = ws < vis ? slots_of_range(m, row, ws, vis, slots) : 0;
+    for (int64_t t = 0; t < m->T; t++) {
+        int64_t p = m->tree_start[i] + t;
+        if (m->tree_mask[i * m->T + t] && (p >= vis || p < ws))
+            n += slots_of_range(m, row, p, p + 1, slots + n);
+    }
+    return n;
+}
+
+/* Attention of one token's H query heads (q [H, D], fp32; head h reads KV head h / G) over
+ * its L keys at `slots`: out [H, D] fp32. Scores in fp32, scaled after the product,
+ * softmax, then the weighted sum of the values: the reference's order. Keys and values
+ * are read a whole slot at a time ([Hkv, D], contiguous; a block's slots are adjacent), so
+ * the cache streams in order. scratch: [H * L + Hkv * D] floats. */
+static void attend_token(const float *q, int64_t H, int64_t Hkv, int64_t D, const void *kc,
+                         const void *vc, const int64_t *slots, int64_t L, float scale,
+                         float *out, float *scratch, int bf16) {
+    int64_t G = H / Hkv, row = Hkv * D;
+    float *s = scratch, *kv = scratch + H * L;
+    for (int64_t j = 0; j < L; j++) {
+        if (j + 1 < L) __builtin_prefetch((const char *)kc + slots[j + 1] * row * (bf16 ? 2 : 4));
+        load_row(kv, kc, slots[j] * row, row, bf16);
+        for (int64_t h = 0; h < H; h++) s[h * L + j] = dot(q + h * D, kv + (h / G) * D, D) * scale;
+    }
+    for (int64_t h = 0; h < H; h++) {
+        float *sh = s + h * L;
+        float inv = 1.0f / exp_shifted(sh, L, row_max(sh, L));
+        for (int64_t j = 0; j < L; j++) sh[j] *= inv;
+    }
+    memset(out, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t j = 0; j < L; j++) {
+        if (j + 1 < L) __builtin_prefetch((const char *)vc + slots[j + 1] * row * (bf16 ? 2 : 4));
+        load_row(kv, vc, slots[j] * row, row, bf16);
+        for (int64_t h = 0; h < H; h++) {
+            v8f p = splat(s[h * L + j]);
+            float *o = out + h * D;
+            const float *v = kv + (h / G) * D;
+            for (int64_t d = 0; d + 8 <= D; d += 8) st8(o + d, ld8(o + d) + p * ld8(v + d));
+        }
+    }
+}
+
+/* One layer's attention for N tokens of a flattened batch, from the fused projection's rows
+ * qkv [N, (H + 2 Hkv) D]: per-head q/k norms (q_norm and k_norm may be NULL), rotary by
+ * cos/sin [N, D] (rotate-half form), this step's K and V written to the paged cache at
+ * slots [N] (k_cache/v_cache [num_slots, Hkv, D]), then each token's attention over the
+ * keys it sees (Meta: BatchMeta's fields) into out [N, H * D]. Every K/V is written
+ * before any token attends, so the tokens of a verify see each other's. Returns 0, or -1
+ * when scratch memory could not be had (nothing written to out then). */
+int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                  const void *cos, const void *sin, void *k_cache, void *v_cache,
+                  const int64_t *slots, const int64_t *seq_index, const int64_t *block_tables,
+                  int64_t max_blocks, int64_t block_size, const int64_t *visible,
+                  const int64_t *window_start, const int64_t *tree_start,
+                  const uint8_t *tree_mask, int64_t T, int64_t max_len,
+                  const void *q_norm, const void *k_norm, float eps, float scale, void *out,
+                  int bf16) {
+    int64_t W = (H + 2 * Hkv) * D, L_cap = max_len + T;
+    float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
+    float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
+    float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
+    float *scratch = (float *)malloc((size_t)(H * L_cap + Hkv * D) * sizeof(float));
+    int64_t *kslots = (int64_t *)malloc((size_t)L_cap * sizeof(int64_t));
+    int rc = 0;
+    if (!q || !row || !acc || !scratch || !kslots) { rc = -1; goto done; }
+    for (int64_t i = 0; i < N; i++) {
+        for (int64_t h = 0; h < H + Hkv; h++) {  /* q heads, then k heads */
+            float *x = h < H ? q + (i * H + h) * D : row;
+            load_row(x, qkv, i * W + h * D, D, bf16);
+            if (q_norm) head_norm(x, h < H ? q_norm : k_norm, D, eps, bf16);
+            rope_row(x, cos, sin, i, D, row + D, bf16);
+            if (h >= H)
+                for (int64_t d = 0; d < D; d++)
+                    store(k_cache, (slots[i] * Hkv + (h - H)) * D + d, x[d], bf16);
+        }
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t d = 0; d < D; d++)
+                store(v_cache, (slots[i] * Hkv + h) * D + d,
+                      load(qkv, i * W + (H + Hkv + h) * D + d, bf16), bf16);
+    }
+    Meta m = {seq_index, block_tables, visible, window_start, tree_start, tree_mask,
+              max_blocks, block_size, T};
+    for (int64_t i = 0; i < N; i++) {
+        int64_t L = key_slots(&m, i, kslots);
+        if (L == 0) memset(acc, 0, (size_t)(H * D) * sizeof(float));
+        else attend_token(q + i * H * D, H, Hkv, D, k_cache, v_cache, kslots, L, scale, acc,
+                          scratch, bf16);
+        for (int64_t e = 0; e < H * D; e++) store(out, i * H * D + e, acc[e], bf16);
+    }
+done:
+    free(q); free(row); free(acc); free(scratch); free(kslots);
+    return rc;
+}
+
+/* The library's interface version: the loader refuses a build whose version differs. */
+int sc_version(void) { return 1; }

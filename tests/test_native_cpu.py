@@ -1,0 +1,214 @@
+"""The native CPU layer kernels (specscope/native) against their torch references: RMSNorm
+with the residual add, silu * up, and q/k norms + rotary + the paged KV write + attention
+for decode tokens, chains, trees and sliding windows side by side; a whole model's logits
+and greedy text with the kernels on and off; the build cache never taking a broken file."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specscope.native as native
+from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, tree_meta
+from specscope.models.rope import apply_rope_rolled, signed_sin
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = native.cpu_kernels()
+    if k is None:
+        pytest.skip("no C compiler here: the native kernels cannot be built")
+    return k
+
+
+def _tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def _ref_norm(x, w, eps):
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_the_residual_equals_the_reference(kernels, dtype):
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(5, 576, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    out, h = kernels.rms_norm(x, w, 1e-5)
+    assert h is x
+    torch.testing.assert_close(out, _ref_norm(x, w, 1e-5), **_tol(dtype))
+    out, h = kernels.rms_norm(x, w, 1e-5, r)
+    torch.testing.assert_close(h, x + r, atol=0, rtol=0)  # the add rounds as torch's does
+    torch.testing.assert_close(out, _ref_norm(x + r, w, 1e-5), **_tol(dtype))
+    # Each row depends on itself alone: one row normed alone equals it normed among five.
+    one, _ = kernels.rms_norm(x[2:3].contiguous(), w, 1e-5, r[2:3].contiguous())
+    assert torch.equal(one[0], out[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_the_reference(kernels, dtype):
+    gu = (torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    gate, up = gu.split(1536, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gate) * up, **_tol(dtype))
+    assert torch.equal(kernels.silu_mul(gu[1:2].contiguous())[0], kernels.silu_mul(gu)[1])
+
+
+def _ancestors(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def _batch(bs: int, window: int | None):
+    """A forward's BatchMeta over three sequences with scattered blocks: a decode token of
+    sequence 0 at position 13, a 3-node chain after sequence 1's 7 tokens, and a 5-node
+    tree after sequence 2's 10 tokens."""
+    tables = torch.tensor([[5, 2, 9, 0, 11], [3, 7, 1, 12, 4], [8, 6, 10, 13, 14]])
+    decode = BatchMeta.causal(tables, torch.tensor([0]), torch.tensor([13]), bs, window,
+                              max_len=14)
+    chain = BatchMeta.causal(tables, torch.tensor([1, 1, 1]), torch.tensor([7, 8, 9]), bs,
+                             window, max_len=10)
+    anc = _ancestors([-1, 0, 0, 1, 2])[None]
+    rope = (10 + torch.tensor([0, 1, 1, 2, 2]))[None]
+    tree = tree_meta(tables, torch.tensor([10]), anc, bs, rows=torch.tensor([2]), rope=rope,
+                     sliding_window=window, max_len=15)
+    return BatchMeta.cat([decode, chain, tree]), torch.cat([torch.tensor([13, 7, 8, 9]),
+                                                            rope[0]])
+
+
+def _reference(qkv, cos, sin, kc, vc, meta, scale, H, Hkv, norms, eps):
+    N, D = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
+    qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
+    if norms is not None:
+        qk = torch.cat((_ref_norm(qk[:, :H], norms[0], eps), _ref_norm(qk[:, H:], norms[1], eps)),
+                       dim=1)
+    qk = apply_rope_rolled(qk, cos[:, None], signed_sin(sin)[:, None])
+    v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+    return paged_attend(qk[:, :H], qk[:, H:], v, kc, vc, meta, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_of_decode_chain_and_tree_tokens_equals_the_reference(kernels, dtype,
+                                                                        window, qk_norm):
+    H, Hkv, D, bs = 6, 2, 16, 4
+    meta, positions = _batch(bs, window)
+    N = meta.num_tokens
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    ang = positions[:, None].float() * torch.rand(D // 2, generator=g)[None]
+    cos, sin = (torch.cat((f(ang), f(ang)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    norms = tuple((torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(2)) \
+        if qk_norm else None
+    kv_ref = PagedKV(1, 16, bs, Hkv, D, dtype, "cpu")
+    for t in (kv_ref.k[0], kv_ref.v[0]):  # earlier steps' keys and values
+        t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    kv_nat = PagedKV(1, 16, bs, Hkv, D, dtype, "cpu")
+    kv_nat.k[0].copy_(kv_ref.k[0])
+    kv_nat.v[0].copy_(kv_ref.v[0])
+    scale = D ** -0.5
+    want = _reference(qkv, cos, sin, kv_ref.k[0], kv_ref.v[0], meta, scale, H, Hkv, norms, 1e-6)
+    assert kernels.attend_applies(qkv, kv_nat.k[0], kv_nat.v[0], cos, D)
+    got = kernels.attend_qkv(qkv, cos, sin, kv_nat.k[0], kv_nat.v[0], meta, scale, H, Hkv,
+                             norms, 1e-6)
+    torch.testing.assert_close(kv_nat.v[0], kv_ref.v[0], atol=0, rtol=0)
+    torch.testing.assert_close(kv_nat.k[0], kv_ref.k[0], **_tol(dtype))
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    # A token's row is its own: the decode token alone gives what it gave among the others.
+    alone = kernels.attend_qkv(qkv[:1].contiguous(), cos[:1].contiguous(), sin[:1].contiguous(),
+                               kv_nat.k[0], kv_nat.v[0], BatchMeta.cat([_first(meta)]), scale,
+                               H, Hkv, norms, 1e-6)
+    assert torch.equal(alone[0], got[0])
+
+
+def _first(meta: BatchMeta) -> BatchMeta:
+    return dataclasses.replace(meta, **{f: getattr(meta, f)[:1] for f in (
+        "slots", "seq_index", "visible", "window_start", "tree_start", "tree_mask")},
+        spans=None, span_masks=None, span_blocks=None)
+
+
+def test_attention_leaves_prefill_sized_calls_to_the_reference(kernels):
+    qkv = torch.zeros(native.cpu.ATTENTION_MAX_TOKENS + 1, 4 * 8)
+    kc = torch.zeros(4, 4, 1, 8)
+    assert not kernels.attend_applies(qkv, kc, kc, torch.zeros(1, 8), 8)
+    assert not kernels.attend_applies(qkv[:2], kc, kc.to(torch.bfloat16), torch.zeros(1, 8), 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_model_with_and_without_the_kernels_gives_the_same_logits(monkeypatch, dtype):
+    import specscope.kvcache.paged as paged
+    import specscope.models.llama as llama
+    from specscope.models.loader import random_model
+    from tests.test_paged_forward import TINY
+
+    cfg = dataclasses.replace(TINY, qk_norm=True)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    tables = torch.arange(16).view(2, 8)
+    pos = torch.arange(12)
+    logits = []
+    for on in (True, False):
+        chosen = native.cpu_kernels_for if on else (lambda x: None)
+        monkeypatch.setattr(llama, "cpu_kernels_for", chosen)
+        monkeypatch.setattr(paged, "cpu_kernels_for", chosen)
+        model = random_model(cfg, dtype, "cpu", seed=3)
+        kv = PagedKV(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+        rows = []
+        with torch.inference_mode():
+            for a, b in ((0, 8), (8, 9), (9, 12)):  # a prefill, a decode token, a chain
+                meta = BatchMeta.causal(tables, torch.zeros(b - a, dtype=torch.long), pos[a:b],
+                                        4)
+                h, _ = model(ids[:, a:b], pos[None, a:b], kv, batch=meta)
+                rows.append(model.compute_logits(h[0]).float())
+        logits.append(torch.cat(rows))
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(logits[0], logits[1], **tol)
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("SPECSCOPE_CACHE_DIR", str(tmp_path))
+    native.cpu_kernels.cache_clear()
+    from importlib import resources
+
+    source = resources.files("specscope.native").joinpath(native.SOURCE).read_bytes()
+    path = native._library_path(native._compiler(), native.build_flags(), source)
+    assert path.parent == tmp_path / "native"
+    # What a copy cut short would leave under the final name (the build itself writes a
+    # temporary name and renames it, so it never leaves this).
+    path.write_bytes(b"half a library")
+    try:
+        kernels = native.cpu_kernels()
+        assert kernels is not None and kernels.path == path and path.stat().st_size > 1000
+        assert not list(path.parent.glob("*.part"))  # no build leftovers
+    finally:
+        native.cpu_kernels.cache_clear()
+
+
+def test_without_a_compiler_the_reference_runs(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("SPECSCOPE_CACHE_DIR", "/nonexistent-specscope-cache")
+    native.cpu_kernels.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="specscope"):
+            assert native.cpu_kernels() is None
+        assert "torch reference" in caplog.text
+        monkeypatch.setenv("SPECSCOPE_NATIVE", "0")
+        monkeypatch.delenv("CC")
+        native.cpu_kernels.cache_clear()
+        assert native.cpu_kernels() is None
+    finally:
+        native.cpu_kernels.cache_clear()
