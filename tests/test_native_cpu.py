@@ -137,7 +137,7 @@ def test_attention_of_decode_chain_and_tree_tokens_equals_the_reference(kernels,
 def _first(meta: BatchMeta) -> BatchMeta:
     return dataclasses.replace(meta, **{f: getattr(meta, f)[:1] for f in (
         "slots", "seq_index", "visible", "window_start", "tree_start", "tree_mask")},
-        spans=None, span_masks=None, span_blocks=None)
+        spans=None, span_masks=None, span_blocks=None, native_args=None)
 
 
 def test_attention_leaves_prefill_sized_calls_to_the_reference(kernels):
@@ -151,10 +151,14 @@ def test_attention_leaves_prefill_sized_calls_to_the_reference(kernels):
 def test_a_model_with_and_without_the_kernels_gives_the_same_logits(monkeypatch, dtype):
     import specscope.kvcache.paged as paged
     import specscope.models.llama as llama
+    from specscope.config import ModelConfig
     from specscope.models.loader import random_model
-    from tests.test_paged_forward import TINY
 
-    cfg = dataclasses.replace(TINY, qk_norm=True)
+    cfg = ModelConfig(architecture="Qwen3ForCausalLM", family="llama", vocab_size=90,
+                      hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=128, tie_word_embeddings=False, qk_norm=True,
+                      name="tiny-qk-norm")
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
     tables = torch.arange(16).view(2, 8)
     pos = torch.arange(12)

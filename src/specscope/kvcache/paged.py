@@ -191,6 +191,9 @@ class BatchMeta:
     # the same for every layer: built at the first.
     span_masks: list[torch.Tensor | None] | None = None
     span_blocks: list[torch.Tensor | int] | None = None
+    # The native CPU attention's arguments from these fields (int64, contiguous), the same
+    # for every layer: built at the first (native/cpu.py).
+    native_args: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,20 @@ def _i64(t: torch.Tensor) -> torch.Tensor:
         t.to(torch.int64).contiguous()
 
 
+def _meta_args(meta: BatchMeta) -> tuple[list[torch.Tensor], tuple]:
+    """A BatchMeta's index tensors as sc_attend_qkv takes them (int64 and bool, contiguous;
+    kept alive beside their addresses) and the arguments they give it, in order: slots,
+    seq_index, block_tables, max_blocks, visible, window_start, tree_start, tree_mask, T."""
+    tables = _i64(meta.block_tables)
+    mask = meta.tree_mask.contiguous()
+    index = [_i64(t) for t in (meta.slots, meta.seq_index, meta.visible, meta.window_start,
+                               meta.tree_start)]
+    args = (index[0].data_ptr(), index[1].data_ptr(), tables.data_ptr(), tables.shape[1],
+            index[2].data_ptr(), index[3].data_ptr(), index[4].data_ptr(), mask.data_ptr(),
+            mask.shape[1])
+    return [tables, mask, *index], args
+
+
 class CpuKernels:
     """The loaded library's kernels. Every call takes contiguous CPU tensors of one dtype
     (fp32 or bf16) and returns new ones; each row's result depends on that row alone."""
@@ -95,18 +109,14 @@ class CpuKernels:
         D = qkv.shape[1] // (H + 2 * Hkv)
         qkv, cos, sin = (t if t.is_contiguous() else t.contiguous() for t in (qkv, cos, sin))
         out = torch.empty(N, H * D, dtype=qkv.dtype)
-        tables = _i64(meta.block_tables)
-        mask = meta.tree_mask if meta.tree_mask.is_contiguous() else meta.tree_mask.contiguous()
-        index = [_i64(t) for t in (meta.slots, meta.seq_index, meta.visible,
-                                   meta.window_start, meta.tree_start)]
+        if meta.native_args is None:
+            meta.native_args = _meta_args(meta)
+        tensors, args = meta.native_args
         qn, kn = norms if norms is not None else (None, None)
         rc = self._attend(qkv.data_ptr(), N, H, Hkv, D, cos.data_ptr(), sin.data_ptr(),
-                          k_cache.data_ptr(), v_cache.data_ptr(), index[0].data_ptr(),
-                          index[1].data_ptr(), tables.data_ptr(), tables.shape[1],
-                          k_cache.shape[1], index[2].data_ptr(), index[3].data_ptr(),
-                          index[4].data_ptr(), mask.data_ptr(), mask.shape[1], meta.max_len,
-                          _ptr(qn), _ptr(kn), eps, scale, out.data_ptr(),
-                          qkv.dtype == torch.bfloat16)
+                          k_cache.data_ptr(), v_cache.data_ptr(), *args[:4], k_cache.shape[1],
+                          *args[4:], meta.max_len, _ptr(qn), _ptr(kn), eps, scale,
+                          out.data_ptr(), qkv.dtype == torch.bfloat16)
         if rc != 0:
             raise MemoryError(f"native CPU attention could not allocate its scratch for {N} "
                               f"tokens over {meta.max_len} keys")

@@ -70,7 +70,32 @@ static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
 /* The lanes added pairwise in a fixed order. */
 static inline float hsum8(v8f v) {
-    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+/* r[k] = hsum8(a[k]) for eight vectors at once, in hsum8's order (so a score is the same
+ * whichever way it was reduced): pairs, then quads, then halves, by shuffles where the
+ * compiler has them. */
+static inline v8f hsum8x8(const v8f *a) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define EVEN(x, y) __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14)
+#define ODD(x, y) __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15)
+#define LO2(x, y) __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13)
+#define HI2(x, y) __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15)
+    v8f b[4], c[2];
+    for (int i = 0; i < 4; i++) b[i] = EVEN(a[2 * i], a[2 * i + 1]) + ODD(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 2; i++) c[i] = LO2(b[2 * i], b[2 * i + 1]) + HI2(b[2 * i], b[2 * i + 1]);
+    return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#undef EVEN
+#undef ODD
+#undef LO2
+#undef HI2
+#else
+    v8f r;
+    for (int k = 0; k < 8; k++) r[k] = hsum8(a[k]);
+    return r;
+#endif
 }
 
 static inline v8f max8(v8f a, v8f b) {
@@ -106,8 +131,22 @@ static inline float exp_neg(float x) {
     return v[0];
 }
 
+/* The lanes of a product a . b (n % 8 == 0) before their final sum: two accumulators. */
+static inline __attribute__((always_inline)) v8f dot_lanes(const float *a, const float *b,
+                                                           int64_t n) {
+    v8f acc0 = splat(0.0f), acc1 = splat(0.0f);
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+        acc0 += ld8(a + d) * ld8(b + d);
+        acc1 += ld8(a + d + 8) * ld8(b + d + 8);
+    }
+    if (d < n) acc0 += ld8(a + d) * ld8(b + d);
+    return acc0 + acc1;
+}
+
 /* Sum of a[d] * b[d] in a fixed order: two vector accumulators, then pairwise. */
-static inline float dot(const float *a, const float *b, int64_t n) {
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
+                                                       int64_t n) {
     v8f acc0 = splat(0.0f), acc1 = splat(0.0f);
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
@@ -265,37 +304,95 @@ static int64_t key_slots(const Meta *m, int64_t i, int64_t *slots) {
     return n;
 }
 
-/* Attention of one token's H query heads (q [H, D], fp32; head h reads KV head h / G) over
- * its L keys at `slots`: out [H, D] fp32. Scores in fp32, scaled after the product,
- * softmax, then the weighted sum of the values: the reference's order. Keys and values
- * are read a whole slot at a time ([Hkv, D], contiguous; a block's slots are adjacent), so
- * the cache streams in order. scratch: [H * L + Hkv * D] floats. */
+/* Scores of one token's H query heads (q [H, D]; head h reads KV head h / G) against its L
+ * keys at `slots`, scaled: s [H, L]. Each key's K row ([Hkv, D], contiguous; a block's slots
+ * are adjacent, so the cache streams in order) is converted once for all heads. D is a
+ * constant where the callers below pass one, so the products unroll. */
+static inline __attribute__((always_inline)) void qk_scores(
+        const float *q, int64_t H, int64_t G, int64_t D, int64_t row, const void *kc,
+        const int64_t *slots, int64_t L, float scale, float *s, float *kbuf, int bf16) {
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) {  /* eight keys at a time, their products reduced together */
+        for (int k = 0; k < 8; k++) load_row(kbuf + k * row, kc, slots[j + k] * row, row, bf16);
+        for (int64_t h = 0; h < H; h++) {
+            v8f lanes[8];
+            for (int k = 0; k < 8; k++)
+                lanes[k] = dot_lanes(q + h * D, kbuf + k * row + (h / G) * D, D);
+            st8(s + h * L + j, hsum8x8(lanes) * scale);
+        }
+    }
+    for (; j < L; j++) {
+        load_row(kbuf, kc, slots[j] * row, row, bf16);
+        for (int64_t h = 0; h < H; h++)
+            s[h * L + j] = hsum8(dot_lanes(q + h * D, kbuf + (h / G) * D, D)) * scale;
+    }
+}
+
+/* o [DC * 8] = sum over j of p[j] v_j, v_j = vbuf + j * row + off (fp32): the sum in
+ * registers, DC a constant at each call site. */
+static inline __attribute__((always_inline)) void pv_head(
+        const float *vbuf, int64_t row, int64_t off, const float *p, int64_t L, float *o,
+        int DC) {
+    v8f a[16];
+    for (int c = 0; c < DC; c++) a[c] = splat(0.0f);
+    for (int64_t j = 0; j < L; j++) {
+        v8f pj = splat(p[j]);
+        const float *v = vbuf + j * row + off;
+        for (int c = 0; c < DC; c++) a[c] += pj * ld8(v + 8 * c);
+    }
+    for (int c = 0; c < DC; c++) st8(o + 8 * c, a[c]);
+}
+
+/* Attention of one token's H query heads (q [H, D], fp32) over its L keys at `slots`: out
+ * [H, D] fp32. Scores in fp32, scaled after the product, softmax, then the weighted sum of
+ * the values: the reference's order. scratch: [H * L + L * Hkv * D] floats. */
 static void attend_token(const float *q, int64_t H, int64_t Hkv, int64_t D, const void *kc,
                          const void *vc, const int64_t *slots, int64_t L, float scale,
                          float *out, float *scratch, int bf16) {
     int64_t G = H / Hkv, row = Hkv * D;
-    float *s = scratch, *kv = scratch + H * L;
-    for (int64_t j = 0; j < L; j++) {
-        if (j + 1 < L) __builtin_prefetch((const char *)kc + slots[j + 1] * row * (bf16 ? 2 : 4));
-        load_row(kv, kc, slots[j] * row, row, bf16);
-        for (int64_t h = 0; h < H; h++) s[h * L + j] = dot(q + h * D, kv + (h / G) * D, D) * scale;
-    }
+    float *s = scratch, *vbuf = scratch + H * L;
+    if (D == 64) qk_scores(q, H, G, 64, row, kc, slots, L, scale, s, vbuf, bf16);
+    else if (D == 128) qk_scores(q, H, G, 128, row, kc, slots, L, scale, s, vbuf, bf16);
+    else qk_scores(q, H, G, D, row, kc, slots, L, scale, s, vbuf, bf16);
     for (int64_t h = 0; h < H; h++) {
         float *sh = s + h * L;
         float inv = 1.0f / exp_shifted(sh, L, row_max(sh, L));
         for (int64_t j = 0; j < L; j++) sh[j] *= inv;
     }
-    memset(out, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t j = 0; j < L; j++) {
+    for (int64_t j = 0; j < L; j++) {  /* the values in fp32 once, for every head */
         if (j + 1 < L) __builtin_prefetch((const char *)vc + slots[j + 1] * row * (bf16 ? 2 : 4));
-        load_row(kv, vc, slots[j] * row, row, bf16);
-        for (int64_t h = 0; h < H; h++) {
-            v8f p = splat(s[h * L + j]);
-            float *o = out + h * D;
-            const float *v = kv + (h / G) * D;
-            for (int64_t d = 0; d + 8 <= D; d += 8) st8(o + d, ld8(o + d) + p * ld8(v + d));
+        load_row(vbuf + j * row, vc, slots[j] * row, row, bf16);
+    }
+    for (int64_t h = 0; h < H; h++) {
+        const float *p = s + h * L;
+        if (D == 64) pv_head(vbuf, row, (h / G) * D, p, L, out + h * D, 8);
+        else if (D == 128) pv_head(vbuf, row, (h / G) * D, p, L, out + h * D, 16);
+        else {
+            memset(out + h * D, 0, (size_t)D * sizeof(float));
+            for (int64_t j = 0; j < L; j++) {
+                v8f pj = splat(p[j]);
+                const float *v = vbuf + j * row + (h / G) * D;
+                for (int64_t d = 0; d + 8 <= D; d += 8)
+                    st8(out + h * D + d, ld8(out + h * D + d) + pj * ld8(v + d));
+            }
         }
     }
+}
+
+/* A per-thread scratch of at least n floats, kept between calls: the attention's scores
+ * and values grow with the context, and a fresh allocation of that size every layer of
+ * every step would be mapped and faulted in each time. NULL when memory is short. */
+static float *scratch_floats(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        size_t want = n + n / 2;
+        float *grown = (float *)realloc(buf, want * sizeof(float));
+        if (!grown) return NULL;
+        buf = grown;
+        cap = want;
+    }
+    return buf;
 }
 
 /* One layer's attention for N tokens of a flattened batch, from the fused projection's rows
@@ -317,7 +414,7 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
     float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
     float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
     float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
-    float *scratch = (float *)malloc((size_t)(H * L_cap + Hkv * D) * sizeof(float));
+    float *scratch = scratch_floats((size_t)(H * L_cap + L_cap * Hkv * D));
     int64_t *kslots = (int64_t *)malloc((size_t)L_cap * sizeof(int64_t));
     int rc = 0;
     if (!q || !row || !acc || !scratch || !kslots) { rc = -1; goto done; }
@@ -346,7 +443,7 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
         for (int64_t e = 0; e < H * D; e++) store(out, i * H * D + e, acc[e], bf16);
     }
 done:
-    free(q); free(row); free(acc); free(scratch); free(kslots);
+    free(q); free(row); free(acc); free(kslots);
     return rc;
 }
 
