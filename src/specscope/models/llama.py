@@ -49,9 +49,9 @@ def fused_kernels(x: torch.Tensor):
     """The fused layer kernels where they apply to x: Triton's on CUDA (models/linear.py
     hand_kernels_apply), the native C kernels on the CPU (specscope/native); None: the
     torch reference."""
-    if hand_kernels_apply(x):
-        return _fused_backend()
-    return cpu_kernels_for(x) if x.device.type == "cpu" else None
+    if x.is_cuda:
+        return _fused_backend() if hand_kernels_apply(x) else None
+    return cpu_kernels_for(x)
 
 
 class RMSNorm(nn.Module):

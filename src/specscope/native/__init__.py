@@ -38,6 +38,7 @@ log = logging.getLogger("specscope")
 
 VERSION = 1  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
 SOURCE = "cpu_kernels.c"
+_DTYPES = (torch.float32, torch.bfloat16)
 __all__ = ["CpuKernels", "cpu_kernels", "cpu_kernels_for", "build_flags"]
 
 
@@ -149,8 +150,6 @@ def cpu_kernels() -> CpuKernels | None:
 def cpu_kernels_for(x: torch.Tensor) -> CpuKernels | None:
     """The native kernels where they may serve x: a CPU tensor of fp32 or bf16, at
     inference (they have no backward), outside torch.compile's tracing."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    if x.dtype not in _DTYPES or not x.is_cpu or torch.is_grad_enabled():
         return None
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
-    return cpu_kernels()
+    return None if torch.compiler.is_compiling() else cpu_kernels()
