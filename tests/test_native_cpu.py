@@ -216,3 +216,12 @@ def test_without_a_compiler_the_reference_runs(monkeypatch, caplog):
         assert native.cpu_kernels() is None
     finally:
         native.cpu_kernels.cache_clear()
+
+
+def test_an_empty_batch_attends_to_nothing(kernels):
+    meta = BatchMeta.causal(torch.zeros(1, 2, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                            torch.zeros(0, dtype=torch.long), 4, max_len=1)
+    kv = PagedKV(1, 2, 4, 1, 8, torch.float32, "cpu")
+    out = kernels.attend_qkv(torch.zeros(0, 3 * 8), torch.zeros(0, 8), torch.zeros(0, 8),
+                             kv.k[0], kv.v[0], meta, 1.0, 1, 1, None, 0.0)
+    assert out.shape == (0, 8)

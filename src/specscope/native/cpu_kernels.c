@@ -410,6 +410,7 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                   const uint8_t *tree_mask, int64_t T, int64_t max_len,
                   const void *q_norm, const void *k_norm, float eps, float scale, void *out,
                   int bf16) {
+    if (N == 0) return 0;
     int64_t W = (H + 2 * Hkv) * D, L_cap = max_len + T;
     float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
     float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
