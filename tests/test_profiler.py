@@ -57,9 +57,8 @@ def test_phases_plus_other_equal_wall(llm: LLM, spec) -> None:
     walls_ms = sorted(r.wall_ms for r in recs)
     kept = sorted(recs, key=lambda r: r.other_ms)[:(3 * len(recs)) // 4]  # whole cycles
     other_kept, wall_kept = sum(r.other_ms for r in kept), sum(r.wall_ms for r in kept)
-    # A fixed ~0.1-0.2 ms a cycle (not a share: with the native CPU kernels this model's
-    # plain step is ~1 ms, of which the host read is a sixth).
     assert other_kept <= 0.1 * wall_kept + 0.3 * len(kept)
+    assert other_kept <= 0.15 * wall_kept  # those cycles >= 85 % attributed
     assert others[len(others) // 2] <= 0.1 * walls_ms[len(recs) // 2] + 0.3
     # Cycles tile the decode period: each starts where the last ended, exactly...
     for a, b in zip(recs, recs[1:], strict=False):

@@ -383,9 +383,11 @@ class Engine:
                 seqs = [items[i].seq for i in spec_idx]
                 adjust = adjustment(seqs, self.device)
                 tree = self._draft_trees(seqs, *heads, adjust)
-        batch = self._target_batch(items, spec_idx, tree)
         prefill = any(it.num_tokens > 1 and not it.speculative for it in items)
+        # The target forward's phase includes building its batch (ids, rope rows, the
+        # paged cache's metadata): the forward's own input, not unnamed host time.
         self._mark(Phase.VERIFY if spec_idx else Phase.PREFILL if prefill else Phase.DECODE)
+        batch = self._target_batch(items, spec_idx, tree)
         hidden, taps = self._target(batch.ids[None], batch.rope[None], self.kv,
                                     batch=batch.meta, return_taps=self.draft is not None)
         if spec_idx:
