@@ -144,18 +144,12 @@ static inline __attribute__((always_inline)) v8f dot_lanes(const float *a, const
     return acc0 + acc1;
 }
 
-/* Sum of a[d] * b[d] in a fixed order: two vector accumulators, then pairwise. */
+/* Sum of a[d] * b[d] in a fixed order: dot_lanes over the whole vectors, then the rest. */
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
                                                        int64_t n) {
-    v8f acc0 = splat(0.0f), acc1 = splat(0.0f);
-    int64_t d = 0;
-    for (; d + 16 <= n; d += 16) {
-        acc0 += ld8(a + d) * ld8(b + d);
-        acc1 += ld8(a + d + 8) * ld8(b + d + 8);
-    }
-    if (d + 8 <= n) { acc0 += ld8(a + d) * ld8(b + d); d += 8; }
-    float s = hsum8(acc0 + acc1);
-    for (; d < n; d++) s += a[d] * b[d];
+    int64_t whole = n - n % 8;
+    float s = hsum8(dot_lanes(a, b, whole));
+    for (int64_t d = whole; d < n; d++) s += a[d] * b[d];
     return s;
 }
 
