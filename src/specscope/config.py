@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json as _json
 import math
+import os
+import pathlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,13 @@ _DTYPE_ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
     "fp16": "float16", "half": "float16", "float16": "float16",
 }
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Where specscope caches what it builds (converted GGUFs, the native CPU kernels):
+    `cache_dir`, else $SPECSCOPE_CACHE_DIR, else ~/.cache/specscope."""
+    return pathlib.Path(cache_dir or os.environ.get("SPECSCOPE_CACHE_DIR")
+                        or "~/.cache/specscope").expanduser()
 
 
 def normalize_dtype(name: str) -> str:

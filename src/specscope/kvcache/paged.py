@@ -387,9 +387,7 @@ def _native_attend_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """paged_attend_qkv on the CPU: the native kernel (specscope/native) where it applies,
     else None (the caller runs the reference)."""
     native = cpu_kernels_for(qkv)
-    if native is None or not native.attend_applies(qkv, k_cache, v_cache, cos, D):
-        return None
-    if norms is not None and any(w.dtype != qkv.dtype for w in norms):
+    if native is None or not native.attend_applies(qkv, k_cache, v_cache, cos, D, norms):
         return None
     return native.attend_qkv(qkv, cos, sin, k_cache, v_cache, meta, scale, num_heads,
                              num_kv_heads, norms, eps)

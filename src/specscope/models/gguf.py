@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from specscope.config import cache_root
+
 logger = logging.getLogger("specscope.gguf")
 
 CONVERTER_VERSION = "3"
@@ -94,10 +96,7 @@ def gguf_to_hf_dir(
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (bad magic)")
     fingerprint = _fingerprint(path)
-    root = pathlib.Path(
-        cache_dir or os.environ.get("SPECSCOPE_CACHE_DIR") or "~/.cache/specscope"
-    ).expanduser()
-    root = root / "gguf"
+    root = cache_root(cache_dir) / "gguf"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{path.stem}-{fingerprint[:16]}"
     if _is_complete(final, fingerprint):

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from specscope.config import cache_root
 from specscope.native.cpu import CpuKernels
 
 log = logging.getLogger("specscope")
@@ -67,8 +68,7 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPECSCOPE_CACHE_DIR") or "~/.cache/specscope"
-    path = Path(root).expanduser() / "native"
+    path = cache_root() / "native"
     try:
         path.mkdir(parents=True, exist_ok=True)
         if os.access(path, os.W_OK):

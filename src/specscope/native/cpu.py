@@ -88,11 +88,14 @@ class CpuKernels:
 
     @staticmethod
     def attend_applies(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       cos: torch.Tensor, head_dim: int) -> bool:
-        """Whether attend_qkv serves this call: few enough tokens, one dtype throughout,
-        a K/V cache of separate contiguous tensors (not MLA's shared latent)."""
+                       cos: torch.Tensor, head_dim: int,
+                       norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """Whether attend_qkv serves this call: few enough tokens, one dtype throughout
+        (the q/k norms' weights included), a K/V cache of separate contiguous tensors (not
+        MLA's shared latent)."""
         return (qkv.shape[0] <= ATTENTION_MAX_TOKENS and head_dim % 8 == 0
                 and k_cache.dtype == qkv.dtype == v_cache.dtype == cos.dtype
+                and (norms is None or all(w.dtype == qkv.dtype for w in norms))
                 and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and k_cache.shape[-1] == v_cache.shape[-1] == head_dim)
 

@@ -185,13 +185,13 @@ static inline float sum_squares(const float *a, int64_t n) {
     return dot(a, a, n);
 }
 
-/* One row: out = w * rnd(h * rsqrt(mean(h^2) + eps)), h already fp32 (HF's RMSNorm: the
- * normalised row is cast back before the weight multiplies it). */
-static void norm_row(const float *h, const void *w, void *out, int64_t o, int64_t D, float eps,
-                     int bf16) {
-    float inv = 1.0f / sqrtf(sum_squares(h, D) / (float)D + eps);
-    for (int64_t d = 0; d < D; d++)
-        store(out, o + d, load(w, d, bf16) * rnd(h[d] * inv, bf16), bf16);
+/* One row x [D] (fp32, in the activation's precision) normed in place: x = w * rnd(x *
+ * rsqrt(mean(x^2) + eps)), rounded as the activation dtype holds it (HF's RMSNorm: the
+ * normalised row is cast back before the weight multiplies it). The layer norms and
+ * Qwen3's per-head q/k norms alike. */
+static void norm_row(float *x, const void *w, int64_t D, float eps, int bf16) {
+    float inv = 1.0f / sqrtf(sum_squares(x, D) / (float)D + eps);
+    for (int64_t d = 0; d < D; d++) x[d] = rnd(load(w, d, bf16) * rnd(x[d] * inv, bf16), bf16);
 }
 
 /* x [N, D] (+ residual [N, D] into h [N, D], rounded) -> out [N, D]. residual may be NULL
@@ -210,7 +210,8 @@ void sc_rms_norm(const void *x, const void *residual, const void *w, void *out, 
             }
             row[d] = v;
         }
-        norm_row(row, w, out, o, D, eps, bf16);
+        norm_row(row, w, D, eps, bf16);
+        for (int64_t d = 0; d < D; d++) store(out, o + d, row[d], bf16);
     }
     free(row);
 }
@@ -256,12 +257,6 @@ static void rope_row(float *x, const void *cos, const void *sin, int64_t t, int6
         tmp[d] = rnd(rnd(x[d] * c, bf16) + rnd(other * s, bf16), bf16);
     }
     memcpy(x, tmp, (size_t)D * sizeof(float));
-}
-
-/* Per-head RMSNorm of a [D] row in place (Qwen3's q/k norms), as norm_row. */
-static void head_norm(float *x, const void *w, int64_t D, float eps, int bf16) {
-    float inv = 1.0f / sqrtf(sum_squares(x, D) / (float)D + eps);
-    for (int64_t d = 0; d < D; d++) x[d] = rnd(load(w, d, bf16) * rnd(x[d] * inv, bf16), bf16);
 }
 
 typedef struct {
@@ -417,7 +412,7 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
         for (int64_t h = 0; h < H + Hkv; h++) {  /* q heads, then k heads */
             float *x = h < H ? q + (i * H + h) * D : row;
             load_row(x, qkv, i * W + h * D, D, bf16);
-            if (q_norm) head_norm(x, h < H ? q_norm : k_norm, D, eps, bf16);
+            if (q_norm) norm_row(x, h < H ? q_norm : k_norm, D, eps, bf16);
             rope_row(x, cos, sin, i, D, row + D, bf16);
             if (h >= H)
                 for (int64_t d = 0; d < D; d++)
