@@ -12,7 +12,7 @@ import torch
 
 from specscope.config import SamplingParams, SpecConfig
 from specscope.engine.llm import LLM
-from specscope.engine.machine import cpu_has_native_bf16, resolve_quantization
+from specscope.engine.machine import cpu_has_native_bf16, resolve_dtype, resolve_quantization
 from specscope.models.gguf import q4_linears
 
 CPU = torch.device("cpu")
@@ -98,7 +98,7 @@ def test_default_model_plain_runs_int4_and_speculation_stays_lossless(specscope_
     """The default model's GGUF is Q4_1: for plain decoding auto picks int4-gguf (bf16
     activations) and says so; greedy speculation on it equals greedy plain decoding."""
     llm = LLM(device="cpu", cache_dir=str(specscope_cache_dir), spec=None)
-    assert llm.quantization == "int4-gguf" and llm.dtype == torch.bfloat16
+    assert llm.quantization == "int4-gguf" and llm.dtype == resolve_dtype("auto", CPU)
     assert "4-bit" in llm.config_note
     params = SamplingParams(max_tokens=24)
     prompt = "The capital of France is"

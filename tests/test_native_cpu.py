@@ -186,10 +186,7 @@ def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatc
         pytest.skip("no C compiler here")
     monkeypatch.setenv("SPECSCOPE_CACHE_DIR", str(tmp_path))
     native.cpu_kernels.cache_clear()
-    from importlib import resources
-
-    source = resources.files("specscope.native").joinpath(native.SOURCE).read_bytes()
-    path = native._library_path(native._compiler(), native.build_flags(), source)
+    path = native._library_path(native._compiler(), native.build_flags(), native._sources())
     assert path.parent == tmp_path / "native"
     # What a copy cut short would leave under the final name (the build itself writes a
     # temporary name and renames it, so it never leaves this).

@@ -1,4 +1,4 @@
-"""int4-gguf: GGUF Q4_0/Q4_1 codes run natively must compute the dequantised weights."""
+"""int4-gguf: a GGUF's Q4_0/Q4_1/Q8_0 codes run natively against 8-bit activations."""
 
 from __future__ import annotations
 
@@ -6,51 +6,98 @@ import numpy as np
 import pytest
 import torch
 
-from specscope.models.quant import Int4Linear, q4_codes
+from specscope import native
+from specscope.models.quant import GgufLinear, gguf_codes, quantize_activations
 
 
 def _random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Raw GGUF blocks with random codes and realistic fp16 scale/min."""
     nb = cols // 32
     d = rng.uniform(0.001, 0.05, (rows, nb)).astype(np.float16)
-    qs = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
     parts = [d.view(np.uint8).reshape(rows, nb, 2)]
-    if qtype == "Q4_1":
-        m = rng.uniform(-0.3, 0.0, (rows, nb)).astype(np.float16)
-        parts.append(m.view(np.uint8).reshape(rows, nb, 2))
-    parts.append(qs)
+    if qtype == "Q8_0":
+        parts.append(rng.integers(-127, 128, (rows, nb, 32)).astype(np.int8).view(np.uint8))
+    else:
+        if qtype == "Q4_1":
+            m = rng.uniform(-0.3, 0.0, (rows, nb)).astype(np.float16)
+            parts.append(m.view(np.uint8).reshape(rows, nb, 2))
+        parts.append(rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8))
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_q4_codes_match_gguf_dequantize(qtype):
+def _dense(raw: np.ndarray, qtype: str, rows: int, cols: int) -> torch.Tensor:
     from gguf import GGMLQuantizationType, dequantize
 
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols))
+
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gguf_codes_match_gguf_dequantize(qtype):
     rng = np.random.default_rng(0)
     rows, cols = 24, 96
     raw = _random_blocks(qtype, rows, cols, rng)
-    ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
-    q, scale, zero = q4_codes(raw, qtype, rows, cols)
-    assert q.min() >= 0 and q.max() <= 15
-    ours = (q.astype(np.float32) - 8).reshape(rows, -1, 32) * scale[..., None] + zero[..., None]
-    np.testing.assert_allclose(ours.reshape(rows, cols), ref, rtol=0, atol=1e-6)
+    q, d, m = gguf_codes(raw, qtype, rows, cols)
+    assert (q.min(), q.max()) >= ((0, 0) if qtype != "Q8_0" else (-127, 0))
+    ours = q.astype(np.float32).reshape(rows, -1, 32) * d[..., None]
+    if m is not None:
+        ours = ours + m[..., None]
+    np.testing.assert_allclose(ours.reshape(rows, cols), _dense(raw, qtype, rows, cols),
+                               rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_int4_linear_matches_dense(qtype):
-    from gguf import GGMLQuantizationType, dequantize
+def _linear(qtype: str, rows: int, cols: int, seed: int, bias: bool = False):
+    raw = _random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+    q, d, m = gguf_codes(raw, qtype, rows, cols)
+    b = torch.randn(rows) if bias else None
+    return GgufLinear.from_codes(q, d, m, 8 if qtype == "Q8_0" else 4, b), \
+        _dense(raw, qtype, rows, cols), b
 
-    rng = np.random.default_rng(1)
-    rows, cols = 64, 128
-    raw = _random_blocks(qtype, rows, cols, rng)
-    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols))
-    bias = torch.randn(rows, dtype=torch.bfloat16)
-    lin = Int4Linear.from_codes(*q4_codes(raw, qtype, rows, cols), torch.bfloat16, bias)
-    x = torch.randn(5, 3, cols)
-    y = lin(x.bfloat16()).float()
-    ref = x @ w.T + bias.float()
-    assert y.shape == (5, 3, rows)
-    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # bf16 activations and scales
+
+def _activation_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x's 8-bit blocks dequantised, times the dense weights: what the kernels approximate
+    only by the order of their fp32 sums."""
+    a, e, _ = quantize_activations(x)
+    return (a * e[..., None]).reshape(x.shape) @ w.T
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_linear_computes_the_quantised_product(qtype, dtype):
+    """Rows not a multiple of the 8-row tile (padding), a bias, 3-d input; native and the
+    torch reference both equal the dequantised product of the 8-bit activations, and are
+    within 8-bit activation error of the exact product."""
+    lin, w, b = _linear(qtype, 60, 128, 1, bias=True)
+    x = torch.randn(5, 3, 128).to(dtype)
+    ref = _activation_reference(x.reshape(15, 128).float(), w) + b
+    y = lin(x).float()
+    assert y.shape == (5, 3, 60)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.01)
+    torch.testing.assert_close(y.reshape(15, 60), ref, **tol)
+    torch.testing.assert_close(lin.reference(x.reshape(15, 128)).float() + b, ref, **tol)
+    exact = x.reshape(15, 128).float() @ w.T + b
+    assert ((y.reshape(15, 60) - exact).norm() / exact.norm()).item() < 2e-2
+    torch.testing.assert_close(lin.weight, w, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(native.cpu_kernels() is None, reason="no C compiler here")
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("K", [64, 576])
+def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K):
+    """The vector path (AVX2 / VNNI, whichever this build has) equals the C scalar loop bit
+    for bit, and a row's result does not depend on the rows beside it (decode = verify)."""
+    lin, _, _ = _linear(qtype, 72, K, 2)
+    kernels = native.cpu_kernels()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(16, K) * torch.linspace(0.01, 10, K)).to(dtype)
+        x[3, :32] = 0  # an all-zero block: scale 0
+        args = (lin.codes, lin.scales, lin.offsets, 72, lin.bits)
+        fast = kernels.quant_linear(x, *args)
+        assert torch.equal(fast, kernels.quant_linear(x, *args, reference=True))
+        for rows in ([5], [0, 1, 2], list(range(6)), list(range(9))):
+            assert torch.equal(kernels.quant_linear(x[rows].contiguous(), *args), fast[rows])
 
 
 @pytest.fixture(scope="module")
@@ -58,26 +105,31 @@ def default_models(default_model_dir, specscope_cache_dir):
     from specscope.models.loader import load_model
 
     dense = load_model(None, torch.float32, "cpu", str(specscope_cache_dir))
-    quant = load_model(None, torch.bfloat16, "cpu", str(specscope_cache_dir),
+    quant = load_model(None, torch.float32, "cpu", str(specscope_cache_dir),
                        quantization="int4-gguf")
     return dense, quant
 
 
-def test_default_model_linears_are_int4_and_exact(default_models):
-    """Every layer linear is swapped; its effective weight equals the fp32 dequantised one
-    up to bf16 rounding (a wrong q/k un-permute or nibble order would be off by ~100%)."""
+def test_default_model_linears_are_quantised_and_exact(default_models):
+    """Every layer linear and the Q8_0 output matrix are swapped; each one's weights equal
+    the dense dequantised ones (a wrong q/k un-permute or nibble order would be off by
+    ~100%), and its product is within 8-bit activation error of theirs."""
     dense, quant = default_models
-    n_int4 = sum(isinstance(m, Int4Linear) for m in quant.model.modules())
-    assert n_int4 == 4 * dense.config.num_layers
+    n_quant = sum(isinstance(m, GgufLinear) for m in quant.model.modules())
+    assert n_quant == 4 * dense.config.num_layers + 1
+    assert isinstance(quant.model.lm_head, GgufLinear) and quant.model.lm_head.bits == 8
+    torch.testing.assert_close(quant.model.lm_head.weight, dense.model.lm_head.weight,
+                               atol=1e-6, rtol=0)
     for n in (0, dense.config.num_layers - 1):
         for a, b in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
                      ("mlp", "gate_up_proj"), ("mlp", "down_proj")):
             q_lin = getattr(getattr(quant.model.model.layers[n], a), b)
             d_lin = getattr(getattr(dense.model.model.layers[n], a), b)
-            eye = torch.eye(q_lin.in_features, dtype=torch.bfloat16)
-            w_eff = q_lin(eye).float().T  # [N, K]
-            err = (w_eff - d_lin.weight).norm() / d_lin.weight.norm()
-            assert err.item() < 1e-2, (n, b, err.item())
+            torch.testing.assert_close(q_lin.weight, d_lin.weight, atol=1e-6, rtol=0)
+            x = torch.randn(4, q_lin.in_features)
+            exact = x @ d_lin.weight.T
+            err = (q_lin(x) - exact).norm() / exact.norm()
+            assert err.item() < 2e-2, (n, b, err.item())
 
 
 def test_default_model_int4_predictions_agree(default_models):
@@ -93,8 +145,8 @@ def test_default_model_int4_predictions_agree(default_models):
 def test_int4_gguf_errors(tiny_model_dir, specscope_cache_dir):
     from specscope.models.loader import load_model
 
-    with pytest.raises(ValueError, match="bf16"):
-        load_model(None, torch.float32, "cpu", str(specscope_cache_dir),
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        load_model(None, torch.float16, "cpu", str(specscope_cache_dir),
                    quantization="int4-gguf")
     with pytest.raises(ValueError, match="needs a .gguf model"):
         load_model(str(tiny_model_dir), torch.bfloat16, "cpu", quantization="int4-gguf")

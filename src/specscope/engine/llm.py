@@ -220,8 +220,6 @@ class LLM(TensorParallelRanks):
             quantization, model, self.device, self.engine_config.dtype, tensor_parallel_size,
             cache_dir, speculative=spec is not None)
         self.config_note = "; ".join(n for n in (skipped, note) if n)
-        if quantization == "int4-gguf" and self.engine_config.dtype == "auto":
-            self.dtype = torch.bfloat16  # the int4 CPU kernel computes in bf16
         self.quantization = quantization
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization,
                             tp=self.tp.group if self.tp is not None else None)

@@ -267,8 +267,9 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
                quantization: str = "none", tp: Any = None) -> LoadedModel:
     """Resolve, build and load a target model; weights go straight to `device` in `dtype`.
 
-    quantization "int4-gguf" keeps a GGUF's Q4_0/Q4_1 weights as packed 4-bit codes
-    (CPU, bf16 activations; see models/quant.py) instead of dense dequantised weights.
+    quantization "int4-gguf" keeps a GGUF's Q4_0/Q4_1 layer weights (and a Q8_0/Q4 output
+    matrix) as their codes, run against 8-bit activations as llama.cpp does (CPU; see
+    models/quant.py), instead of dense dequantised weights.
     tp: a parallel.TPGroup: build and load only this rank's shard.
     """
     from specscope.models.quant import QUANT_MODES
@@ -277,9 +278,9 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
         raise ValueError(f"unknown quantization {quantization!r}; choose one of "
                          f"{', '.join(QUANT_MODES)}")
     if quantization == "int4-gguf" and (torch.device(device).type != "cpu"
-                                        or dtype != torch.bfloat16):
-        raise ValueError("quantization int4-gguf runs on the CPU with bf16 activations: "
-                         "use --device cpu --dtype bf16 (or dtype auto)")
+                                        or dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError("quantization int4-gguf runs on the CPU with fp32 or bf16 "
+                         "activations: use --device cpu and --dtype fp32, bf16 or auto")
     if quantization != "none" and tp is not None:
         raise ValueError(f"quantization {quantization} runs on one rank; drop it or run with "
                          f"--tensor-parallel-size 1")

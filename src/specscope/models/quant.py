@@ -1,13 +1,18 @@
-"""Run a GGUF's 4-bit weights natively on the CPU instead of dequantising them.
+"""Run a GGUF's quantised weights natively on the CPU, as llama.cpp computes them.
 
 A GGUF Q4_1 block holds 32 weights as 4-bit codes q with an fp16 scale d and min m:
-w = d * q + m. Q4_0 has no min: w = d * (q - 8). PyTorch's CPU int4 kernel
-(`_weight_int4pack_mm_for_cpu`, gpt-fast's "tinygemm" layout) computes with groups of 32
-and w = (q - 8) * scale + zero, so both map exactly: scale = d, zero = m + 8d (Q4_1) or 0
-(Q4_0). The codes are kept as they are; only scale and zero are rounded to bf16, the
-kernel's activation dtype. Decode streams ~4.5 bits per weight instead of 32 (fp32) or 16.
+w = d * q + m; Q4_0 has no min (w = d * (q - 8), here m = -8 d); Q8_0 holds signed 8-bit codes
+(w = d * q), as the default model's output matrix. The codes are kept as they are, in the
+tiled layout of native/quant_kernels.c, and each product quantises its activations to 8
+bits per block of 32 (llama.cpp's Q8 activations) and sums the codes' products in integers:
+a 6-token verify costs ~2.5-3x one token's product instead of fp32's ~3x (docs/cpu.md), and
+a decode step streams ~4.5-8.5 bits a weight instead of 16 or 32.
 
-Linears whose GGUF tensors are not Q4_0/Q4_1 (and the embedding / lm_head) stay dense.
+GgufLinear.reference is the torch form of the same arithmetic (the C kernels' scalar loop is
+their bit-equal reference); it runs where the native library is not built.
+
+Linears whose GGUF tensors are not Q4_0/Q4_1 stay dense; the lm_head runs its GGUF codes when
+they are Q8_0, Q4_0 or Q4_1 (the embedding lookup keeps dense rows).
 """
 
 from __future__ import annotations
@@ -24,57 +29,141 @@ from specscope.models.llama import CausalLM
 log = logging.getLogger("specscope.quant")
 
 GROUP = 32
+TILE = 8  # weight rows a tile of quant_kernels.c's layout holds
 QUANT_MODES = ("none", "int4-gguf")
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
-class Int4Linear(nn.Module):
-    """y = x W^T (+ b), W [N, K] as packed 4-bit codes with a scale and zero per 32 inputs."""
+def tile_codes(q: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [N, K] (N a multiple of TILE) in quant_kernels.c's layout: per tile of 8 rows and
+    block of 32 inputs, 8 groups of 4 inputs as 8 rows x 4 codes; 4-bit codes pack group g
+    (low nibble) with group g + 4 (high). uint8, flat."""
+    N, K = q.shape
+    x = q.reshape(N // TILE, TILE, K // GROUP, 8, 4).transpose(0, 2, 3, 1, 4)
+    if bits == 4:
+        x = x[:, :, 0:4].astype(np.uint8) | (x[:, :, 4:8].astype(np.uint8) << 4)
+    return np.ascontiguousarray(x).view(np.uint8).reshape(-1)
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int,
-                 out_features: int, bias: torch.Tensor | None) -> None:
+
+def untile_codes(w: torch.Tensor, bits: int, N: int, K: int) -> torch.Tensor:
+    """tile_codes undone: [N, K] int32 codes (N padded to a multiple of TILE)."""
+    T, nb = N // TILE, K // GROUP
+    if bits == 4:
+        x = w.view(T, nb, 4, TILE, 4).to(torch.int32)
+        x = torch.cat([x & 0x0F, x >> 4], dim=2)  # [T, nb, 8 groups, rows, 4]
+    else:
+        x = w.view(torch.int8).view(T, nb, 8, TILE, 4).to(torch.int32)
+    return x.permute(0, 3, 1, 2, 4).reshape(N, K)
+
+
+def tile_rows(v: np.ndarray) -> np.ndarray:
+    """Per-block values [N, K/32] as [N/8, K/32, 8] fp32 (the layout's scales and offsets)."""
+    N, nb = v.shape
+    return np.ascontiguousarray(v.reshape(N // TILE, TILE, nb).transpose(0, 2, 1),
+                                dtype=np.float32)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> int8-valued codes a [M, K/32, 32] (fp32), scales e and e * (block code
+    sums) s [M, K/32]: quant_kernels.c's quantize_row in torch."""
+    M, K = x.shape
+    xb = x.float().reshape(M, K // GROUP, GROUP)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    a = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    e = amax / 127.0
+    return a, e, e * a.sum(-1)
+
+
+class GgufLinear(nn.Module):
+    """y = x W^T (+ b) for W [N, K] as a GGUF's quantised blocks (w = d q + m per block of
+    32), run against 8-bit activations (native/quant_kernels.c)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 bits: int, in_features: int, out_features: int,
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.register_buffer("packed", packed)  # uint8, kernel-specific layout
-        self.register_buffer("scales_zeros", scales_zeros)  # [K/32, N, 2] bf16
+        self.register_buffer("codes", codes)  # uint8, tile_codes' layout
+        self.register_buffer("scales", scales)  # [N/8, K/32, 8] fp32
+        self.register_buffer("offsets", offsets)  # the same, or None (no offsets)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.in_features, self.out_features = bits, in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
-                                              self.scales_zeros)  # [M, N]
+        from specscope.native import cpu_kernels_for
+
+        rows = x.reshape(-1, self.in_features)
+        rows = rows if rows.is_contiguous() else rows.contiguous()
+        kernels = cpu_kernels_for(rows)
+        if kernels is not None:
+            y = kernels.quant_linear(rows, self.codes, self.scales, self.offsets,
+                                     self.out_features, self.bits)
+        else:
+            y = self.reference(rows)
         if self.bias is not None:
             y = y + self.bias
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic in torch: x [M, K] -> [M, N] in x's dtype (the integer block
+        sums exact, the per-block scaling summed in another order than the C loop)."""
+        N, K = self.scales.shape[0] * TILE, self.in_features
+        a, e, s = quantize_activations(x)
+        q = untile_codes(self.codes, self.bits, N, K).float().reshape(N, K // GROUP, GROUP)
+        isum = torch.einsum("mbi,nbi->mnb", a, q)  # integers below 2^24: exact in fp32
+        d = self.scales.permute(0, 2, 1).reshape(N, -1)
+        y = (isum * (d[None] * e[:, None])).sum(-1)
+        if self.offsets is not None:
+            y = y + s @ self.offsets.permute(0, 2, 1).reshape(N, -1).T
+        return y[:, :self.out_features].to(x.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weights [N, K] fp32 (for code that reads a head's rows, such as a
+        draft initialised from the target's lm_head): built on each access."""
+        N, K = self.scales.shape[0] * TILE, self.in_features
+        q = untile_codes(self.codes, self.bits, N, K).float().reshape(N, K // GROUP, GROUP)
+        d = self.scales.permute(0, 2, 1).reshape(N, -1, 1)
+        w = q * d
+        if self.offsets is not None:
+            w = w + self.offsets.permute(0, 2, 1).reshape(N, -1, 1)
+        return w.reshape(N, K)[:self.out_features]
 
     @staticmethod
-    def from_codes(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, dtype: torch.dtype,
-                   bias: torch.Tensor | None) -> Int4Linear:
-        """q [N, K] codes 0..15, scale/zero [N, K/32] fp32: w = (q - 8) * scale + zero."""
+    def from_codes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, bits: int,
+                   bias: torch.Tensor | None) -> GgufLinear:
+        """q [N, K] codes (0..15 at 4 bits, -127..127 at 8), d and m [N, K/32]: w = d q + m
+        (m None: no offsets). Rows are padded to a whole tile with zero weights."""
         N, K = q.shape
-        packed = torch._convert_weight_to_int4pack_for_cpu(
-            torch.from_numpy(q.astype(np.int32)), 1)
-        sz = torch.from_numpy(np.stack([scale.T, zero.T], axis=-1)).to(dtype).contiguous()
-        return Int4Linear(packed, sz, K, N, bias)
+        pad = (-N) % TILE
+        if pad:
+            q = np.concatenate([q, np.zeros((pad, K), q.dtype)])
+            d = np.concatenate([d, np.zeros((pad, d.shape[1]), d.dtype)])
+            m = None if m is None else np.concatenate([m, np.zeros((pad, m.shape[1]), m.dtype)])
+        codes = torch.from_numpy(tile_codes(q.astype(np.int8 if bits == 8 else np.uint8), bits))
+        offsets = None if m is None else torch.from_numpy(tile_rows(m))
+        return GgufLinear(codes, torch.from_numpy(tile_rows(d)), offsets, bits, K, N, bias)
 
 
-def q4_codes(data: np.ndarray, qtype: str, rows: int,
-             cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Decode raw Q4_0/Q4_1 blocks [rows, cols/32 * bytes] -> codes [rows, cols] uint8 and
-    scale, zero [rows, cols/32] fp32 in the (q - 8) * scale + zero convention."""
+def gguf_codes(data: np.ndarray, qtype: str, rows: int,
+               cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Decode raw Q4_0/Q4_1/Q8_0 blocks [rows, cols/32 * bytes] -> codes [rows, cols] and d,
+    m [rows, cols/32] fp32 with w = d q + m: 4-bit codes 0..15 (Q4_0: m = -8 d), Q8_0's int8
+    codes with m None."""
     nb = cols // GROUP
-    size = {"Q4_0": 18, "Q4_1": 20}[qtype]
-    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, nb, size)
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, nb, BLOCK_BYTES[qtype])
     d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    if qtype == "Q8_0":
+        return raw[..., 2:].copy().view(np.int8).reshape(rows, cols), d, None
     if qtype == "Q4_1":
         m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         qs = raw[..., 4:]
-        zero = m + 8.0 * d
     else:
         qs = raw[..., 2:]
-        zero = np.zeros_like(d)
+        m = -8.0 * d
     # Byte j holds element j in its low nibble and element j + 16 in its high nibble.
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
-    return q, d, zero
+    return q, d, m
 
 
 def _row_perm(rows: int, n_head: int) -> np.ndarray:
@@ -84,10 +173,29 @@ def _row_perm(rows: int, n_head: int) -> np.ndarray:
     return reverse_permute(np.arange(rows)[:, None], n_head)[:, 0]
 
 
-def quantize_from_gguf(model: CausalLM, gguf_path: Path) -> int:
-    """Swap dense linears of `model` for Int4Linear where the GGUF stores Q4_0/Q4_1.
+def _gguf_linear(tensors: list, perms: list[np.ndarray | None],
+                 bias: torch.Tensor | None) -> GgufLinear:
+    """One GgufLinear from GGUF tensors of one code type stacked by rows (q/k/v, gate/up),
+    each row-permuted where its perm says."""
+    codes, scales, offsets = [], [], []
+    for t, perm in zip(tensors, perms, strict=True):
+        cols, rows = (int(d) for d in t.shape)  # GGUF dims are reversed
+        q, d, m = gguf_codes(t.data, t.tensor_type.name, rows, cols)
+        if perm is not None:
+            q, d, m = q[perm], d[perm], None if m is None else m[perm]
+        codes.append(q)
+        scales.append(d)
+        offsets.append(m)
+    bits = 8 if tensors[0].tensor_type.name == "Q8_0" else 4
+    m = None if offsets[0] is None else np.concatenate(offsets)
+    return GgufLinear.from_codes(np.concatenate(codes), np.concatenate(scales), m, bits, bias)
 
-    Returns the number of linears swapped. The model must hold bf16 weights on the CPU.
+
+def quantize_from_gguf(model: CausalLM, gguf_path: Path) -> int:
+    """Swap dense linears of `model` for GgufLinear where the GGUF stores Q4_0/Q4_1 (layer
+    linears) or Q4_0/Q4_1/Q8_0 (the output matrix, or the tied embedding it reads).
+
+    Returns the number of linears swapped. The model must hold its weights on the CPU.
     """
     import gguf as gguf_lib
 
@@ -109,24 +217,22 @@ def quantize_from_gguf(model: CausalLM, gguf_path: Path) -> int:
         }
         for (parent, attr), parts in groups.items():
             ts = [tensors.get(p + part + ".weight") for part in parts]
-            if any(t is None or t.tensor_type.name not in ("Q4_0", "Q4_1") for t in ts):
+            if any(t is None or t.tensor_type.name not in ("Q4_0", "Q4_1") for t in ts) \
+                    or len({t.tensor_type.name for t in ts}) > 1:
                 continue
-            codes, scales, zeros = [], [], []
+            perms = []
             for part, t in zip(parts, ts, strict=True):
-                cols, rows = (int(d) for d in t.shape)  # GGUF dims are reversed
-                q, s, z = q4_codes(t.data, t.tensor_type.name, rows, cols)
-                if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
-                    heads = cfg.num_heads if part.endswith("q_proj") else cfg.num_kv_heads
-                    perm = _row_perm(rows, heads)
-                    q, s, z = q[perm], s[perm], z[perm]
-                codes.append(q)
-                scales.append(s)
-                zeros.append(z)
+                heads = cfg.num_heads if part.endswith("q_proj") else cfg.num_kv_heads
+                perms.append(_row_perm(int(t.shape[1]), heads) if arch == "llama" and part in
+                             ("self_attn.q_proj", "self_attn.k_proj") else None)
             dense: nn.Linear = getattr(parent, attr)
             bias = None if dense.bias is None else dense.bias.detach().clone()
-            setattr(parent, attr, Int4Linear.from_codes(
-                np.concatenate(codes), np.concatenate(scales), np.concatenate(zeros),
-                torch.bfloat16, bias))
+            setattr(parent, attr, _gguf_linear(ts, perms, bias))
             swapped += 1
-    log.info("int4-gguf: %d linears run on packed 4-bit GGUF codes", swapped)
+    head = tensors.get("lm_head.weight") or (tensors.get("model.embed_tokens.weight")
+                                             if cfg.tie_word_embeddings else None)
+    if head is not None and head.tensor_type.name in BLOCK_BYTES and model.lm_head.bias is None:
+        model.lm_head = _gguf_linear([head], [None], None)  # the embedding keeps dense rows
+        swapped += 1
+    log.info("int4-gguf: %d linears run on the GGUF's quantised codes", swapped)
     return swapped

@@ -38,7 +38,8 @@ from specscope.native.cpu import CpuKernels
 log = logging.getLogger("specscope")
 
 VERSION = 1  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
-SOURCE = "cpu_kernels.c"
+QUANT_VERSION = 1  # quant_kernels.c's sc_quant_version()
+SOURCES = ("cpu_kernels.c", "quant_kernels.c")
 _DTYPES = (torch.float32, torch.bfloat16)
 __all__ = ["CpuKernels", "cpu_kernels", "cpu_kernels_for", "build_flags"]
 
@@ -80,26 +81,39 @@ def _cache_dir() -> Path:
     return path
 
 
-def _library_path(cc: str, flags: list[str], source: bytes) -> Path:
+def _sources() -> dict[str, bytes]:
+    """The library's C sources, by file name, as the package ships them."""
+    return {name: resources.files("specscope.native").joinpath(name).read_bytes()
+            for name in SOURCES}
+
+
+def _library_path(cc: str, flags: list[str], sources: dict[str, bytes]) -> Path:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cc.encode(),
+    key = hashlib.sha256(b"\0".join([*sources.values(), " ".join(flags).encode(), cc.encode(),
                                      version.encode()])).hexdigest()[:16]
     return _cache_dir() / f"cpu_kernels-{key}.so"
 
 
-def _build(cc: str, flags: list[str], source: bytes, path: Path) -> None:
-    """Compile into a temporary file beside `path`, then rename it into place (atomic)."""
+def _build(cc: str, flags: list[str], sources: dict[str, bytes], path: Path) -> None:
+    """Compile into a temporary file beside `path`, then rename it into place (atomic).
+    With OpenMP where the compiler has it (the quantised products' threads), else without
+    (one thread)."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / SOURCE
-        src.write_bytes(source)
+        srcs = []
+        for name, text in sources.items():
+            (Path(tmp) / name).write_bytes(text)
+            srcs.append(str(Path(tmp) / name))
         part = path.with_name(f"{path.name}.{os.getpid()}.part")
         try:
-            done = subprocess.run([cc, *flags, "-o", str(part), str(src), "-lm"],
-                                  capture_output=True, text=True, timeout=300)
+            for extra in (["-fopenmp"], []):
+                done = subprocess.run([cc, *flags, *extra, "-o", str(part), *srcs, "-lm"],
+                                      capture_output=True, text=True, timeout=300)
+                if done.returncode == 0:
+                    break
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} exited with {done.returncode}: "
                                    f"{done.stderr.strip()[-800:]}")
@@ -111,7 +125,8 @@ def _build(cc: str, flags: list[str], source: bytes, path: Path) -> None:
 def _load(path: Path) -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(path))
-        return lib if lib.sc_version() == VERSION else None
+        return lib if lib.sc_version() == VERSION and \
+            lib.sc_quant_version() == QUANT_VERSION else None
     except (OSError, AttributeError):
         return None
 
@@ -128,13 +143,13 @@ def cpu_kernels() -> CpuKernels | None:
         log.warning("no C compiler found (set CC): the CPU layers run their slower torch "
                     "reference; install gcc or clang for specscope's native CPU kernels")
         return None
-    source = resources.files("specscope.native").joinpath(SOURCE).read_bytes()
+    sources = _sources()
     flags = build_flags()
-    path = _library_path(cc, flags, source)
+    path = _library_path(cc, flags, sources)
     lib = _load(path) if path.exists() else None
     if lib is None:
         try:
-            _build(cc, flags, source, path)
+            _build(cc, flags, sources, path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("specscope's native CPU kernels did not build (%s); the CPU layers "
                         "run their slower torch reference", e)

@@ -61,6 +61,10 @@ class CpuKernels:
         self._attend.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P,
                                  _P, _P, _P, _I, _I, _P, _P, _F, _F, _P, _INT]
         self._attend.restype = _INT
+        self._quant = lib.sc_quant_linear
+        self._quant.argtypes = [_P, _I, _I, _P, _P, _P, _I, _INT, _P, _INT, _P, _INT]
+        self._quant.restype = None
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,3 +128,20 @@ class CpuKernels:
             raise MemoryError(f"native CPU attention could not allocate its scratch for {N} "
                               f"tokens over {meta.max_len} keys")
         return out
+
+    def quant_linear(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     offsets: torch.Tensor | None, out_features: int, bits: int,
+                     reference: bool = False) -> torch.Tensor:
+        """x [M, K] (fp32 or bf16, contiguous) times quantised weights in quant_kernels.c's
+        tiled layout (models/quant.py GgufLinear builds it): [M, out_features] in x's dtype,
+        the activations quantised to 8 bits per block of 32 as llama.cpp does. `reference`
+        runs the C scalar loop the vector paths equal bit for bit."""
+        M, K = x.shape
+        need = M * K + 8 * M * (K // 32) + 64
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+        y = torch.empty(M, out_features, dtype=x.dtype)
+        self._quant(x.data_ptr(), M, K, codes.data_ptr(), scales.data_ptr(), _ptr(offsets),
+                    out_features, bits, y.data_ptr(), x.dtype == torch.bfloat16,
+                    self._scratch.data_ptr(), reference)
+        return y

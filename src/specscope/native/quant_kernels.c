@@ -1,0 +1,295 @@
+/* specscope's CPU products of a GGUF's quantised weights with 8-bit activations, as llama.cpp
+ * computes them.
+ *
+ * A weight row is the GGUF's, in blocks of 32 inputs: codes q with a scale d and, for Q4_1,
+ * an offset m per block, w = d * q + m (Q4_1: q in 0..15; Q4_0: q - 8 in -8..7 with m = 0;
+ * Q8_0: q in -127..127, m = 0). Each activation row is quantised per block of 32 to int8
+ * codes a with a scale e = max |x| / 127 (rounded to nearest even), and a block's product is
+ *     sum_i w_i x_i ~= (d e) * sum_i q_i a_i + m * (e sum_i a_i)
+ * with the first sum exact in integers: AVX2's vpmaddubsw or VNNI's vpdpbusd do 32-64 of
+ * those products an instruction, where fp32 does 8-16, which is what lets a verify of several
+ * tokens cost little more than one token's decode step.
+ *
+ * Layout (built by native/quant.py): the N weight rows in tiles of 8; a tile's block holds
+ * its 32 inputs as 8 groups of 4, each group as 8 rows x 4 codes (32 bytes), so one 4-byte
+ * broadcast of the activation meets 8 rows at once and every int32 lane sums one row's block
+ * with no horizontal reduction. 4-bit codes pack groups g and g + 4 into one byte (low and
+ * high nibble: 128 bytes a tile block); 8-bit codes take 256. Scales and offsets are fp32,
+ * [N/8, K/32, 8].
+ *
+ * Every path sums in the same order (each block's integer sum, then per block
+ * acc = fma(isum, d * e, acc) and acc = fma(m, e * sum a, acc)), so the scalar reference,
+ * AVX2 and VNNI give bit-equal results, and a row's result depends on that row alone (a
+ * token's logits are the same in a decode step and in a verify).
+ *
+ * Threads: OpenMP over tiles; the library links libgomp.so.1, the runtime torch has loaded,
+ * so its workers are torch's own.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define TILE 8
+
+static inline float qk_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t qk_f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+#if defined(__AVX2__)
+/* Eight activations from p + k as fp32. */
+static inline __m256 load8(const void *p, int64_t k, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* quantize_row's block in vectors: the same operations (cvtps rounds to nearest even as
+ * rintf does; |x * id| <= 127 so the saturating packs never clamp). Returns the code sum. */
+static inline int quantize_block(const void *x, int64_t k, int bf16, int8_t *a, float *amax_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = load8(x, k + 8 * i, bf16);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float amax = _mm_cvtss_f32(m4);
+    __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+    __m256i p8 = _mm256_packs_epi16(p16, p16b);
+    /* the packs interleave 128-bit lanes: put the dwords back in element order */
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)a, p8);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    *amax_out = amax;
+    return _mm_cvtsi128_si32(s4);
+}
+#endif
+
+/* One activation row [K] (fp32 or bf16) -> codes a [K], scales e [K/32], and e * (the
+ * block's code sum) s [K/32] (the offset term's factor). */
+static void quantize_row(const void *x, int64_t row, int64_t K, int bf16, int8_t *a, float *e,
+                         float *s, int reference) {
+    float buf[QK];
+    for (int64_t b = 0; b < K / QK; b++) {
+        float amax = 0.0f;
+        int sum = 0;
+#if defined(__AVX2__)
+        if (!reference) {
+            sum = quantize_block(x, row * K + b * QK, bf16, a + b * QK, &amax);
+            e[b] = amax / 127.0f;
+            s[b] = e[b] * (float)sum;
+            continue;
+        }
+#endif
+        for (int i = 0; i < QK; i++) {
+            int64_t k = row * K + b * QK + i;
+            buf[i] = bf16 ? qk_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            float v = fabsf(buf[i]);
+            amax = v > amax ? v : amax;
+        }
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < QK; i++) {
+            int q = (int)rintf(buf[i] * id);
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            a[b * QK + i] = (int8_t)q;
+            sum += q;
+        }
+        e[b] = amax / 127.0f;
+        s[b] = e[b] * (float)sum;
+    }
+}
+
+/* Bytes of one tile block: 8 rows x 32 codes at 4 or 8 bits. */
+static inline int64_t tile_block_bytes(int bits) { return bits == 4 ? 128 : 256; }
+
+/* The code of row r (0..7), input i (0..31) of a tile block (the layout above). */
+static inline int code_at(const uint8_t *blk, int r, int i, int bits) {
+    int g = i / 4, j = i % 4;
+    if (bits == 8) return (int8_t)blk[g * 32 + r * 4 + j];
+    uint8_t byte = blk[(g % 4) * 32 + r * 4 + j];
+    return g < 4 ? (byte & 0x0F) : (byte >> 4);
+}
+
+/* The reference: every path's order, one lane at a time. */
+static void tile_scalar(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
+                        int bits, const int8_t *a, const float *e, const float *s, int64_t K,
+                        int64_t m, float *acc) {
+    for (int r = 0; r < TILE; r++) acc[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * tile_block_bytes(bits);
+        const int8_t *ab = a + m * K + b * QK;
+        for (int r = 0; r < TILE; r++) {
+            int32_t t = 0;
+            for (int i = 0; i < QK; i++) t += code_at(blk, r, i, bits) * ab[i];
+            acc[r] = fmaf((float)t, wd[b * TILE + r] * e[m * (K / QK) + b], acc[r]);
+            if (wm) acc[r] = fmaf(wm[b * TILE + r], s[m * (K / QK) + b], acc[r]);
+        }
+    }
+}
+
+#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s8) _mm256_dpbusd_epi32((acc), (u), (s8))
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s8) _mm256_dpbusd_avx_epi32((acc), (u), (s8))
+#endif
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* A tile block's codes as 8 vectors of 8 rows x 4 codes, group g in w[g]: 4-bit codes
+ * unpacked to bytes 0..15; 8-bit codes as they are. */
+static inline __attribute__((always_inline)) void block_codes(const uint8_t *blk, int bits,
+                                                             __m256i *w) {
+    if (bits == 4) {
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        for (int g = 0; g < 4; g++) {
+            __m256i p = _mm256_loadu_si256((const __m256i *)(blk + g * 32));
+            w[g] = _mm256_and_si256(p, low);
+            w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        }
+    } else {
+        for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(blk + g * 32));
+    }
+}
+
+/* The block's integer sums for one activation row ab: lane r = sum_i q[r, i] a[i]. */
+static inline __attribute__((always_inline)) __m256i block_isum(const __m256i *w, int bits,
+                                                                const int8_t *ab) {
+    if (bits == 4) {
+#ifdef DPBUSD
+        /* Four chains, not one: vpdpbusd's latency would otherwise bound the loop. */
+        __m256i c[4];
+        for (int g = 0; g < 4; g++) c[g] = DPBUSD(_mm256_setzero_si256(), w[g], bcast4(ab + 4 * g));
+        for (int g = 4; g < 8; g++) c[g - 4] = DPBUSD(c[g - 4], w[g], bcast4(ab + 4 * g));
+        return _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+#else
+        /* 8 products of at most 15 * 127 * 2 per int16 lane stay within its range. */
+        __m256i acc16 = _mm256_maddubs_epi16(w[0], bcast4(ab));
+        for (int g = 1; g < 8; g++)
+            acc16 = _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w[g], bcast4(ab + 4 * g)));
+        return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1));
+#endif
+    }
+    /* 8-bit signed codes: |q| as the unsigned operand, a carrying q's sign. */
+    __m256i c[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int g = 0; g < 8; g++) {
+        __m256i av = _mm256_sign_epi8(bcast4(ab + 4 * g), w[g]);
+#ifdef DPBUSD
+        c[g & 1] = DPBUSD(c[g & 1], _mm256_abs_epi8(w[g]), av);
+#else
+        c[g & 1] = _mm256_add_epi32(c[g & 1], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), av), _mm256_set1_epi16(1)));
+#endif
+    }
+    return _mm256_add_epi32(c[0], c[1]);
+}
+
+/* Rows m0 .. m0 + R - 1 against one tile: acc[j] lanes = the tile's 8 outputs of row m0 + j.
+ * Each block's codes are unpacked once for the R rows. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
+        const int8_t *a, const float *e, const float *s, int64_t K, int64_t m0, int R,
+        __m256 *acc) {
+    for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i codes[8];
+        block_codes(w + b * tile_block_bytes(bits), bits, codes);
+        __m256 d = _mm256_loadu_ps(wd + b * TILE);
+        for (int j = 0; j < R; j++) {
+            int64_t m = m0 + j;
+            __m256i isum = block_isum(codes, bits, a + m * K + b * QK);
+            __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(e[m * nb + b]));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), de, acc[j]);
+            if (wm) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * TILE),
+                                             _mm256_set1_ps(s[m * nb + b]), acc[j]);
+        }
+    }
+}
+#endif
+
+static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
+    for (int r = 0; r < n; r++) {
+        if (bf16) ((uint16_t *)y)[i + r] = qk_f32_to_bf16(v[r]);
+        else ((float *)y)[i + r] = v[r];
+    }
+}
+
+/* One tile's outputs for every activation row. */
+static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
+                 const int8_t *a, const float *e, const float *s, int64_t K, int64_t M,
+                 int64_t N, int64_t n0, void *y, int bf16, int reference) {
+    int cols = (int)(N - n0 < TILE ? N - n0 : TILE);
+    float out[4 * TILE];
+#if defined(__AVX2__)
+    if (!reference) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            __m256 acc[4];
+            int R = (int)(M - m0 < 4 ? M - m0 : 4);
+            switch (R) {  /* constant row counts, so the accumulators stay in registers */
+            case 4: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 4, acc); break;
+            case 3: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 3, acc); break;
+            case 2: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 2, acc); break;
+            default: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 1, acc); break;
+            }
+            for (int j = 0; j < R; j++) {
+                _mm256_storeu_ps(out, acc[j]);
+                store_row(y, (m0 + j) * N + n0, out, cols, bf16);
+            }
+        }
+        return;
+    }
+#endif
+    (void)reference;
+    for (int64_t m = 0; m < M; m++) {
+        tile_scalar(w, wd, wm, nb, bits, a, e, s, K, m, out);
+        store_row(y, m * N + n0, out, cols, bf16);
+    }
+}
+
+int sc_quant_version(void) { return 1; }
+
+/* y [M, N] = x [M, K] W^T, W in the tiled layout above (`bits` 4 or 8; wm NULL where the
+ * blocks have no offset), x and y fp32 or bf16 (`bf16`). scratch: at least
+ * M * K + 8 * M * (K / 32) bytes. `reference` runs the scalar loop (for the tests). */
+void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, const float *wd,
+                     const float *wm, int64_t N, int bits, void *y, int bf16, void *scratch,
+                     int reference) {
+    const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE;
+    int8_t *a = (int8_t *)scratch;
+    float *e = (float *)(a + M * K);
+    float *s = e + M * nb;
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x, m, K, bf16, a + m * K, e + m * nb, s + m * nb, reference);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        tile(w + t * nb * tile_block_bytes(bits), wd + t * nb * TILE,
+             wm ? wm + t * nb * TILE : NULL, nb, bits, a, e, s, K, M, N, t * TILE, y, bf16,
+             reference);
+}
