@@ -1,5 +1,5 @@
 """The default configuration on the CPU it runs on: quantization "auto" runs a GGUF's 4-bit
-weights natively for plain decoding and keeps them dense when the engine speculates; the
+weights natively (a draft beside them as Q8_0) where the native kernels build; the
 dtype "auto" is bf16 only where the CPU computes it natively, and the AVX2 emulation
 (ATEN_CPU_CAPABILITY=avx2) counts as no native bf16."""
 
@@ -60,25 +60,23 @@ def test_emulated_capability_gets_its_own_compile_cache(monkeypatch, tmp_path):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
 
 
-def test_auto_picks_int4_for_plain_decoding_only(specscope_cache_dir):
-    """The default model's GGUF is Q4_1: 4-bit for plain decoding; dense weights when the
-    engine speculates (the int4 kernel's verify is slower there)."""
+def test_auto_picks_int4_where_the_native_kernels_build(specscope_cache_dir, monkeypatch):
+    """The default model's GGUF is Q4_1: 4-bit on the native kernels, speculating or not;
+    without them (no C compiler) the codes' torch reference is slower: dense, and says why."""
+    from specscope import native
+
     cache = str(specscope_cache_dir)
-    mode, why = resolve_quantization("auto", None, CPU, "auto", cache_dir=cache)
-    assert mode == "int4-gguf" and "4-bit" in why
-    mode, why = resolve_quantization("auto", None, CPU, "auto", cache_dir=cache,
-                                     speculative=True)
-    assert mode == "none" and "speculative" in why
-
-
-def test_commands_that_add_a_draft_later_never_pick_int4():
-    from argparse import Namespace
-
-    from specscope.cli_args import quantization_for
-
-    assert quantization_for(Namespace(quantization="auto"), speculative=True) == "none"
-    assert quantization_for(Namespace(quantization="auto"), speculative=False) == "auto"
-    assert quantization_for(Namespace(quantization="int4-gguf"), True) == "int4-gguf"
+    if native.cpu_kernels() is not None:
+        mode, why = resolve_quantization("auto", None, CPU, "auto", cache_dir=cache)
+        assert mode == "int4-gguf" and "4-bit" in why
+    monkeypatch.setenv("SPECSCOPE_NATIVE", "0")
+    native.cpu_kernels.cache_clear()
+    try:
+        mode, why = resolve_quantization("auto", None, CPU, "auto", cache_dir=cache)
+    finally:
+        monkeypatch.delenv("SPECSCOPE_NATIVE")
+        native.cpu_kernels.cache_clear()
+    assert mode == "none" and "C compiler" in why
 
 
 def test_q4_linears_reads_the_conversion_record(tmp_path):
@@ -95,8 +93,8 @@ def test_q4_linears_reads_the_conversion_record(tmp_path):
 
 
 def test_default_model_plain_runs_int4_and_speculation_stays_lossless(specscope_cache_dir):
-    """The default model's GGUF is Q4_1: for plain decoding auto picks int4-gguf (bf16
-    activations) and says so; greedy speculation on it equals greedy plain decoding."""
+    """The default model's GGUF is Q4_1: auto picks int4-gguf (activations in auto's
+    dtype) and says so; greedy speculation on it equals greedy plain decoding."""
     llm = LLM(device="cpu", cache_dir=str(specscope_cache_dir), spec=None)
     assert llm.quantization == "int4-gguf" and llm.dtype == resolve_dtype("auto", CPU)
     assert "4-bit" in llm.config_note
@@ -105,6 +103,9 @@ def test_default_model_plain_runs_int4_and_speculation_stays_lossless(specscope_
     plain = llm.generate(prompt, params)[0].token_ids
     llm.set_spec(SpecConfig(draft="default", num_steps=3))
     assert llm.generate(prompt, params)[0].token_ids == plain
+    from specscope.models.quant import GgufLinear  # the draft beside it runs Q8_0 codes
+
+    assert isinstance(llm.draft.fc, GgufLinear) and isinstance(llm.draft.lm_head, GgufLinear)
 
 
 def test_the_doctor_probes_the_draft_on_dense_weights(monkeypatch):
@@ -128,61 +129,24 @@ def test_the_doctor_probes_the_draft_on_dense_weights(monkeypatch):
     assert seen["quantization"] == "none"
 
 
-def test_the_machine_chooses_the_draft_only_where_it_chose_the_weights(monkeypatch):
-    """Without native bf16 the default model's machine-chosen path decodes plainly on its
-    4-bit weights (faster there than speculating on dense fp32); anything the caller chose
-    (dtype, quantization, tensor parallelism, a GPU, a CPU with native bf16) keeps it."""
-    from specscope.engine import machine
-
-    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: False)
-    assert "no draft" in machine.default_draft_skipped(CPU, "auto", "auto")
-    assert machine.default_draft_skipped(CPU, "fp32", "auto") == ""
-    assert machine.default_draft_skipped(CPU, "auto", "none") == ""
-    assert machine.default_draft_skipped(CPU, "auto", "auto", 2) == ""
-    assert machine.default_draft_skipped(torch.device("cuda"), "auto", "auto") == ""
-    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: True)
-    assert machine.default_draft_skipped(CPU, "auto", "auto") == ""
-
-
-def test_without_native_bf16_the_default_path_decodes_plainly_and_says_so(
-        monkeypatch, capsys, specscope_cache_dir):
+def test_the_default_path_speculates_on_the_4bit_weights(capsys, specscope_cache_dir):
+    """generate with no flags: the shipped draft (Q8_0) beside the 4-bit target, said on
+    the status line; --draft none decodes plainly."""
+    from specscope import native
     from specscope.cli import main
-    from specscope.engine import machine
 
-    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: False)
     cache = str(specscope_cache_dir)
     llm = LLM(device="cpu", cache_dir=cache)
-    assert llm.spec is None and llm.quantization == "int4-gguf"
-    assert "no draft" in llm.config_note and "4-bit" in llm.config_note
+    assert llm.spec is not None and llm.spec.draft == "default"
+    if native.cpu_kernels() is not None:
+        assert llm.quantization == "int4-gguf" and "4-bit" in llm.config_note
     del llm
-    asked = LLM(device="cpu", cache_dir=cache, spec=SpecConfig(draft="default"))
-    assert asked.spec is not None and asked.quantization == "none"  # a draft given: kept
-    del asked
     base = ["generate", "--prompt", "Hi", "--max-tokens", "4", "--device", "cpu",
             "--cache-dir", cache]
     assert main(base) == 0
-    err = capsys.readouterr().err
-    assert "int4-gguf (auto: plain decoding, no draft" in err and "[speculative" not in err
-    assert main([*base, "--num-steps", "2"]) == 0  # a spec flag asks for speculation
     assert "[speculative" in capsys.readouterr().err
-
-
-def test_generate_leaves_the_draft_to_the_machine_only_without_spec_flags():
-    """Any spec flag, --spec-policy included, asks for the shipped draft; none leaves the
-    choice to LLM's spec="auto"."""
-    from specscope.cli import build_parser
-    from specscope.cli_args import spec_from_args
-
-    def spec(*flags: str):
-        return spec_from_args(build_parser().parse_args(["generate", *flags]),
-                              machine_default=True)
-
-    assert spec() == "auto"
-    for flags in (["--num-steps", "3"], ["--topk", "2"], ["--spec-policy", "1:5,1,6"],
-                  ["--draft", "default"]):
-        got = spec(*flags)
-        assert isinstance(got, SpecConfig) and got.draft == "default", flags
-    assert spec("--draft", "none") is None
+    assert main([*base, "--draft", "none"]) == 0
+    assert "[speculative" not in capsys.readouterr().err
 
 
 def test_a_frozen_heap_still_frees_a_replaced_engine(tiny_model_dir):

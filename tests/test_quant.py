@@ -152,3 +152,27 @@ def test_int4_gguf_errors(tiny_model_dir, specscope_cache_dir):
         load_model(str(tiny_model_dir), torch.bfloat16, "cpu", quantization="int4-gguf")
     with pytest.raises(ValueError, match="unknown quantization"):
         load_model(str(tiny_model_dir), torch.float32, "cpu", quantization="awq")
+
+
+def test_q8_0_codes_match_gguf_quantize():
+    """quantize_q8_0's codes are llama.cpp's Q8_0 (gguf's reference quantizer), and the
+    swapped linear computes the dequantised product within 8-bit activation error."""
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    from specscope.models.quant import q8_0_codes, quantize_q8_0
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 20, bias=True)
+    q, d = q8_0_codes(lin.weight)
+    ref = dequantize(quantize(lin.weight.detach().numpy(), GGMLQuantizationType.Q8_0),
+                     GGMLQuantizationType.Q8_0).reshape(20, 96)
+    np.testing.assert_allclose(q.astype(np.float32) * np.repeat(d, 32, axis=1), ref,
+                               rtol=0, atol=1e-7)
+    net = torch.nn.Sequential(lin, torch.nn.ReLU(), torch.nn.Linear(20, 4))  # 20: not /32
+    x = torch.randn(3, 96)
+    exact = lin(x)
+    assert quantize_q8_0(net) == 1
+    assert isinstance(net[0], GgufLinear) and type(net[2]) is torch.nn.Linear
+    torch.testing.assert_close(net[0].weight, torch.from_numpy(ref), atol=1e-7, rtol=0)
+    err = (net[0](x) - exact).norm() / exact.norm()
+    assert err.item() < 1e-2

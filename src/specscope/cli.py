@@ -26,7 +26,6 @@ from specscope.cli_args import (
     policy_from_args,
     positive_float,
     positive_int,
-    quantization_for,
     spec_from_args,
 )
 from specscope.cli_draft import add_draft_commands
@@ -58,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = _sampling(args)  # validate before the (slow) model load
     check_engine_args(args)
-    spec = spec_from_args(args, machine_default=True)
+    spec = spec_from_args(args)
     policy = policy_from_args(args, spec)
     if args.prompt is None and args.messages is None:
         args.prompt = "Write a haiku about speculative decoding."
@@ -154,7 +153,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=quantization_for(args, bool(specs)), cuda_graphs=args.cuda_graphs,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
               **engine_kwargs(args),
               compile=args.compile, profile=False, spec=None)
     freeze_heap()

@@ -142,14 +142,6 @@ def fail(prog: str, message: str) -> int:
 # -- flags shared by several commands -----------------------------------------------------
 
 
-def quantization_for(args: argparse.Namespace, speculative: bool) -> str:
-    """--quantization for a command that builds its engine without a draft and speculates
-    later or probes one (profile, tune, serve, doctor): "auto" cannot see the draft then,
-    and a speculative run is never faster on int4-gguf (engine/llm.py
-    resolve_quantization), so it is "none"."""
-    return "none" if args.quantization == "auto" and speculative else args.quantization
-
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model dir, .gguf file or hub id (default: the embedded "
@@ -160,10 +152,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="cap the context length below the model's")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int4-gguf"],
-                   help="int4-gguf: run a GGUF's Q4_0/Q4_1 weights natively as packed 4-bit "
-                        "(CPU, bf16 activations) instead of dequantising them; auto: int4-gguf "
-                        "for such a GGUF on the CPU when decoding plainly, dense weights when "
-                        "speculating (faster there)")
+                   help="int4-gguf: run a GGUF's Q4_0/Q4_1 weights natively on the CPU "
+                        "(specscope's C kernels, 8-bit activations as llama.cpp), a draft "
+                        "beside them as Q8_0; auto: int4-gguf for such a GGUF on the CPU "
+                        "where the kernels build, else dense weights")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the decode step eagerly on CUDA (the reference path)")
     p.add_argument("--compile", action="store_true",
@@ -333,20 +325,11 @@ def _apply_engine_spellings(args: argparse.Namespace) -> None:
             fields["num_steps"], fields["topk"], fields["num_draft_tokens"])
 
 
-SPEC_FLAGS = ("num_steps", "topk", "num_draft_tokens", "spec_policy")
-
-
-def spec_from_args(args: argparse.Namespace, machine_default: bool = False
-                   ) -> SpecConfig | str | None:
-    """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked.
-    machine_default (generate, the default path): with no draft and no spec flag for the
-    default model, "auto": LLM's spec="auto" then decides whether the shipped draft is the
-    faster path on this machine (engine/machine.py default_draft_skipped) and says why."""
+def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:
+    """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked."""
     _apply_engine_spellings(args)
     if args.draft is None and not getattr(args, "model", None) and \
             args.simulate_acceptance is None:
-        if machine_default and all(getattr(args, f, None) is None for f in SPEC_FLAGS):
-            return "auto"
         args.draft = "default"  # the default model comes with its trained draft
     if args.draft is None or args.draft == "none":
         if args.simulate_acceptance is not None:

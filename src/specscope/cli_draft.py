@@ -21,7 +21,6 @@ from specscope.cli_args import (
     policy_from_args,
     positive_float,
     positive_int,
-    quantization_for,
 )
 from specscope.config import SpecConfig
 
@@ -99,9 +98,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     prompts = doctor_prompts(args.prompts, args.num_prompts)
     llm = LLM(args.target or args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              # The draft is probed on the weights it will be served with: dense, as
-              # auto's choice for a speculating engine (cli_args.quantization_for).
-              quantization=quantization_for(args, True), cuda_graphs=args.cuda_graphs,
+              # The wiring probe reads the target's taps on dense weights, the ones a
+              # draft is trained on: the 4-bit codes' taps misread as other layers'.
+              quantization="none" if args.quantization == "auto" else args.quantization,
+              cuda_graphs=args.cuda_graphs,
               spec=None,
               **engine_kwargs(args))
     report = doctor_report(llm, args.draft, prompts, layer_ids, args.max_new_tokens)
@@ -152,7 +152,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-              quantization=quantization_for(args, True), cuda_graphs=args.cuda_graphs,
+              quantization=args.quantization, cuda_graphs=args.cuda_graphs,
               **engine_kwargs(args),
               compile=args.compile, spec=None)
     freeze_heap()

@@ -25,7 +25,6 @@ from specscope.cli_args import (
     port,
     positive_float,
     positive_int,
-    quantization_for,
     spec_from_args,
     tensor_parallel_size,
 )
@@ -109,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
                   max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-                  quantization=quantization_for(args, spec is not None),
+                  quantization=args.quantization,
                   cuda_graphs=args.cuda_graphs, **engine_kwargs(args),
                   compile=args.compile, spec=None, profile=args.profile,
                   profile_interval=args.profile_interval, tensor_parallel_size=tp,

@@ -142,7 +142,7 @@ def measure_wirings(draft: Eagle3Draft, data: ProbeData, wirings: list[Wiring],
     top = data.logits.argmax(-1)
     draft.ensure_rope(data.input_ids.shape[1] + steps + 1)
     for w in wirings:
-        taps = data.taps(w.ids, draft.fc.weight.dtype)
+        taps = data.taps(w.ids, draft.dtype)
         batch = TTTBatch(input_ids=data.input_ids, label_mask=data.label_mask, taps=taps,
                          target_logp=logp, target_top=top)
         _, losses, m = ttt_loss(draft, batch, steps)

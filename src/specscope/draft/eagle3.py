@@ -250,10 +250,15 @@ class Eagle3Draft(nn.Module):
     def init_rope(self, max_len: int) -> None:
         """Rope tables for positions [0, max_len) with the draft's own theta and scaling."""
         cfg = self.config
-        w = self.fc.weight
+        w = self.norm.weight
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, max_len,
                                w.device)
         self._rope = (cos.to(w.dtype), sin.to(w.dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (its linears may hold quantised codes instead)."""
+        return self.norm.weight.dtype
 
     def ensure_rope(self, length: int) -> None:
         """Rope tables covering positions [0, length) at least (rebuilt only if shorter)."""

@@ -49,7 +49,6 @@ from specscope.engine.grammar import Grammar, GrammarCompiler
 from specscope.engine.machine import (  # noqa: F401  (re-exported: the engine's API)
     collect_heap,
     cpu_has_native_bf16,
-    default_draft_skipped,
     resolve_device,
     resolve_dtype,
     resolve_quantization,
@@ -75,6 +74,7 @@ from specscope.engine.tokenizer import (
 from specscope.kvcache.budget import KVLayout, activation_bytes, kv_budget
 from specscope.models.loader import load_model
 from specscope.models.packed import pack_fp32_rows, pack_linears
+from specscope.models.quant import quantize_q8_0
 from specscope.models.registry import TargetModel
 from specscope.parallel import launch as tp_launch
 from specscope.parallel.launch import DEFAULT_DIST_TIMEOUT, TPRuntime
@@ -165,9 +165,10 @@ class LLM(TensorParallelRanks):
 
     model: a local HF directory, a .gguf file, a HF hub id, or None for the embedded default
     (SmolLM2-135M-Instruct). dtype: auto | fp32 | bf16 | fp16. device: auto | cpu | cuda.
-    quantization: auto | none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights as packed 4-bit on
-    CPU); auto (the default) picks by the CPU and by whether `spec` speculates
-    (resolve_quantization); `config_note` says what it picked.
+    quantization: auto | none | int4-gguf (run a GGUF's Q4_0/Q4_1 weights natively on the
+    CPU, a draft beside them as Q8_0); auto (the default) picks int4-gguf for such a GGUF
+    where the native kernels build (resolve_quantization); `config_note` says what it
+    picked.
     cuda_graphs: replay plain decode and pure speculative steps as CUDA graphs per
     batch-size bucket (CUDA only).
     max_num_batched_tokens / max_num_seqs: a step's token and sequence budgets (longer
@@ -175,9 +176,7 @@ class LLM(TensorParallelRanks):
     gpu_memory_utilization / kv_cache_memory: the KV pools' budget (kvcache/budget.py).
     enable_prefix_caching: reuse the KV blocks of a shared prompt prefix.
     spec: speculative decoding with an EAGLE-3 draft (SpecConfig); None = plain decoding;
-    "auto" (the default): the default model with its shipped draft, other models plainly;
-    on a CPU without native bf16, with dtype and quantization auto, the default model
-    decodes plainly on its 4-bit weights, the faster path there (default_draft_skipped).
+    "auto" (the default): the default model with its shipped draft, other models plainly.
     speculative_config: vLLM's dict instead of spec ({"method": "eagle3", "model": DRAFT,
     "num_speculative_tokens": 5}).
     profile: time every phase of every step (None: on when SPECSCOPE_PROFILE=1);
@@ -212,14 +211,10 @@ class LLM(TensorParallelRanks):
         if self.tp is not None:
             self.device = self.tp.group.device if self.device.type == "cuda" else self.device
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
-        skipped = default_draft_skipped(self.device, self.engine_config.dtype, quantization,
-                                        tensor_parallel_size) \
-            if spec == "auto" and speculative_config is None and model is None else ""
-        spec = None if skipped else _resolve_spec(spec, speculative_config, model)
-        quantization, note = resolve_quantization(
+        spec = _resolve_spec(spec, speculative_config, model)
+        quantization, self.config_note = resolve_quantization(
             quantization, model, self.device, self.engine_config.dtype, tensor_parallel_size,
-            cache_dir, speculative=spec is not None)
-        self.config_note = "; ".join(n for n in (skipped, note) if n)
+            cache_dir)
         self.quantization = quantization
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization,
                             tp=self.tp.group if self.tp is not None else None)
@@ -325,6 +320,8 @@ class LLM(TensorParallelRanks):
                 else:
                     draft, self.draft_info = load_spec_draft(spec, self.model, self.dtype,
                                                              self.device)
+                    if self.quantization == "int4-gguf":  # the draft's linears as Q8_0
+                        quantize_q8_0(draft)
                     pack_linears(draft)
                     self._draft = (key, draft)
             if spec is not None and self.spec is not None and draft is self.draft:

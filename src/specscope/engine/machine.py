@@ -70,16 +70,16 @@ def inductor_cache_for_capability() -> str | None:
 
 def resolve_quantization(quantization: str, model: str | None, device: torch.device,
                          dtype: str, tensor_parallel_size: int = 1,
-                         cache_dir: str | None = None, speculative: bool = False
-                         ) -> tuple[str, str]:
+                         cache_dir: str | None = None) -> tuple[str, str]:
     """(mode, why) for quantization "auto": the faster way to run this model's weights on
-    this CPU, as measured (docs/cpu.md). A candidate for int4-gguf is a GGUF whose layer
-    linears are Q4_0/Q4_1: plain decoding of the default model runs 1.4-1.6x faster on the
-    4-bit kernel than on dense weights, with or without native bf16. A speculative run is
-    slower on it (the kernel's cost grows with a verify's tokens), so with `speculative`
-    the weights stay dense (bf16 where the CPU computes it natively, else fp32). Anything
-    else (CUDA, an HF checkpoint, an explicit --dtype other than bf16, tensor parallelism):
-    none, no reason given. An explicit mode is returned as it is."""
+    this CPU, as measured (docs/cpu.md). int4-gguf where the model is a GGUF whose layer
+    linears are Q4_0/Q4_1 and specscope's native kernels are built (native/quant_kernels.c):
+    plain and speculative decoding of the default model both run faster on the GGUF's codes
+    than on dense weights, with or without native bf16 (a draft beside them runs Q8_0 codes
+    made at load). Without the native kernels (no C compiler) the codes' torch reference is
+    slower than dense weights, so none. Anything else (CUDA, an HF checkpoint, an explicit
+    --dtype other than bf16, tensor parallelism): none, no reason given. An explicit mode is
+    returned as it is."""
     if quantization != "auto":
         return quantization, ""
     gguf = model is None or str(model).endswith(".gguf")
@@ -88,29 +88,14 @@ def resolve_quantization(quantization: str, model: str | None, device: torch.dev
         return "none", ""
     from specscope.models.gguf import q4_linears
     from specscope.models.loader import resolve_model_dir
+    from specscope.native import cpu_kernels
 
     if not q4_linears(resolve_model_dir(model, cache_dir)):  # converts once, then cached
         return "none", ""
-    if speculative:
-        return "none", ("auto: dense weights, speculative decoding runs faster on them than "
-                        "on the 4-bit kernel")
-    return "int4-gguf", "auto: the GGUF's 4-bit weights natively, the fastest plain decoding"
-
-
-def default_draft_skipped(device: torch.device, dtype: str, quantization: str,
-                          tensor_parallel_size: int = 1) -> str:
-    """Why the default model's machine-chosen path decodes plainly instead of speculating
-    with its shipped draft on this machine, or "" where it speculates. On a CPU without
-    native bf16 the speculative path runs dense fp32 weights (the 4-bit kernel's cost grows
-    with a verify's tokens) and plain decoding on the GGUF's 4-bit weights is the faster
-    lossless choice: 1.2-1.5x on the demo prompt held to AVX2 on an EPYC (accept length
-    4.1), 2x on MT-Bench there, level on a Xeon held to AVX2 (docs/cpu.md). The choice is
-    the machine's only where the caller left dtype and quantization to it (auto)."""
-    if device.type != "cpu" or dtype != "auto" or quantization != "auto" \
-            or tensor_parallel_size != 1 or cpu_has_native_bf16():
-        return ""
-    return ("auto: plain decoding, no draft: on this CPU (no native bf16) the 4-bit plain "
-            "path is faster than speculating on dense fp32 weights; --draft default speculates")
+    if cpu_kernels() is None:
+        return "none", ("auto: dense weights, the GGUF's 4-bit codes run natively only with "
+                        "specscope's C kernels (install a C compiler)")
+    return "int4-gguf", "auto: the GGUF's 4-bit weights on specscope's native kernels"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

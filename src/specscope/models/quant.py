@@ -12,7 +12,9 @@ GgufLinear.reference is the torch form of the same arithmetic (the C kernels' sc
 their bit-equal reference); it runs where the native library is not built.
 
 Linears whose GGUF tensors are not Q4_0/Q4_1 stay dense; the lm_head runs its GGUF codes when
-they are Q8_0, Q4_0 or Q4_1 (the embedding lookup keeps dense rows).
+they are Q8_0, Q4_0 or Q4_1 (the embedding lookup keeps dense rows). A draft beside such a
+target has no GGUF: quantize_q8_0 makes Q8_0 codes of its dense linears at load, as llama.cpp's
+quantizer does (its proposals may change slightly; the output cannot, the target verifies).
 """
 
 from __future__ import annotations
@@ -235,4 +237,35 @@ def quantize_from_gguf(model: CausalLM, gguf_path: Path) -> int:
         model.lm_head = _gguf_linear([head], [None], None)  # the embedding keeps dense rows
         swapped += 1
     log.info("int4-gguf: %d linears run on the GGUF's quantised codes", swapped)
+    return swapped
+
+
+def q8_0_codes(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Dense weights [N, K] (K a multiple of 32) -> Q8_0 codes [N, K] int8 and scales
+    [N, K/32] fp32, as llama.cpp quantizes: d = amax / 127 per block of 32, q = round(w / d)
+    with d in fp32, then d stored as fp16."""
+    N, K = w.shape
+    wb = w.detach().float().reshape(N, K // GROUP, GROUP)
+    d = wb.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(wb * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(N, K).numpy(), d.half().float().numpy()
+
+
+def quantize_q8_0(module: nn.Module) -> int:
+    """Swap every dense CPU nn.Linear under `module` whose input width is a multiple of 32
+    for a GgufLinear of its Q8_0 codes (quantize_from_gguf's kernels, 8.5 bits a weight).
+    Returns how many were swapped."""
+    swapped = 0
+    for child in list(module.modules()):
+        for attr, lin in list(child.named_children()):
+            if not isinstance(lin, nn.Linear) or lin.weight.device.type != "cpu" \
+                    or lin.in_features % GROUP:
+                continue
+            q, d = q8_0_codes(lin.weight)
+            bias = None if lin.bias is None else lin.bias.detach().clone()
+            setattr(child, attr, GgufLinear.from_codes(q, d, None, 8, bias))
+            swapped += 1
+    if swapped:
+        log.info("q8_0: %d linears run on Q8_0 codes made at load", swapped)
     return swapped

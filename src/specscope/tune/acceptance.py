@@ -232,7 +232,7 @@ def measure_acceptance(draft: Eagle3Draft, data: ProbeData, depth: int = 10,
     """Ranks of the target's greedy path under the draft, `depth` steps deep, and the
     engine's trees of every topk from 2 to max_topk unrolled along it."""
     B, T = data.input_ids.shape
-    taps = data.taps(draft.config.aux_layer_ids, draft.fc.weight.dtype)
+    taps = data.taps(draft.config.aux_layer_ids, draft.dtype)
     draft.ensure_rope(T + depth + 1)
     logits = unroll(draft, taps, data.input_ids, depth)  # each [B, T, Vd]
     top = data.logits.argmax(-1)  # [B, T] the target's greedy token after each position
