@@ -129,24 +129,67 @@ def test_the_doctor_probes_the_draft_on_dense_weights(monkeypatch):
     assert seen["quantization"] == "none"
 
 
-def test_the_default_path_speculates_on_the_4bit_weights(capsys, specscope_cache_dir):
-    """generate with no flags: the shipped draft (Q8_0) beside the 4-bit target, said on
-    the status line; --draft none decodes plainly."""
+def test_the_machine_chooses_the_draft_only_where_it_chose_the_weights(monkeypatch):
+    """Without native bf16 the default model's machine-chosen path decodes plainly on its
+    4-bit weights (faster there than speculating on them); anything the caller chose
+    (dtype, quantization, tensor parallelism, a GPU, a CPU with native bf16) keeps it."""
+    from specscope.engine import machine
+
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: False)
+    assert "no draft" in machine.default_draft_skipped(CPU, "auto", "auto")
+    assert machine.default_draft_skipped(CPU, "fp32", "auto") == ""
+    assert machine.default_draft_skipped(CPU, "auto", "none") == ""
+    assert machine.default_draft_skipped(CPU, "auto", "auto", 2) == ""
+    assert machine.default_draft_skipped(torch.device("cuda"), "auto", "auto") == ""
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: True)
+    assert machine.default_draft_skipped(CPU, "auto", "auto") == ""
+
+
+def test_the_default_path_by_cpu_class(monkeypatch, capsys, specscope_cache_dir):
+    """generate with no flags: with native bf16 the shipped draft (Q8_0) beside the 4-bit
+    target; without it plain 4-bit decoding, said on the status line; a draft or spec flag
+    speculates either way."""
     from specscope import native
     from specscope.cli import main
+    from specscope.engine import machine
 
     cache = str(specscope_cache_dir)
+    base = ["generate", "--prompt", "Hi", "--max-tokens", "4", "--device", "cpu",
+            "--cache-dir", cache]
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: True)
     llm = LLM(device="cpu", cache_dir=cache)
     assert llm.spec is not None and llm.spec.draft == "default"
     if native.cpu_kernels() is not None:
         assert llm.quantization == "int4-gguf" and "4-bit" in llm.config_note
     del llm
-    base = ["generate", "--prompt", "Hi", "--max-tokens", "4", "--device", "cpu",
-            "--cache-dir", cache]
     assert main(base) == 0
     assert "[speculative" in capsys.readouterr().err
-    assert main([*base, "--draft", "none"]) == 0
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: False)
+    llm = LLM(device="cpu", cache_dir=cache)
+    assert llm.spec is None and "no draft" in llm.config_note
+    del llm
+    assert main(base) == 0
     assert "[speculative" not in capsys.readouterr().err
+    assert main([*base, "--num-steps", "2"]) == 0  # a spec flag asks for speculation
+    assert "[speculative" in capsys.readouterr().err
+
+
+def test_generate_leaves_the_draft_to_the_machine_only_without_spec_flags():
+    """Any spec flag, --spec-policy included, asks for the shipped draft; none leaves the
+    choice to LLM's spec="auto"."""
+    from specscope.cli import build_parser
+    from specscope.cli_args import spec_from_args
+
+    def spec(*flags: str):
+        return spec_from_args(build_parser().parse_args(["generate", *flags]),
+                              machine_default=True)
+
+    assert spec() == "auto"
+    for flags in (["--num-steps", "3"], ["--topk", "2"], ["--spec-policy", "1:5,1,6"],
+                  ["--draft", "default"]):
+        got = spec(*flags)
+        assert isinstance(got, SpecConfig) and got.draft == "default", flags
+    assert spec("--draft", "none") is None
 
 
 def test_a_frozen_heap_still_frees_a_replaced_engine(tiny_model_dir):

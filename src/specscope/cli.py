@@ -57,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = _sampling(args)  # validate before the (slow) model load
     check_engine_args(args)
-    spec = spec_from_args(args)
+    spec = spec_from_args(args, machine_default=True)
     policy = policy_from_args(args, spec)
     if args.prompt is None and args.messages is None:
         args.prompt = "Write a haiku about speculative decoding."

@@ -325,11 +325,20 @@ def _apply_engine_spellings(args: argparse.Namespace) -> None:
             fields["num_steps"], fields["topk"], fields["num_draft_tokens"])
 
 
-def spec_from_args(args: argparse.Namespace) -> SpecConfig | None:
-    """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked."""
+SPEC_FLAGS = ("num_steps", "topk", "num_draft_tokens", "spec_policy")
+
+
+def spec_from_args(args: argparse.Namespace, machine_default: bool = False
+                   ) -> SpecConfig | str | None:
+    """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked.
+    machine_default (generate, the default path): with no draft and no spec flag for the
+    default model, "auto": LLM's spec="auto" then decides whether the shipped draft is the
+    faster path on this machine (engine/machine.py default_draft_skipped) and says why."""
     _apply_engine_spellings(args)
     if args.draft is None and not getattr(args, "model", None) and \
             args.simulate_acceptance is None:
+        if machine_default and all(getattr(args, f, None) is None for f in SPEC_FLAGS):
+            return "auto"
         args.draft = "default"  # the default model comes with its trained draft
     if args.draft is None or args.draft == "none":
         if args.simulate_acceptance is not None:

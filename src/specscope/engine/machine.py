@@ -98,6 +98,22 @@ def resolve_quantization(quantization: str, model: str | None, device: torch.dev
     return "int4-gguf", "auto: the GGUF's 4-bit weights on specscope's native kernels"
 
 
+def default_draft_skipped(device: torch.device, dtype: str, quantization: str,
+                          tensor_parallel_size: int = 1) -> str:
+    """Why the default model's machine-chosen path decodes plainly instead of speculating
+    with its shipped draft on this machine, or "" where it speculates. On a CPU without
+    native bf16 (AVX2 laptops; x86 held to AVX2) plain decoding on the GGUF's 4-bit codes
+    measured faster than speculating on them with the Q8_0 draft: 98.7 against 90.0 tok/s
+    at 128 new tokens, 102.5 against 91.2 at 256 (8 MT-Bench first turns, a Xeon held to
+    AVX2; docs/cpu.md); with native bf16 speculation wins at 256 (119.7 against 98.4). The
+    choice is the machine's only where the caller left dtype and quantization to it."""
+    if device.type != "cpu" or dtype != "auto" or quantization != "auto" \
+            or tensor_parallel_size != 1 or cpu_has_native_bf16():
+        return ""
+    return ("auto: plain decoding, no draft: on this CPU (no native bf16) plain 4-bit "
+            "decoding is faster than speculating; --draft default speculates")
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda" or cpu_has_native_bf16():
