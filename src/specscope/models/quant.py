@@ -109,27 +109,32 @@ class GgufLinear(nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic in torch: x [M, K] -> [M, N] in x's dtype (the integer block
         sums exact, the per-block scaling summed in another order than the C loop)."""
-        N, K = self.scales.shape[0] * TILE, self.in_features
         a, e, s = quantize_activations(x)
-        q = untile_codes(self.codes, self.bits, N, K).float().reshape(N, K // GROUP, GROUP)
+        q, d, m = self._blocks()
         isum = torch.einsum("mbi,nbi->mnb", a, q)  # integers below 2^24: exact in fp32
-        d = self.scales.permute(0, 2, 1).reshape(N, -1)
         y = (isum * (d[None] * e[:, None])).sum(-1)
-        if self.offsets is not None:
-            y = y + s @ self.offsets.permute(0, 2, 1).reshape(N, -1).T
+        if m is not None:
+            y = y + s @ m.T
         return y[:, :self.out_features].to(x.dtype)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weights [N, K] fp32 (for code that reads a head's rows, such as a
         draft initialised from the target's lm_head): built on each access."""
+        q, d, m = self._blocks()
+        w = q * d[..., None]
+        if m is not None:
+            w = w + m[..., None]
+        return w.reshape(q.shape[0], -1)[:self.out_features]
+
+    def _blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layout undone: codes [N, K/32, 32] fp32, scales d and offsets m [N, K/32]
+        (N padded to a whole tile; m None without offsets)."""
         N, K = self.scales.shape[0] * TILE, self.in_features
         q = untile_codes(self.codes, self.bits, N, K).float().reshape(N, K // GROUP, GROUP)
-        d = self.scales.permute(0, 2, 1).reshape(N, -1, 1)
-        w = q * d
-        if self.offsets is not None:
-            w = w + self.offsets.permute(0, 2, 1).reshape(N, -1, 1)
-        return w.reshape(N, K)[:self.out_features]
+        d = self.scales.permute(0, 2, 1).reshape(N, -1)
+        m = None if self.offsets is None else self.offsets.permute(0, 2, 1).reshape(N, -1)
+        return q, d, m
 
     @staticmethod
     def from_codes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, bits: int,

@@ -39,7 +39,7 @@ log = logging.getLogger("specscope")
 
 VERSION = 1  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
 QUANT_VERSION = 1  # quant_kernels.c's sc_quant_version()
-SOURCES = ("cpu_kernels.c", "quant_kernels.c")
+SOURCES = ("bf16.h", "cpu_kernels.c", "quant_kernels.c")  # the .c files are compiled
 _DTYPES = (torch.float32, torch.bfloat16)
 __all__ = ["CpuKernels", "cpu_kernels", "cpu_kernels_for", "build_flags"]
 
@@ -103,10 +103,9 @@ def _build(cc: str, flags: list[str], sources: dict[str, bytes], path: Path) -> 
     With OpenMP where the compiler has it (the quantised products' threads), else without
     (one thread)."""
     with tempfile.TemporaryDirectory() as tmp:
-        srcs = []
         for name, text in sources.items():
             (Path(tmp) / name).write_bytes(text)
-            srcs.append(str(Path(tmp) / name))
+        srcs = [str(Path(tmp) / name) for name in sources if name.endswith(".c")]
         part = path.with_name(f"{path.name}.{os.getpid()}.part")
         try:
             for extra in (["-fopenmp"], []):

@@ -10,7 +10,7 @@
  * those products an instruction, where fp32 does 8-16, which is what lets a verify of several
  * tokens cost little more than one token's decode step.
  *
- * Layout (built by native/quant.py): the N weight rows in tiles of 8; a tile's block holds
+ * Layout (built by models/quant.py): the N weight rows in tiles of 8; a tile's block holds
  * its 32 inputs as 8 groups of 4, each group as 8 rows x 4 codes (32 bytes), so one 4-byte
  * broadcast of the activation meets 8 rows at once and every int32 lane sums one row's block
  * with no horizontal reduction. 4-bit codes pack groups g and g + 4 into one byte (low and
@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -36,19 +38,6 @@
 #define QK 32
 #define TILE 8
 
-static inline float qk_bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t qk_f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
 
 #if defined(__AVX2__)
 /* Eight activations from p + k as fp32. */
@@ -106,7 +95,7 @@ static void quantize_row(const void *x, int64_t row, int64_t K, int bf16, int8_t
 #endif
         for (int i = 0; i < QK; i++) {
             int64_t k = row * K + b * QK + i;
-            buf[i] = bf16 ? qk_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            buf[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
             float v = fabsf(buf[i]);
             amax = v > amax ? v : amax;
         }
@@ -236,7 +225,7 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
     for (int r = 0; r < n; r++) {
-        if (bf16) ((uint16_t *)y)[i + r] = qk_f32_to_bf16(v[r]);
+        if (bf16) ((uint16_t *)y)[i + r] = f32_to_bf16(v[r]);
         else ((float *)y)[i + r] = v[r];
     }
 }
