@@ -106,7 +106,7 @@ def recalibrate(llm: LLM, args: argparse.Namespace, prompts: list, base: SpecCon
     confirmation measured. If the second calibration agrees with the first, the gap to the
     confirmation is the workload (the length, the prompts); if it agrees with the
     confirmation, the machine moved between the two."""
-    plain = next(m for m in res.measured if m.config is None)
+    plain = res.plain_run
     confirmed = [m for m in res.measured if m.config is not None]
     for tokens in dict.fromkeys((args.calibration_tokens, args.max_tokens)):
         cost, _ = _calibrate(llm, args.draft, prompts[:1], base, plain.summary, tokens, warm,

@@ -44,6 +44,7 @@ from specscope.train.ttt import (
     shift_left,
     unroll,
     walk_cycles,
+    walk_totals,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -138,6 +139,18 @@ def test_walk_cycles_follow_the_engine():
     assert walk_cycles(a, answer_spans(mask)) == [2, 3, 1, 0, 0]
     # the mean over all start positions would count positions the walk skips
     assert walk_cycles([[0] * 18], [[(0, 1)]]) == []
+
+
+def test_walk_totals_equal_walk_cycles_per_pattern():
+    """The lock-step walk of many patterns (the tuner's thousands of configurations) sums
+    exactly what walk_cycles counts pattern by pattern, answers ending early included."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 7, (40, 3, 60), generator=g).to(torch.int8)  # [N, B, T]
+    starts, ends = [4, 10, 0], [60, 33, 1]
+    tokens, cycles = walk_totals(a, starts, ends)
+    for i in range(a.shape[0]):
+        c = walk_cycles(a[i].tolist(), [[(s, e)] for s, e in zip(starts, ends, strict=True)])
+        assert (int(tokens[i]), int(cycles[i])) == (sum(c), len(c)), i
 
 
 # -- data: formats, loss mask, vocabulary --------------------------------------------------

@@ -533,6 +533,41 @@ def test_the_acceptance_model_reads_the_served_configurations_text(tiny_model_di
         assert line.startswith(f"[terms] {tuple(r['config'])}") and "host p50/p90" in line
 
 
+def test_plain_decoding_runs_whole_only_where_it_could_win(tiny_model_dir, monkeypatch):
+    """With a served configuration (whose text the acceptance model reads), plain decoding
+    is priced by one calibration-length run, and run over the whole prompts only where a
+    confirmed configuration comes within plain_margin of its prediction: each switch
+    between plain and speculative decoding builds a new engine, and a plain run the
+    recommendation cannot depend on is time the tuner need not spend."""
+    from specscope.tune import tuner
+    from specscope.tune.acceptance import AcceptanceModel
+
+    plain_runs: list[tuple[int, int | None]] = []
+    real_run = tuner.run_config
+
+    def run_spy(llm, cfg, draft, prompts, params, *a, **k):
+        if cfg is None:
+            plain_runs.append((len(prompts), params.max_tokens))
+        return real_run(llm, cfg, draft, prompts, params, *a, **k)
+
+    monkeypatch.setattr(tuner, "run_config", run_spy)
+    monkeypatch.setattr(tuner, "_acceptance_model", lambda *a, **k: AcceptanceModel.simulated(
+        (0.7, 0.6, 0.5), depth=3, positions=500))
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
+    prompts = ["1 2 3", "Once upon a time"]
+    lines: list[str] = []
+    res = tuner.tune(llm, "random", prompts, max_tokens=8, depth=3, calibration_tokens=6,
+                     served=(2, 1, 3), plain_margin=-1.0, log=lines.append)
+    assert plain_runs == [(1, 6)] and res.plain_run is not None
+    assert all(m.config is not None for m in res.measured) and res.recommended is not None
+    assert "plain (not confirmed)" in res.table()
+    assert any("plain decoding not confirmed" in x for x in lines)
+    plain_runs.clear()
+    res = tuner.tune(llm, "random", prompts, max_tokens=8, depth=3, calibration_tokens=6,
+                     served=(2, 1, 3), plain_margin=100.0, log=lines.append)
+    assert plain_runs == [(1, 6), (2, 8)] and res.measured[0].config is None
+
+
 def test_a_trees_extra_host_time_is_its_own_term():
     """The host's time between a cycle's segments is fitted as a constant and a tree's
     extra (on the H200 trees spent 0.25-0.32 ms a cycle there, chains 0.14-0.18), both

@@ -260,6 +260,11 @@ class Eagle3Draft(nn.Module):
         """The activations' dtype (its linears may hold quantised codes instead)."""
         return self.norm.weight.dtype
 
+    @property
+    def rope_len(self) -> int:
+        """Positions the rope tables cover now (0 before they are made)."""
+        return 0 if self._rope is None else int(self._rope[0].shape[0])
+
     def ensure_rope(self, length: int) -> None:
         """Rope tables covering positions [0, length) at least (rebuilt only if shorter)."""
         if self._rope is None or self._rope[0].shape[0] < length:

@@ -315,6 +315,13 @@ class LLM(TensorParallelRanks):
         self._everywhere("set_spec", spec, policy)
         self._set_spec(spec, policy)
 
+    def loaded_draft(self, draft: str) -> Eagle3Draft | None:
+        """The draft this LLM holds loaded (kept while decoding plainly too) if it was loaded
+        from `draft` and is whole on this process (no tensor parallelism); else None."""
+        if self._draft is None or self._draft[0][0] != draft or self.tp is not None:
+            return None
+        return self._draft[1]
+
     def _set_spec(self, spec: SpecConfig | None, policy: SpecPolicy | None) -> None:
         with self._lock:
             draft = None

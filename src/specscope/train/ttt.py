@@ -258,6 +258,28 @@ def walk_cycles(accepted: list[list[int]], spans: list[list[tuple[int, int]]]) -
     return out
 
 
+def walk_totals(accepted: torch.Tensor, starts: list[int], ends: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """walk_cycles for many acceptance patterns at once, one span per answer: accepted
+    [N, B, T] (a(t) of N configurations); returns (accepted draft tokens [N], cycles [N])
+    summed over the B answers. The walks advance in lock step, one cycle per iteration, so
+    thousands of configurations cost as many tensor operations as one answer's cycles."""
+    N, B, T = accepted.shape
+    pos = torch.tensor(starts, dtype=torch.long).expand(N, B).clone()  # [N, B]
+    end = torch.tensor(ends, dtype=torch.long).expand(N, B)
+    tokens = torch.zeros(N, dtype=torch.long)
+    cycles = torch.zeros(N, dtype=torch.long)
+    while True:
+        live = pos + 2 < end  # the answer still has a token after this cycle's root
+        if not bool(live.any()):
+            return tokens, cycles
+        acc = accepted.gather(-1, pos.clamp(max=T - 1)[..., None])[..., 0].long()
+        acc = torch.minimum(acc, (end - pos - 2).clamp(min=0)) * live
+        tokens += acc.sum(-1)
+        cycles += live.sum(-1)
+        pos = torch.where(live, pos + acc + 1, pos)
+
+
 def walk_accept_counts(m: StepMetrics, label_mask: torch.Tensor, num_steps: int
                        ) -> tuple[int, int]:
     """(accepted draft tokens, cycles) of a greedy chain of num_steps replayed on the batch:

@@ -38,7 +38,7 @@ import torch
 
 from specscope.doctor.probe import ProbeData
 from specscope.draft.eagle3 import Eagle3Draft
-from specscope.train.ttt import shift_left, unroll, walk_cycles
+from specscope.train.ttt import shift_left, unroll, walk_cycles, walk_totals
 from specscope.tune.tree_unroll import TreeCandidates, unroll_tree
 
 INF_RANK = 1 << 30
@@ -186,6 +186,8 @@ class AcceptanceModel:
         threshold: the node at depth d is kept when n >= need[d] = outranking[d] + 2, so
         a(t) for any n counts the leading depths whose running maximum of need is <= n."""
         out: dict[tuple[int, int, int], float] = {}
+        walked: list[torch.Tensor] = []  # a(t) of the walked configurations, by group
+        walked_ns: list[list[tuple[int, int, int]]] = []
         groups: dict[tuple[int, int], list[int]] = {}
         for s, k, n in configs:
             groups.setdefault((s, k), []).append(n)
@@ -205,11 +207,16 @@ class AcceptanceModel:
                 for n, c in zip(uniq, kept.tolist(), strict=True):
                     out[(s, k, n)] = 1.0 + c / srt.shape[1]
                 continue
-            for n in sorted(set(ns)):
-                a = (lead <= n).sum(-1)  # [B, T] leading depths kept (lead is monotone)
-                c = walk_cycles(a.tolist(), [[(st, e)] for st, e in
-                                             zip(self.starts, self.ends, strict=True)])
-                out[(s, k, n)] = 1.0 + sum(c) / len(c) if c else 1.0
+            uniq = sorted(set(ns))
+            # [len(uniq), B, T]: leading depths kept (lead is monotone), as small ints
+            walked_ns.append([(s, k, n) for n in uniq])
+            walked.append((lead[None] <= torch.tensor(uniq)[:, None, None, None]).sum(
+                -1, dtype=torch.int8))
+        if walked:
+            tokens, cycles = walk_totals(torch.cat(walked), self.starts, self.ends)
+            keys = [c for group in walked_ns for c in group]
+            for c, tok, cyc in zip(keys, tokens.tolist(), cycles.tolist(), strict=True):
+                out[c] = 1.0 + tok / cyc if cyc else 1.0
         return out
 
     def acceptance_by_rank(self, max_rank: int = 8) -> list[list[float]]:

@@ -4,14 +4,16 @@ configurations in place (LLM.set_spec).
 
     1. acceptance model: the engine answers the prompts once speculating (the served
        configuration); the draft is unrolled 10 steps along the answers (acceptance.py);
-    2. cost model: plain decoding on the prompts, then a short profiled calibration over four
-       configurations (cost.py);
+    2. cost model: plain decoding (the whole prompts where their text is needed, else one
+       calibration-length run), then a short profiled calibration over the calibration
+       shapes (cost.py);
     3. prediction for every (num_steps <= 10, topk <= 8, num_draft_tokens <= 64);
     4. confirmation: the best predicted chain, the best predicted tree, the configuration being
-       served and the next-best predictions, each run on the prompts with the profiler,
-       against the plain run of step 2; the best measured wins (within 3 %, the better
-       predicted). A cost model that misprices one family (trees, say) can then cost a wrong
-       ranking within the family but never the family itself.
+       served and the next-best predictions, each run on the prompts with the profiler;
+       plain decoding runs the whole prompts too where a confirmed configuration comes
+       within `plain_margin` of its prediction. The best measured wins (within 3 %, the
+       better predicted). A cost model that misprices one family (trees, say) can then cost a
+       wrong ranking within the family but never the family itself.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class TuneResult:
     measured: list[Measured] = field(default_factory=list)
     recommended: Config | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # Plain decoding as the cost model read it: the whole prompts (then also in `measured`)
+    # or a calibration-length run.
+    plain_run: Measured | None = None
     # Speculation by batch size (tune(batch_sizes=...)): the policy and each batch's row.
     policy: SpecPolicy | None = None
     batch_rows: list[BucketRow] = field(default_factory=list)
@@ -103,6 +108,9 @@ class TuneResult:
             lines.append(f"{'plain':<28} {'1.00':>8} {self.cost.plain_tok_per_s:>10.1f} "
                          f"{'1.00':>8} {plain.tok_per_s:>10.1f} {err:>+7.1%} "
                          f"{-err / (1 + err):>+11.1%}")
+        else:
+            lines.append(f"{'plain (not confirmed)':<28} {'1.00':>8} "
+                         f"{self.cost.plain_tok_per_s:>10.1f} {'-':>8} {'-':>10}")
         for m in self.measured:
             if m.config is None:
                 continue
@@ -290,7 +298,7 @@ def _acceptance_model(llm: Any, draft: str, prompts: list[Any], answers: list[li
     t = time.perf_counter()
     if base is not None and base.simulated:
         acc = simulated_acceptance(llm, draft, base, prompts[:calibration_prompts], depth,
-                                   answers[:calibration_prompts])
+                                   answers[:calibration_prompts] or None)
         log(f"[tune] simulated acceptance model: the profile's ranks, the tree's shape from "
             f"the draft's scores ({time.perf_counter() - t:.1f} s)")
         return acc
@@ -299,11 +307,18 @@ def _acceptance_model(llm: Any, draft: str, prompts: list[Any], answers: list[li
 
     ids = [llm.encode_prompt(p) for p in prompts]
     data = target_probe_data(llm.model, ids, max_tokens, answers=answers)
-    loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
-    loaded.model.attach_target(llm.model)
-    acc = measure_acceptance(loaded.model, data, depth)
+    t_data = time.perf_counter() - t
+    # The draft the engine runs (its kernels' numerics too), where the LLM holds it whole
+    # and its rope tables reach (new ones would leave the engine's captured graphs reading
+    # freed tables).
+    model = llm.loaded_draft(draft)
+    if model is None or model.rope_len < data.input_ids.shape[1] + depth + 1:
+        loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
+        loaded.model.attach_target(llm.model)
+        model = loaded.model
+    acc = measure_acceptance(model, data, depth)
     log(f"[tune] acceptance model: {depth} steps over {data.answer_tokens} answer tokens "
-        f"({time.perf_counter() - t:.1f} s)")
+        f"({time.perf_counter() - t:.1f} s, the target's taps {t_data:.1f} s)")
     return acc
 
 
@@ -408,25 +423,55 @@ def measure_interleaved(llm: Any, configs: list[Config], draft: str, prompts: li
 
 
 def _text_run(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
-              base: SpecConfig | None, warmup_tokens: int, served: Config | None, depth: int,
-              acceptance: AcceptanceModel | None, plain_answers: list[list[int]], log: Any
+              base: SpecConfig | None, warmup_tokens: int, served: Config, log: Any
               ) -> list[list[int]]:
     """The text the acceptance model reads: the served configuration's greedy outputs (that
-    run logged; the confirmation measures the configuration again beside the others);
-    without a served configuration (or with a given or simulated acceptance) plain
-    decoding's. A speculating engine's text can part from plain decoding's: in bf16 on a
-    CPU its verify decides near-ties with other kernels, and 3 of 4 MT-Bench answers parted
-    within 11-26 tokens; along the plain text the chains' accept lengths were predicted
-    11-14 % short, along a chain's own text within 1.1 % (benchmarks/acceptance_model.py
-    --spec-text)."""
-    if served is None or acceptance is not None or (base is not None and base.simulated) \
-            or served not in all_configs(depth):
-        return plain_answers
+    run logged; the confirmation measures the configuration again beside the others). A
+    speculating engine's text can part from plain decoding's: in bf16 on a CPU its verify
+    decides near-ties with other kernels, and 3 of 4 MT-Bench answers parted within 11-26
+    tokens; along the plain text the chains' accept lengths were predicted 11-14 % short,
+    along a chain's own text within 1.1 % (benchmarks/acceptance_model.py --spec-text)."""
     answers: list[list[int]] = []
     m = run_config(llm, served, draft, prompts, params, base, warmup_tokens, outputs=answers)
     log(f"[tune] served {served}: {m.tok_per_s:.1f} tok/s (confirmed again with the others), "
         f"its text read by the acceptance model ({m.seconds:.1f} s)")
     return answers
+
+
+def _plain(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
+           base: SpecConfig | None, warmup_tokens: int, whole: bool, calibration_prompts: int,
+           calibration_tokens: int, answers: list[list[int]], log: Any) -> Measured:
+    """Plain decoding for the cost model: the whole prompts where their text is needed
+    (`whole`: the acceptance model reads plain decoding's answers, filled into `answers`),
+    else one calibration-length run. Each switch between plain and speculative decoding
+    builds a new engine, so plain runs once, in one piece."""
+    if whole:
+        return run_config(llm, None, draft, prompts, params, base, warmup_tokens,
+                          outputs=answers)
+    m = run_config(llm, None, draft, prompts[:calibration_prompts],
+                   SamplingParams(max_tokens=calibration_tokens, ignore_eos=True), base,
+                   min(warmup_tokens, calibration_tokens, 8))
+    log(f"[tune] plain decoding priced by {calibration_prompts} x {calibration_tokens} tokens: "
+        f"{m.tok_per_s:.1f} tok/s ({m.seconds:.1f} s)")
+    return m
+
+
+def _confirm_plain(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
+                   base: SpecConfig | None, warmup_tokens: int, result: TuneResult,
+                   plain_margin: float, log: Any) -> None:
+    """Plain decoding over the whole prompts, added to the confirmed runs, unless it ran so
+    already or the best confirmed configuration beats its prediction by more than
+    `plain_margin` (then plain cannot win within the noise of the two measurements)."""
+    if any(m.config is None for m in result.measured):
+        return
+    best = max(m.tok_per_s for m in result.measured)
+    plain = result.cost.plain_tok_per_s
+    if best > (1 + plain_margin) * plain:
+        log(f"[tune] plain decoding not confirmed: the best confirmed configuration "
+            f"({best:.1f} tok/s) is {best / plain:.2f}x its prediction ({plain:.1f})")
+        return
+    result.measured.insert(0, run_config(llm, None, draft, prompts, params, base,
+                                         warmup_tokens))
 
 
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
@@ -435,32 +480,35 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          budget_seconds: float | None = None, log: Any = print, base: SpecConfig | None = None,
          acceptance: AcceptanceModel | None = None, warmup_tokens: int = 8,
          tie_margin: float = 0.03, served: Config | None = None,
-         batch_sizes: list[int] | None = None) -> TuneResult:
+         batch_sizes: list[int] | None = None, plain_margin: float = 0.15) -> TuneResult:
     """The whole tuner on an LLM holding the target (weights never reloaded). With a budget,
-    confirmation runs stop once it is spent (plain and confirmation_set's must-runs always
-    run: the top prediction, the best chain and tree, and `served`, the configuration in
-    use).
+    confirmation runs stop once it is spent (confirmation_set's must-runs always run: the
+    top prediction, the best chain and tree, and `served`, the configuration in use).
     `base`: settings every configuration keeps (draft layer ids, simulated acceptance).
     `acceptance`: a given acceptance model instead of measuring the draft. With a simulated
     `base` and no `acceptance`, the model is the profile's (simulated_acceptance).
     `calibration_rounds`: the parts of each calibration shape's tokens (_calibrate).
     `tie_margin`: confirmed configurations measured within this share of the fastest are
     tied, and the tie goes to the higher prediction (pick).
+    `plain_margin`: plain decoding is confirmed over the whole prompts unless the best
+    confirmed configuration beats its prediction by more than this share (_confirm_plain).
     `batch_sizes`: beyond batch 1, fit speculation by batch size (tune/batch_policy.py):
     the result's policy, served from then on."""
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     params = SamplingParams(max_tokens=max_tokens)
+    measured_draft = acceptance is None and not (base is not None and base.simulated)
+    served_text = measured_draft and served is not None and served in all_configs(depth)
     t = time.perf_counter()
-    # Plain decoding runs once, on every prompt: it is the cost model's plain step and the
-    # confirmation's baseline row.
+    whole_plain = measured_draft and not served_text  # its text is the acceptance model's
     answers: list[list[int]] = []
-    plain = run_config(llm, None, draft, prompts, params, base, warmup_tokens,
-                       outputs=answers)
+    plain = _plain(llm, draft, prompts, params, base, warmup_tokens, whole_plain,
+                   calibration_prompts,
+                   calibration_tokens, answers, log)
     timings["plain"] = time.perf_counter() - t
     t = time.perf_counter()
-    answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served, depth,
-                        acceptance, answers, log)
+    if served_text:
+        answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served, log)
     timings["text_run"] = time.perf_counter() - t
     t = time.perf_counter()
     acc = acceptance if acceptance is not None else _acceptance_model(
@@ -474,24 +522,26 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
                              calibration_tokens, warmup_tokens,
                              all_configs(min(depth, acc.depth)), calibration_rounds)
     timings["calibration"] = time.perf_counter() - t
-    cal_s = timings["plain"] + timings["calibration"]
     log(f"[tune] cost model from plain + {len(run_s)} calibration configs "
-        f"({cal_s:.1f} s; runs, s: plain {plain.seconds:.1f}, {', '.join(run_s)}): "
-        f"{cost.as_dict()}; "
+        f"({timings['plain'] + timings['calibration']:.1f} s; runs, s: plain "
+        f"{plain.seconds:.1f}, {', '.join(run_s)}): {cost.as_dict()}; "
         f"worst calibration residual {cost.worst_residual():.1%}")
 
     preds, timings["prediction"] = _predict(acc, cost, depth, log)
 
     t = time.perf_counter()
-    result = TuneResult(cost=cost, acceptance=acc, predictions=preds)
-    result.measured.append(plain)
+    result = TuneResult(cost=cost, acceptance=acc, predictions=preds, plain_run=plain)
+    if whole_plain:
+        result.measured.append(plain)  # the whole prompts: confirmed already
     must, more = confirmation_set(preds, confirm, served)
     # The served configuration runs again among the others although its text run measured
     # it: a run minutes earlier met another speed of the machine (on a 2-core CPU its text
     # run measured 17.6 tok/s where the interleaved runs and the grid then gave 13-15).
     result.measured += _confirm(
         llm, draft, prompts, params, base, warmup_tokens, must, more, budget_seconds, t_start,
-        lambda c: plain.seconds * plain.tok_per_s / preds[c][1], log)
+        lambda c: len(prompts) * max_tokens / preds[c][1], log)
+    _confirm_plain(llm, draft, prompts, params, base, warmup_tokens, result, plain_margin,
+                   log)
     timings["confirmation"] = time.perf_counter() - t
     best = pick(result.measured, preds, cost.plain_tok_per_s, tie_margin)
     result.recommended = best.config
