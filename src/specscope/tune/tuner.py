@@ -304,15 +304,19 @@ def _acceptance_model(llm: Any, draft: str, prompts: list[Any], answers: list[li
         return acc
     from specscope.doctor.probe import target_probe_data
     from specscope.draft.loader import load_draft
+    from specscope.models.quant import GgufLinear
 
     ids = [llm.encode_prompt(p) for p in prompts]
     data = target_probe_data(llm.model, ids, max_tokens, answers=answers)
     t_data = time.perf_counter() - t
-    # The draft the engine runs (its kernels' numerics too), where the LLM holds it whole
-    # and its rope tables reach (new ones would leave the engine's captured graphs reading
-    # freed tables).
+    # The draft the engine runs, where the LLM holds it whole, on dense weights (a CPU
+    # engine's Q8_0 codes are made for few-row steps: over 2 answers of 128 tokens the
+    # unroll took 20.4 s on them and 11.4 s on dense bf16, 2-core Xeon) and with rope
+    # tables that reach (new ones would leave the engine's captured graphs reading freed
+    # tables).
     model = llm.loaded_draft(draft)
-    if model is None or model.rope_len < data.input_ids.shape[1] + depth + 1:
+    if model is None or model.rope_len < data.input_ids.shape[1] + depth + 1 or any(
+            isinstance(m, GgufLinear) for m in model.modules()):
         loaded = load_draft(draft, llm.model_config, dtype=llm.dtype, device=llm.device)
         loaded.model.attach_target(llm.model)
         model = loaded.model
