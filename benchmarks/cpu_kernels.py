@@ -6,9 +6,12 @@ rows, i.e. whether its kernel streams each weight once for a few-token forward.
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --attention    # the attention instead (below)
 
-Formats: dense fp32 and bf16 (F.linear), int8 weights with a scale per output row
-(`_weight_int8pack_mm`, bf16 and fp32 activations) and the GGUF path's 4-bit weights in
-groups of 32 (`_weight_int4pack_mm_for_cpu`, bf16 activations). Random weights of SmolLM2-135M's
+Formats: the native GGUF kernels (`models/quant.py` GgufLinear, Q4_1 and Q8_0 codes with
+8-bit activations made from bf16 or fp32 ones: what `--quantization int4-gguf` runs), dense
+fp32 and bf16 (F.linear), int8 weights with a scale per output row (`_weight_int8pack_mm`,
+bf16 and fp32 activations) and torch's 4-bit weights in groups of 32
+(`_weight_int4pack_mm_for_cpu`, bf16 activations). `--rows 1,6,8,16` times more row counts;
+`--formats Q4_1,Q8_0` only the named ones. Random weights of SmolLM2-135M's
 shapes; microseconds per call, the mean of 200 after 10 untimed. A table, then a JSON line.
 
 --attention: one layer's attention of the default model (3 KV heads, 3 query heads each,
@@ -52,12 +55,33 @@ def formats(n: int, k: int) -> dict[str, tuple[torch.dtype, Callable]]:
                                                                  dtype=torch.int32), 1)
     sz = torch.stack([torch.rand(k // 32, n), torch.rand(k // 32, n)], -1).bfloat16()
     f32, b16, sb = torch.float32, torch.bfloat16, s.bfloat16()
-    return {"fp32": (f32, lambda x: F.linear(x, w)),
+    out = gguf_formats(w)
+    return out | {"fp32": (f32, lambda x: F.linear(x, w)),
             "bf16": (b16, lambda x: F.linear(x, wb)),
             "int8 (bf16 x)": (b16, lambda x: torch._weight_int8pack_mm(x, w8, sb)),
             "int8 (fp32 x)": (f32, lambda x: torch._weight_int8pack_mm(x, w8, s)),
             "int4 (bf16 x)": (b16, lambda x: torch._weight_int4pack_mm_for_cpu(x, p4, 32,
                                                                                sz))}
+
+
+def gguf_formats(w: torch.Tensor) -> dict[str, tuple[torch.dtype, Callable]]:
+    """The native GGUF kernels (models/quant.py GgufLinear: Q4_1 and Q8_0 codes, 8-bit
+    activations) of w's shape, with bf16 and fp32 activations; none where they do not build."""
+    import numpy as np
+
+    from specscope import native
+    from specscope.models.quant import GgufLinear, q8_0_codes
+
+    if native.cpu_kernels() is None:
+        return {}
+    n, k = w.shape
+    rng = np.random.default_rng(0)
+    d = np.abs(rng.normal(0.002, 0.001, (n, k // 32))).astype(np.float32)
+    q4 = GgufLinear.from_codes(rng.integers(0, 16, (n, k)).astype(np.uint8), d, -8 * d, 4, None)
+    q, dq = q8_0_codes(w)
+    q8 = GgufLinear.from_codes(q, dq, None, 8, None)
+    return {f"{name} ({tag} x)": (dt, lin) for name, lin in (("Q4_1", q4), ("Q8_0", q8))
+            for tag, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
 
 
 def attention_case(dtype: torch.dtype, n: int, L: int) -> dict:
@@ -101,7 +125,14 @@ def attention_rows() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--rows", default="1,6",
+                    help="activation rows a product (comma-separated; the first is the unit "
+                         "of the ratios)")
+    ap.add_argument("--formats", default=None,
+                    help="only formats whose name starts with one of these (comma-separated)")
     args = ap.parse_args()
+    args.rows = [int(r) for r in args.rows.split(",")]
+    wanted = tuple(args.formats.split(",")) if args.formats else ("",)
     print(json.dumps({"aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                       "threads": torch.get_num_threads()}))
     if args.attention:
@@ -113,11 +144,15 @@ def main() -> None:
     with torch.inference_mode():
         for name, (n, k) in SHAPES.items():
             for fmt, (dtype, fn) in formats(n, k).items():
-                xs = {m: torch.randn(m, k, dtype=dtype) for m in (1, 6)}
+                if not fmt.startswith(wanted):
+                    continue
+                xs = {m: torch.randn(m, k, dtype=dtype) for m in args.rows}
                 us = {m: bench(lambda x=xs[m], fn=fn: fn(x)) for m in xs}
-                rows.append({"linear": name, "format": fmt, "us_1": us[1], "us_6": us[6]})
-                print(f"{name:13} {fmt:14} 1 row {us[1]:9.1f} us   6 rows {us[6]:9.1f} us "
-                      f"({us[6] / us[1]:.1f}x)", flush=True)
+                rows.append({"linear": name, "format": fmt,
+                             **{f"us_{m}": round(v, 2) for m, v in us.items()}})
+                print(f"{name:13} {fmt:16} " + "   ".join(
+                    f"{m} rows {v:8.1f} us ({v / us[args.rows[0]]:.1f}x)"
+                    for m, v in us.items()), flush=True)
     print(json.dumps({"bench": "cpu_kernels", "rows": rows}))
 
 
