@@ -230,35 +230,23 @@ static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
     }
 }
 
-/* Activation rows per pass over a tile: its codes are unpacked once a block for all of
- * them. 8 where AVX-512VL gives 32 vector registers (8 codes, 8 accumulators and the sums'
- * temporaries stay in registers; a chain-of-5 or -7 verify then unpacks once), else 4. */
-#if defined(__AVX512VL__)
-#define MAX_ROWS 8
-#else
-#define MAX_ROWS 4
-#endif
-
 /* One tile's outputs for every activation row. */
 static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
                  const int8_t *a, const float *e, const float *s, int64_t K, int64_t M,
                  int64_t N, int64_t n0, void *y, int bf16, int reference) {
     int cols = (int)(N - n0 < TILE ? N - n0 : TILE);
-    float out[TILE];
+    float out[4 * TILE];
 #if defined(__AVX2__)
     if (!reference) {
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            __m256 acc[MAX_ROWS];
-            int R = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-#define ROWS(r) case r: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, r, acc); break;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            __m256 acc[4];
+            int R = (int)(M - m0 < 4 ? M - m0 : 4);
             switch (R) {  /* constant row counts, so the accumulators stay in registers */
-#if MAX_ROWS == 8
-            ROWS(8) ROWS(7) ROWS(6) ROWS(5)
-#endif
-            ROWS(4) ROWS(3) ROWS(2)
+            case 4: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 4, acc); break;
+            case 3: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 3, acc); break;
+            case 2: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 2, acc); break;
             default: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 1, acc); break;
             }
-#undef ROWS
             for (int j = 0; j < R; j++) {
                 _mm256_storeu_ps(out, acc[j]);
                 store_row(y, (m0 + j) * N + n0, out, cols, bf16);
