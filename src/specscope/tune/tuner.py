@@ -478,6 +478,37 @@ def _confirm_plain(llm: Any, draft: str, prompts: list[Any], params: SamplingPar
                                          warmup_tokens))
 
 
+def _plain_and_acceptance(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
+                          base: SpecConfig | None, warmup_tokens: int, served: Config | None,
+                          depth: int, acceptance: AcceptanceModel | None,
+                          calibration_prompts: int, calibration_tokens: int,
+                          timings: dict[str, float], log: Any
+                          ) -> tuple[Measured, AcceptanceModel, bool]:
+    """The tuner's first steps, each timed into `timings`: plain decoding (_plain), the
+    served configuration's text run where that text feeds the acceptance model, and the
+    acceptance model. Returns (plain's run, the model, whether plain ran the whole prompts)."""
+    measured_draft = acceptance is None and not (base is not None and base.simulated)
+    served_text = measured_draft and served is not None and served in all_configs(depth)
+    whole_plain = measured_draft and not served_text  # its text is the acceptance model's
+    t = time.perf_counter()
+    answers: list[list[int]] = []
+    plain = _plain(llm, draft, prompts, params, base, warmup_tokens, whole_plain,
+                   calibration_prompts, calibration_tokens, answers, log)
+    timings["plain"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if served_text:
+        answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served, log)
+    timings["text_run"] = time.perf_counter() - t
+    t = time.perf_counter()
+    acc = acceptance if acceptance is not None else _acceptance_model(
+        llm, draft, prompts, answers, base, depth, calibration_prompts, params.max_tokens,
+        log)
+    if acceptance is not None:
+        log(f"[tune] acceptance model given ({acc.depth} steps)")
+    timings["acceptance_model"] = time.perf_counter() - t
+    return plain, acc, whole_plain
+
+
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
          confirm: int = 1, depth: int = 10, calibration_prompts: int = 1,
          calibration_tokens: int = 48, calibration_rounds: int = 2,
@@ -503,25 +534,9 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     params = SamplingParams(max_tokens=max_tokens)
-    measured_draft = acceptance is None and not (base is not None and base.simulated)
-    served_text = measured_draft and served is not None and served in all_configs(depth)
-    t = time.perf_counter()
-    whole_plain = measured_draft and not served_text  # its text is the acceptance model's
-    answers: list[list[int]] = []
-    plain = _plain(llm, draft, prompts, params, base, warmup_tokens, whole_plain,
-                   calibration_prompts,
-                   calibration_tokens, answers, log)
-    timings["plain"] = time.perf_counter() - t
-    t = time.perf_counter()
-    if served_text:
-        answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served, log)
-    timings["text_run"] = time.perf_counter() - t
-    t = time.perf_counter()
-    acc = acceptance if acceptance is not None else _acceptance_model(
-        llm, draft, prompts, answers, base, depth, calibration_prompts, max_tokens, log)
-    if acceptance is not None:
-        log(f"[tune] acceptance model given ({acc.depth} steps)")
-    timings["acceptance_model"] = time.perf_counter() - t
+    plain, acc, whole_plain = _plain_and_acceptance(
+        llm, draft, prompts, params, base, warmup_tokens, served, depth, acceptance,
+        calibration_prompts, calibration_tokens, timings, log)
 
     t = time.perf_counter()
     cost, run_s = _calibrate(llm, draft, prompts[:calibration_prompts], base, plain.summary,
