@@ -34,7 +34,8 @@ from specscope import LLM, SamplingParams, SpecConfig
 from specscope.bench.datasets import load_prompts
 from specscope.cli_draft import served_config
 from specscope.engine.machine import freeze_heap
-from specscope.tune.tuner import TuneResult, _calibrate, max_nodes, run_config, tune
+from specscope.tune.result import TuneResult
+from specscope.tune.tuner import _calibrate, max_nodes, run_config, tune
 
 
 def grid() -> list:

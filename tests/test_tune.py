@@ -390,7 +390,8 @@ def test_pick_breaks_near_ties_by_measurement_and_prediction():
     measurement slightly ahead, predictions the model cannot tell apart leave it to the
     measurement; a clear measured win stands; plain decoding competes like any
     configuration."""
-    from specscope.tune.tuner import Measured, pick
+    from specscope.tune.result import Measured
+    from specscope.tune.tuner import pick
 
     preds = {(4, 1, 5): (3.16, 85.0), (5, 1, 6): (3.38, 77.1), (3, 1, 4): (2.84, 77.7)}
     runs = [Measured(None, 38.8, 1.0, 5.0), Measured((4, 1, 5), 88.7, 3.46, 2.0),

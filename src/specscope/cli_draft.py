@@ -142,7 +142,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from specscope.bench.datasets import load_prompts
     from specscope.engine.llm import LLM
     from specscope.engine.machine import freeze_heap
-    from specscope.tune.tuner import tune, write_plot
+    from specscope.tune.result import write_plot
+    from specscope.tune.tuner import tune
 
     check_engine_args(args)
     check_draft_arg(args.draft)  # before the target loads

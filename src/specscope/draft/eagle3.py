@@ -267,7 +267,7 @@ class Eagle3Draft(nn.Module):
 
     def ensure_rope(self, length: int) -> None:
         """Rope tables covering positions [0, length) at least (rebuilt only if shorter)."""
-        if self._rope is None or self._rope[0].shape[0] < length:
+        if self.rope_len < length:
             self.init_rope(max(length, self.config.max_position_embeddings))
 
     # -- forward ----------------------------------------------------------------------------
