@@ -569,6 +569,28 @@ def test_plain_decoding_runs_whole_only_where_it_could_win(tiny_model_dir, monke
     assert plain_runs == [(1, 6), (2, 8)] and res.measured[0].config is None
 
 
+def test_a_budget_cuts_the_extra_confirmations_only(tiny_model_dir, monkeypatch):
+    """With --budget-seconds spent, the tuner still confirms its must-runs (the top
+    prediction, the best chain and tree, the served configuration) and drops the next-best
+    ones; each estimated from the served configuration's whole-prompt run."""
+    from specscope.tune import tuner
+    from specscope.tune.acceptance import AcceptanceModel
+
+    monkeypatch.setattr(tuner, "_acceptance_model", lambda *a, **k: AcceptanceModel.simulated(
+        (0.7, 0.6, 0.5), depth=3, positions=500))
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
+    lines: list[str] = []
+    kw = dict(max_tokens=6, depth=3, calibration_tokens=6, served=(2, 1, 3), confirm=2,
+              plain_margin=-1.0, log=lines.append)
+    res = tuner.tune(llm, "random", ["1 2 3"], budget_seconds=0.0, **kw)
+    must, more = tuner.confirmation_set(res.predictions, 2, (2, 1, 3))
+    assert [m.config for m in res.measured] == must and len(more) == 2
+    assert any(f"confirming {len(must)} of {len(must) + 2}" in x for x in lines)
+    res = tuner.tune(llm, "random", ["1 2 3"], budget_seconds=1e6, **kw)
+    must, more = tuner.confirmation_set(res.predictions, 2, (2, 1, 3))  # this run's ranking
+    assert [m.config for m in res.measured] == must + more
+
+
 def test_a_trees_extra_host_time_is_its_own_term():
     """The host's time between a cycle's segments is fitted as a constant and a tree's
     extra (on the H200 trees spent 0.25-0.32 ms a cycle there, chains 0.14-0.18), both

@@ -289,7 +289,7 @@ def measure_interleaved(llm: Any, configs: list[Config], draft: str, prompts: li
 
 def _text_run(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
               base: SpecConfig | None, warmup_tokens: int, served: Config, log: Any
-              ) -> list[list[int]]:
+              ) -> tuple[list[list[int]], Measured]:
     """The text the acceptance model reads: the served configuration's greedy outputs (that
     run logged; the confirmation measures the configuration again beside the others). A
     speculating engine's text can part from plain decoding's: in bf16 on a CPU its verify
@@ -300,7 +300,7 @@ def _text_run(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
     m = run_config(llm, served, draft, prompts, params, base, warmup_tokens, outputs=answers)
     log(f"[tune] served {served}: {m.tok_per_s:.1f} tok/s (confirmed again with the others), "
         f"its text read by the acceptance model ({m.seconds:.1f} s)")
-    return answers
+    return answers, m
 
 
 def _plain(llm: Any, draft: str, prompts: list[Any], params: SamplingParams,
@@ -344,10 +344,11 @@ def _plain_and_acceptance(llm: Any, draft: str, prompts: list[Any], params: Samp
                           depth: int, acceptance: AcceptanceModel | None,
                           calibration_prompts: int, calibration_tokens: int,
                           timings: dict[str, float], log: Any
-                          ) -> tuple[Measured, AcceptanceModel, bool]:
+                          ) -> tuple[Measured, AcceptanceModel, Measured | None]:
     """The tuner's first steps, each timed into `timings`: plain decoding (_plain), the
     served configuration's text run where that text feeds the acceptance model, and the
-    acceptance model. Returns (plain's run, the model, whether plain ran the whole prompts)."""
+    acceptance model. Returns (plain's run, the model, the run over the whole prompts: plain's
+    or the served configuration's, None where neither ran)."""
     measured_draft = acceptance is None and not (base is not None and base.simulated)
     served_text = measured_draft and served is not None and served in all_configs(depth)
     whole_plain = measured_draft and not served_text  # its text is the acceptance model's
@@ -356,9 +357,11 @@ def _plain_and_acceptance(llm: Any, draft: str, prompts: list[Any], params: Samp
     plain = _plain(llm, draft, prompts, params, base, warmup_tokens, whole_plain,
                    calibration_prompts, calibration_tokens, answers, log)
     timings["plain"] = time.perf_counter() - t
+    whole = plain if whole_plain else None
     t = time.perf_counter()
     if served_text:
-        answers = _text_run(llm, draft, prompts, params, base, warmup_tokens, served, log)
+        answers, whole = _text_run(llm, draft, prompts, params, base, warmup_tokens, served,
+                                   log)
     timings["text_run"] = time.perf_counter() - t
     t = time.perf_counter()
     acc = acceptance if acceptance is not None else _acceptance_model(
@@ -367,7 +370,7 @@ def _plain_and_acceptance(llm: Any, draft: str, prompts: list[Any], params: Samp
     if acceptance is not None:
         log(f"[tune] acceptance model given ({acc.depth} steps)")
     timings["acceptance_model"] = time.perf_counter() - t
-    return plain, acc, whole_plain
+    return plain, acc, whole
 
 
 def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
@@ -395,7 +398,7 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     params = SamplingParams(max_tokens=max_tokens)
-    plain, acc, whole_plain = _plain_and_acceptance(
+    plain, acc, whole = _plain_and_acceptance(
         llm, draft, prompts, params, base, warmup_tokens, served, depth, acceptance,
         calibration_prompts, calibration_tokens, timings, log)
 
@@ -413,15 +416,18 @@ def tune(llm: Any, draft: str, prompts: list[Any], *, max_tokens: int = 128,
 
     t = time.perf_counter()
     result = TuneResult(cost=cost, acceptance=acc, predictions=preds, plain_run=plain)
-    if whole_plain:
+    if whole is plain:
         result.measured.append(plain)  # the whole prompts: confirmed already
     must, more = confirmation_set(preds, confirm, served)
     # The served configuration runs again among the others although its text run measured
     # it: a run minutes earlier met another speed of the machine (on a 2-core CPU its text
     # run measured 17.6 tok/s where the interleaved runs and the grid then gave 13-15).
+    # A confirmation's seconds: a whole-prompt run's wall time (its prefills and warm-up
+    # included) scaled from its speed to the prediction; without one, the decoding alone.
     result.measured += _confirm(
         llm, draft, prompts, params, base, warmup_tokens, must, more, budget_seconds, t_start,
-        lambda c: len(prompts) * max_tokens / preds[c][1], log)
+        lambda c: (whole.seconds * whole.tok_per_s if whole else len(prompts) * max_tokens)
+        / preds[c][1], log)
     _confirm_plain(llm, draft, prompts, params, base, warmup_tokens, result, plain_margin,
                    log)
     timings["confirmation"] = time.perf_counter() - t
