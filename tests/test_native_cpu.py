@@ -222,3 +222,90 @@ def test_an_empty_batch_attends_to_nothing(kernels):
     out = kernels.attend_qkv(torch.zeros(0, 3 * 8), torch.zeros(0, 8), torch.zeros(0, 8),
                              kv.k[0], kv.v[0], meta, 1.0, 1, 1, None, 0.0)
     assert out.shape == (0, 8)
+
+
+def _gguf_model(dtype, qk_norm: bool, window: int | None):
+    """A tiny three-layer model whose products are GGUF codes: Q8_0 made from its weights,
+    gate/up as 4-bit codes with offsets (Q4_1), so both code widths run."""
+    import numpy as np
+
+    from specscope.config import ModelConfig
+    from specscope.models.loader import random_model
+    from specscope.models.quant import GgufLinear, quantize_q8_0
+
+    cfg = ModelConfig(architecture="Qwen3ForCausalLM", family="llama", vocab_size=90,
+                      hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=128, tie_word_embeddings=False, qk_norm=qk_norm,
+                      sliding_window=window, name="tiny-gguf")
+    model = random_model(cfg, dtype, "cpu", seed=5)
+    quantize_q8_0(model.model.layers)
+    rng = np.random.default_rng(6)
+    for layer in model.model.layers:
+        n, k = 2 * cfg.intermediate_size, cfg.hidden_size
+        layer.mlp.gate_up_proj = GgufLinear.from_codes(
+            rng.integers(0, 16, (n, k)).astype(np.uint8),
+            (rng.random((n, k // 32)) * 0.02).astype(np.float32),
+            (rng.random((n, k // 32)) * -0.15).astype(np.float32), 4, None)
+    for norm in [m for m in model.modules() if type(m).__name__ == "RMSNorm"]:
+        norm.weight.data = (1 + 0.1 * torch.randn(norm.weight.shape)).to(dtype)
+    return model, cfg
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm,window", [(False, None), (True, 6)])
+def test_the_native_decoder_equals_the_layers_one_by_one(kernels, dtype, qk_norm, window):
+    """decoder.c's one call against the layer-by-layer path over a batch of a decode token,
+    a chain and a tree: the hidden states, the taps (the embeddings' included) and every
+    layer's cache bit-equal."""
+    from specscope.native.decoder import native_decoder
+
+    model, cfg = _gguf_model(dtype, qk_norm, window)
+    model.set_taps([-1, 0, 2])
+    meta, pos = _batch(4, window)
+    ids = torch.randint(0, cfg.vocab_size, (1, pos.numel()),
+                        generator=torch.Generator().manual_seed(7))
+    base = PagedKV(cfg.num_layers, 15, 4, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+    for t in base.k + base.v:
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(8)))
+    out = {}
+    for on in (True, False):
+        model.native_decoder_enabled = on
+        kv = PagedKV(cfg.num_layers, 15, 4, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+        for a, b in zip(kv.k + kv.v, base.k + base.v, strict=True):
+            a.copy_(b)
+        with torch.inference_mode():
+            assert (native_decoder(model, torch.zeros(1, dtype=dtype)) is not None) == on
+            h, taps = model(ids, pos[None], kv, batch=dataclasses.replace(meta),
+                            return_taps=True)
+        out[on] = (h, taps, kv.k + kv.v)
+    (h1, t1, c1), (h0, t0, c0) = out[True], out[False]
+    assert torch.equal(h1, h0) and torch.equal(t1, t0)
+    assert all(torch.equal(a, b) for a, b in zip(c1, c0, strict=True))
+
+
+@torch.inference_mode()
+def test_the_native_decoder_declines_what_it_does_not_run(kernels):
+    """Dense products, more tokens than the native attention takes, and a model whose
+    products were replaced after the first call (it is built again) go the other way."""
+    from specscope.models.quant import GgufLinear
+    from specscope.native.decoder import decoder_applies, native_decoder
+
+    model, cfg = _gguf_model(torch.float32, False, None)
+    x = torch.zeros(1)
+    nd = native_decoder(model, x)
+    assert nd is not None and nd.current()
+    kv = PagedKV(cfg.num_layers, 15, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    cos = torch.zeros(17, cfg.head_dim)
+    assert nd.serves(torch.zeros(16, 64), kv, cos[:16])
+    assert not nd.serves(torch.zeros(17, 64), kv, cos)
+    assert not nd.serves(torch.zeros(4, 64, dtype=torch.bfloat16), kv, cos[:4])
+    lin = model.model.layers[1].self_attn.o_proj
+    model.model.layers[1].self_attn.o_proj = GgufLinear(lin.codes.clone(), lin.scales.clone(),
+                                                        None, 8, lin.in_features,
+                                                        lin.out_features, None)
+    assert not nd.current()
+    again = native_decoder(model, x)
+    assert again is not None and again is not nd
+    model.model.layers[2].mlp.down_proj = torch.nn.Linear(96, 64, bias=False)
+    assert not decoder_applies(model)

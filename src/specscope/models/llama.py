@@ -458,7 +458,22 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids[0] if flat else input_ids)  # [B, T, hidden]
         if return_taps and not self.tap_layer_ids:
             raise ValueError("return_taps=True but no tap layers configured; call set_taps")
-        tap_set = self.tap_layer_ids if return_taps else ()
+        tap_set = tuple(self.tap_layer_ids) if return_taps else ()
+        native = self._native_layers(h, ctx, cache) if flat else None
+        if native is not None:
+            cos, sin, _ = ctx.rope_tokens
+            tap_out = native.run(h, cos[:, 0], sin[:, 0], cache, ctx.paged, tap_set)
+        else:
+            h, tap_out = self._layers(h, ctx, cache, tap_set)
+        h = self.model.norm(h)
+        if flat:
+            return h[None], None if tap_out is None else tap_out[None]
+        return h, tap_out  # [B, T, hidden], [B, T, n_taps * hidden]
+
+    def _layers(self, h: torch.Tensor, ctx: ForwardContext, cache: KVCache | PagedKV | None,
+                tap_set: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers one by one: (their output, the taps [..., n_taps * hidden] or
+        None without tap_set)."""
         taps: dict[int, torch.Tensor] = {}
         if -1 in tap_set:
             taps[-1] = h
@@ -467,11 +482,18 @@ class CausalLM(nn.Module):
             h = layer(h, ctx, kv)
             if i in tap_set:
                 taps[i] = h  # h is rebound each layer, never mutated: no copy needed
-        tap_out = torch.cat([taps[i] for i in self.tap_layer_ids], -1) if return_taps else None
-        h = self.model.norm(h)
-        if flat:
-            return h[None], None if tap_out is None else tap_out[None]
-        return h, tap_out  # [B, T, hidden], [B, T, n_taps * hidden]
+        return h, torch.cat([taps[i] for i in tap_set], -1) if tap_set else None
+
+    def _native_layers(self, h: torch.Tensor, ctx: ForwardContext,
+                       cache: KVCache | PagedKV | None) -> Any:
+        """The native decoder (native/decoder.py) where it runs this token-major paged
+        forward on the CPU: every layer in one call, bit-equal to _layers. None: _layers."""
+        if h.is_cuda or not isinstance(cache, PagedKV) or ctx.ttt is not None:
+            return None
+        from specscope.native.decoder import native_decoder
+
+        nd = native_decoder(self, h)
+        return nd if nd is not None and nd.serves(h, cache, ctx.rope_tokens[0]) else None
 
     def _dense_layers(self) -> bool:
         """Whether every decoder layer is this file's attention and MLP (shape-agnostic

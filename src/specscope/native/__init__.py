@@ -39,7 +39,8 @@ log = logging.getLogger("specscope")
 
 VERSION = 1  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
 QUANT_VERSION = 1  # quant_kernels.c's sc_quant_version()
-SOURCES = ("bf16.h", "cpu_kernels.c", "quant_kernels.c")  # the .c files are compiled
+DECODER_VERSION = 1  # decoder.c's sc_decoder_version()
+SOURCES = ("bf16.h", "cpu_kernels.c", "quant_kernels.c", "decoder.c")  # .c: compiled
 _DTYPES = (torch.float32, torch.bfloat16)
 __all__ = ["CpuKernels", "cpu_kernels", "cpu_kernels_for", "build_flags"]
 
@@ -125,7 +126,8 @@ def _load(path: Path) -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(path))
         return lib if lib.sc_version() == VERSION and \
-            lib.sc_quant_version() == QUANT_VERSION else None
+            lib.sc_quant_version() == QUANT_VERSION and \
+            lib.sc_decoder_version() == DECODER_VERSION else None
     except (OSError, AttributeError):
         return None
 

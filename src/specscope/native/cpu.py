@@ -51,6 +51,7 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
+        self.lib = lib
         self._norm = lib.sc_rms_norm
         self._norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, _F, _INT]
         self._norm.restype = None

@@ -1,0 +1,141 @@
+/* A dense decoder's layers in one call: the CPU step without Python between its ops.
+ *
+ * A layer of a Llama-family model on GGUF codes is seven kernels (cpu_kernels.c's norms,
+ * attention and silu * up; quant_kernels.c's products) and a residual add. Called from
+ * Python one by one they cost ~15 us each of module calls, tensor allocations and argument
+ * conversion, about as much as the kernels themselves for a 135M model's few-token step
+ * (docs/cpu.md). Here the same kernels run in the same order on the same rounded values, so
+ * the result is bit-equal to the layer-by-layer path (models/llama.py), which stays the
+ * reference.
+ *
+ * Per layer, for h [N, D] (the residual stream, updated in place):
+ *     x   = input_norm(h)
+ *     qkv = x Wqkv^T;  att = attention(qkv) (q/k norms, rotary, the paged KV write)
+ *     o   = att Wo^T;  x, h2 = post_norm(h + o), h + o
+ *     h   = h2 + down(silu(gate) * up) with gate, up = x Wgate_up^T
+ * and after each tapped layer h is copied into its columns of taps [N, n_taps * D].
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+void sc_rms_norm(const void *x, const void *residual, const void *w, void *out, void *h,
+                 int64_t N, int64_t D, float eps, int bf16);
+void sc_silu_mul(const void *gate_up, void *out, int64_t N, int64_t I, int bf16);
+int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                  const void *cos, const void *sin, void *k_cache, void *v_cache,
+                  const int64_t *slots, const int64_t *seq_index, const int64_t *block_tables,
+                  int64_t max_blocks, int64_t block_size, const int64_t *visible,
+                  const int64_t *window_start, const int64_t *tree_start,
+                  const uint8_t *tree_mask, int64_t T, int64_t max_len,
+                  const void *q_norm, const void *k_norm, float eps, float scale, void *out,
+                  int bf16);
+void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, const float *wd,
+                     const float *wm, int64_t N, int bits, void *y, int bf16, void *scratch,
+                     int reference);
+
+/* One product's weights in quant_kernels.c's tiled layout (offsets NULL: none). */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales;
+    const float *offsets;
+    int64_t out_features;
+    int64_t bits;
+} sc_qlinear;
+
+/* One layer: its norms' weights (q_norm, k_norm NULL without q/k norms), its four products
+ * and its paged K/V cache. */
+typedef struct {
+    const void *input_norm, *post_norm, *q_norm, *k_norm;
+    sc_qlinear qkv, o, gate_up, down;
+    void *k_cache, *v_cache;
+} sc_layer;
+
+/* The flattened batch, as sc_attend_qkv reads it (the same for every layer). */
+typedef struct {
+    const int64_t *slots, *seq_index, *block_tables;
+    int64_t max_blocks, block_size;
+    const int64_t *visible, *window_start, *tree_start;
+    const uint8_t *tree_mask;
+    int64_t T, max_len;
+} sc_batch;
+
+/* The model's sizes and constants. */
+typedef struct {
+    int64_t D, H, Hkv, Dh, I;
+    float norm_eps, qk_eps, scale;
+} sc_dims;
+
+int sc_decoder_version(void) { return 1; }
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) {
+    int64_t m = a > b ? a : b;
+    return m > c ? m : c;
+}
+
+/* Bytes of sc_decoder's work area for N tokens: its activations, then a product's scratch. */
+int64_t sc_decoder_work_bytes(const sc_dims *m, int64_t N, int bf16) {
+    int64_t es = bf16 ? 2 : 4;
+    int64_t acts = N * (3 * m->D + (m->H + 2 * m->Hkv) * m->Dh + m->H * m->Dh + 3 * m->I);
+    int64_t K = max3(m->D, m->H * m->Dh, m->I);
+    return acts * es + 64 + N * K + 8 * N * (K / 32) + 64;
+}
+
+static void add_rows(void *h, const void *a, const void *b, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *o = (uint16_t *)h;
+        const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+    } else {
+        float *o = (float *)h;
+        const float *x = (const float *)a, *y = (const float *)b;
+        for (int64_t i = 0; i < n; i++) o[i] = x[i] + y[i];
+    }
+}
+
+/* Run L layers over h [N, D] in place. tap_slot[l] >= 0: after layer l, h goes to columns
+ * [tap_slot[l] * D, (tap_slot[l] + 1) * D) of taps [N, n_taps * D]. work: at least
+ * sc_decoder_work_bytes. Returns 0, or the attention's error (its scratch not allocated). */
+int sc_decoder(const sc_layer *layers, int64_t L, const sc_dims *m, void *h, int64_t N,
+               const void *cos, const void *sin, const sc_batch *b, const int64_t *tap_slot,
+               int64_t n_taps, void *taps, void *work, int bf16) {
+    const int64_t es = bf16 ? 2 : 4, D = m->D, W = (m->H + 2 * m->Hkv) * m->Dh;
+    const int64_t A = m->H * m->Dh, I = m->I;
+    char *p = (char *)work;
+    void *x = p;  p += N * D * es;
+    void *h2 = p; p += N * D * es;
+    void *o = p;  p += N * D * es;
+    void *qkv = p; p += N * W * es;
+    void *att = p; p += N * A * es;
+    void *gu = p;  p += N * 2 * I * es;
+    void *act = p; p += N * I * es;
+    void *scratch = (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    for (int64_t l = 0; l < L; l++) {
+        const sc_layer *y = &layers[l];
+        sc_rms_norm(h, NULL, y->input_norm, x, NULL, N, D, m->norm_eps, bf16);
+        sc_quant_linear(x, N, D, y->qkv.codes, y->qkv.scales, y->qkv.offsets,
+                        y->qkv.out_features, (int)y->qkv.bits, qkv, bf16, scratch, 0);
+        int rc = sc_attend_qkv(qkv, N, m->H, m->Hkv, m->Dh, cos, sin, y->k_cache, y->v_cache,
+                               b->slots, b->seq_index, b->block_tables, b->max_blocks,
+                               b->block_size, b->visible, b->window_start, b->tree_start,
+                               b->tree_mask, b->T, b->max_len, y->q_norm, y->k_norm,
+                               m->qk_eps, m->scale, att, bf16);
+        if (rc != 0) return rc;
+        sc_quant_linear(att, N, A, y->o.codes, y->o.scales, y->o.offsets, y->o.out_features,
+                        (int)y->o.bits, o, bf16, scratch, 0);
+        sc_rms_norm(o, h, y->post_norm, x, h2, N, D, m->norm_eps, bf16);
+        sc_quant_linear(x, N, D, y->gate_up.codes, y->gate_up.scales, y->gate_up.offsets,
+                        y->gate_up.out_features, (int)y->gate_up.bits, gu, bf16, scratch, 0);
+        sc_silu_mul(gu, act, N, I, bf16);
+        /* o is free again: the MLP's output lands there */
+        sc_quant_linear(act, N, I, y->down.codes, y->down.scales, y->down.offsets,
+                        y->down.out_features, (int)y->down.bits, o, bf16, scratch, 0);
+        add_rows(h, h2, o, N * D, bf16);
+        if (tap_slot[l] >= 0)
+            for (int64_t i = 0; i < N; i++)
+                memcpy((char *)taps + (i * n_taps + tap_slot[l]) * D * es,
+                       (char *)h + i * D * es, (size_t)(D * es));
+    }
+    return 0;
+}
