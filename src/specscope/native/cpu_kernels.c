@@ -281,74 +281,74 @@ static int64_t key_slots(const Meta *m, int64_t i, int64_t *slots) {
     return n;
 }
 
-/* Scores of one token's H query heads (q [H, D]; head h reads KV head h / G) against its L
- * keys at `slots`, scaled: s [H, L]. Each key's K row ([Hkv, D], contiguous; a block's slots
- * are adjacent, so the cache streams in order) is converted once for all heads. D is a
- * constant where the callers below pass one, so the products unroll. */
+/* Scores of G query heads (q [G, D]) that share one KV head, against their L keys at
+ * `slots`, scaled: s [G, L]. A key's K row is its slot's row of [Hkv, D] (`row` floats) at
+ * column `off`; it is converted once for the G heads. Eight keys' products are reduced
+ * together. D is a constant where the callers below pass one, so the products unroll. */
 static inline __attribute__((always_inline)) void qk_scores(
-        const float *q, int64_t H, int64_t G, int64_t D, int64_t row, const void *kc,
+        const float *q, int64_t G, int64_t D, int64_t row, int64_t off, const void *kc,
         const int64_t *slots, int64_t L, float scale, float *s, float *kbuf, int bf16) {
     int64_t j = 0;
-    for (; j + 8 <= L; j += 8) {  /* eight keys at a time, their products reduced together */
-        for (int k = 0; k < 8; k++) load_row(kbuf + k * row, kc, slots[j + k] * row, row, bf16);
-        for (int64_t h = 0; h < H; h++) {
+    for (; j + 8 <= L; j += 8) {
+        for (int k = 0; k < 8; k++) load_row(kbuf + k * D, kc, slots[j + k] * row + off, D, bf16);
+        for (int64_t h = 0; h < G; h++) {
             v8f lanes[8];
-            for (int k = 0; k < 8; k++)
-                lanes[k] = dot_lanes(q + h * D, kbuf + k * row + (h / G) * D, D);
+            for (int k = 0; k < 8; k++) lanes[k] = dot_lanes(q + h * D, kbuf + k * D, D);
             st8(s + h * L + j, hsum8x8(lanes) * scale);
         }
     }
     for (; j < L; j++) {
-        load_row(kbuf, kc, slots[j] * row, row, bf16);
-        for (int64_t h = 0; h < H; h++)
-            s[h * L + j] = hsum8(dot_lanes(q + h * D, kbuf + (h / G) * D, D)) * scale;
+        load_row(kbuf, kc, slots[j] * row + off, D, bf16);
+        for (int64_t h = 0; h < G; h++)
+            s[h * L + j] = hsum8(dot_lanes(q + h * D, kbuf, D)) * scale;
     }
 }
 
-/* o [DC * 8] = sum over j of p[j] v_j, v_j = vbuf + j * row + off (fp32): the sum in
+/* o [DC * 8] = sum over j of p[j] v_j, v_j = vbuf + j * DC * 8 (fp32): the sum in
  * registers, DC a constant at each call site. */
-static inline __attribute__((always_inline)) void pv_head(
-        const float *vbuf, int64_t row, int64_t off, const float *p, int64_t L, float *o,
-        int DC) {
+static inline __attribute__((always_inline)) void pv_head(const float *vbuf, const float *p,
+                                                         int64_t L, float *o, int DC) {
     v8f a[16];
     for (int c = 0; c < DC; c++) a[c] = splat(0.0f);
     for (int64_t j = 0; j < L; j++) {
         v8f pj = splat(p[j]);
-        const float *v = vbuf + j * row + off;
+        const float *v = vbuf + j * DC * 8;
         for (int c = 0; c < DC; c++) a[c] += pj * ld8(v + 8 * c);
     }
     for (int c = 0; c < DC; c++) st8(o + 8 * c, a[c]);
 }
 
-/* Attention of one token's H query heads (q [H, D], fp32) over its L keys at `slots`: out
- * [H, D] fp32. Scores in fp32, scaled after the product, softmax, then the weighted sum of
- * the values: the reference's order. scratch: [H * L + L * Hkv * D] floats. */
-static void attend_token(const float *q, int64_t H, int64_t Hkv, int64_t D, const void *kc,
-                         const void *vc, const int64_t *slots, int64_t L, float scale,
-                         float *out, float *scratch, int bf16) {
-    int64_t G = H / Hkv, row = Hkv * D;
-    float *s = scratch, *vbuf = scratch + H * L;
-    if (D == 64) qk_scores(q, H, G, 64, row, kc, slots, L, scale, s, vbuf, bf16);
-    else if (D == 128) qk_scores(q, H, G, 128, row, kc, slots, L, scale, s, vbuf, bf16);
-    else qk_scores(q, H, G, D, row, kc, slots, L, scale, s, vbuf, bf16);
-    for (int64_t h = 0; h < H; h++) {
+/* Attention of one token's G query heads over KV head g (q [G, D], fp32) over its L keys
+ * at `slots`: out [G, D] fp32. Scores in fp32, scaled after the product, softmax, then the
+ * weighted sum of the values: the reference's order, head by head. scratch: [G * L + L *
+ * D] floats. */
+static void attend_group(const float *q, int64_t G, int64_t Hkv, int64_t g, int64_t D,
+                         const void *kc, const void *vc, const int64_t *slots, int64_t L,
+                         float scale, float *out, float *scratch, int bf16) {
+    int64_t row = Hkv * D, off = g * D;
+    float *s = scratch, *vbuf = scratch + G * L;
+    if (D == 64) qk_scores(q, G, 64, row, off, kc, slots, L, scale, s, vbuf, bf16);
+    else if (D == 128) qk_scores(q, G, 128, row, off, kc, slots, L, scale, s, vbuf, bf16);
+    else qk_scores(q, G, D, row, off, kc, slots, L, scale, s, vbuf, bf16);
+    for (int64_t h = 0; h < G; h++) {
         float *sh = s + h * L;
         float inv = 1.0f / exp_shifted(sh, L, row_max(sh, L));
         for (int64_t j = 0; j < L; j++) sh[j] *= inv;
     }
-    for (int64_t j = 0; j < L; j++) {  /* the values in fp32 once, for every head */
-        if (j + 1 < L) __builtin_prefetch((const char *)vc + slots[j + 1] * row * (bf16 ? 2 : 4));
-        load_row(vbuf + j * row, vc, slots[j] * row, row, bf16);
+    size_t es = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < L; j++) {  /* the values in fp32 once, for the G heads */
+        if (j + 1 < L) __builtin_prefetch((const char *)vc + (slots[j + 1] * row + off) * es);
+        load_row(vbuf + j * D, vc, slots[j] * row + off, D, bf16);
     }
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = 0; h < G; h++) {
         const float *p = s + h * L;
-        if (D == 64) pv_head(vbuf, row, (h / G) * D, p, L, out + h * D, 8);
-        else if (D == 128) pv_head(vbuf, row, (h / G) * D, p, L, out + h * D, 16);
+        if (D == 64) pv_head(vbuf, p, L, out + h * D, 8);
+        else if (D == 128) pv_head(vbuf, p, L, out + h * D, 16);
         else {
             memset(out + h * D, 0, (size_t)D * sizeof(float));
             for (int64_t j = 0; j < L; j++) {
                 v8f pj = splat(p[j]);
-                const float *v = vbuf + j * row + (h / G) * D;
+                const float *v = vbuf + j * D;
                 for (int64_t d = 0; d + 8 <= D; d += 8)
                     st8(out + h * D + d, ld8(out + h * D + d) + pj * ld8(v + d));
             }
@@ -372,13 +372,27 @@ static float *scratch_floats(size_t n) {
     return buf;
 }
 
+/* The same for n key slots. */
+static int64_t *scratch_slots(size_t n) {
+    static __thread int64_t *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        size_t want = n + n / 2;
+        int64_t *grown = (int64_t *)realloc(buf, want * sizeof(int64_t));
+        if (!grown) return NULL;
+        buf = grown;
+        cap = want;
+    }
+    return buf;
+}
+
 /* One layer's attention for N tokens of a flattened batch, from the fused projection's rows
  * qkv [N, (H + 2 Hkv) D]: per-head q/k norms (q_norm and k_norm may be NULL), rotary by
  * cos/sin [N, D] (rotate-half form), this step's K and V written to the paged cache at
  * slots [N] (k_cache/v_cache [num_slots, Hkv, D]), then each token's attention over the
  * keys it sees (Meta: BatchMeta's fields) into out [N, H * D]. Every K/V is written
  * before any token attends, so the tokens of a verify see each other's. Returns 0, or -1
- * when scratch memory could not be had (nothing written to out then). */
+ * when scratch memory could not be had (out is then incomplete: the caller fails). */
 int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                   const void *cos, const void *sin, void *k_cache, void *v_cache,
                   const int64_t *slots, const int64_t *seq_index, const int64_t *block_tables,
@@ -388,14 +402,11 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                   const void *q_norm, const void *k_norm, float eps, float scale, void *out,
                   int bf16) {
     if (N == 0) return 0;
-    int64_t W = (H + 2 * Hkv) * D, L_cap = max_len + T;
+    int64_t W = (H + 2 * Hkv) * D, L_cap = max_len + T, G = H / Hkv;
     float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
     float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
-    float *acc = (float *)malloc((size_t)(H * D) * sizeof(float));
-    float *scratch = scratch_floats((size_t)(H * L_cap + L_cap * Hkv * D));
-    int64_t *kslots = (int64_t *)malloc((size_t)L_cap * sizeof(int64_t));
     int rc = 0;
-    if (!q || !row || !acc || !scratch || !kslots) { rc = -1; goto done; }
+    if (!q || !row) { rc = -1; goto done; }
     for (int64_t i = 0; i < N; i++) {
         for (int64_t h = 0; h < H + Hkv; h++) {  /* q heads, then k heads */
             float *x = h < H ? q + (i * H + h) * D : row;
@@ -413,15 +424,28 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
     }
     Meta m = {seq_index, block_tables, visible, window_start, tree_start, tree_mask,
               max_blocks, block_size, T};
-    for (int64_t i = 0; i < N; i++) {
+    /* One item a (token, KV head): a decode token's heads split over the threads as a
+     * verify's tokens do; each reads only its KV head's columns of the cache. */
+    int64_t items = N * Hkv;
+#pragma omp parallel for schedule(static) if (items > 1)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t i = it / Hkv, g = it - (it / Hkv) * Hkv;
+        float *scratch = scratch_floats((size_t)(G * L_cap + L_cap * D + G * D));
+        int64_t *kslots = scratch_slots((size_t)L_cap);
+        if (!scratch || !kslots) {
+#pragma omp atomic write
+            rc = -1;
+            continue;
+        }
+        float *acc = scratch + G * L_cap + L_cap * D;
         int64_t L = key_slots(&m, i, kslots);
-        if (L == 0) memset(acc, 0, (size_t)(H * D) * sizeof(float));
-        else attend_token(q + i * H * D, H, Hkv, D, k_cache, v_cache, kslots, L, scale, acc,
-                          scratch, bf16);
-        for (int64_t e = 0; e < H * D; e++) store(out, i * H * D + e, acc[e], bf16);
+        if (L == 0) memset(acc, 0, (size_t)(G * D) * sizeof(float));
+        else attend_group(q + (i * H + g * G) * D, G, Hkv, g, D, k_cache, v_cache, kslots, L,
+                          scale, acc, scratch, bf16);
+        for (int64_t e = 0; e < G * D; e++) store(out, (i * H + g * G) * D + e, acc[e], bf16);
     }
 done:
-    free(q); free(row); free(acc); free(kslots);
+    free(q); free(row);
     return rc;
 }
 
