@@ -203,6 +203,9 @@ def main() -> None:
     avx2 = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
     variant = args.variant or ("avx2" if avx2 else "native")
     bin_dir = args.llama_bin or build_llama_cpp(variant, args.llama_version, args.cache)
+    if args.llama_bin is not None:  # a build of its own kind: its marker says which, if any
+        marker = args.llama_bin.parent / "COMPLETE"
+        variant = json.loads(marker.read_text())["variant"] if marker.exists() else "given"
     gguf = default_model_gguf()
     prompts = load_prompts("mt_bench", args.num_prompts)
     result = {"bench": "llamacpp", "machine": platform.processor() or platform.machine(),

@@ -178,8 +178,8 @@ class LLM(TensorParallelRanks):
     enable_prefix_caching: reuse the KV blocks of a shared prompt prefix.
     spec: speculative decoding with an EAGLE-3 draft (SpecConfig); None = plain decoding;
     "auto" (the default): the default model with its shipped draft, other models plainly;
-    on a CPU without native bf16, with dtype and quantization auto, the default model
-    decodes plainly, the faster path there (engine/machine.py default_draft_skipped).
+    on a CPU where the native kernels build, with dtype and quantization auto, the default
+    model decodes plainly, the faster path there (engine/machine.py default_draft_skipped).
     speculative_config: vLLM's dict instead of spec ({"method": "eagle3", "model": DRAFT,
     "num_speculative_tokens": 5}).
     profile: time every phase of every step (None: on when SPECSCOPE_PROFILE=1);

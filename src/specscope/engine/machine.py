@@ -101,17 +101,24 @@ def resolve_quantization(quantization: str, model: str | None, device: torch.dev
 def default_draft_skipped(device: torch.device, dtype: str, quantization: str,
                           tensor_parallel_size: int = 1) -> str:
     """Why the default model's machine-chosen path decodes plainly instead of speculating
-    with its shipped draft on this machine, or "" where it speculates. On a CPU without
-    native bf16 (AVX2 laptops; x86 held to AVX2) plain decoding on the GGUF's 4-bit codes
-    measured faster than speculating on them with the Q8_0 draft: 98.7 against 90.0 tok/s
-    at 128 new tokens, 102.5 against 91.2 at 256 (8 MT-Bench first turns, a Xeon held to
-    AVX2; docs/cpu.md); with native bf16 speculation wins at 256 (119.7 against 98.4). The
-    choice is the machine's only where the caller left dtype and quantization to it."""
+    with its shipped draft on this machine, or "" where it speculates. On a CPU where the
+    native kernels build, `auto` runs the GGUF's 4-bit codes through the native decoder
+    (native/decoder.c), and there plain decoding measured faster than speculating with the
+    Q8_0 draft on both CPU classes: 142.1 against 99.6 tok/s at 128 new tokens and 133.0
+    against 121.2 at 256 with AVX-512 and bf16, 157.8 against 103.7 and 153.6 against 94.0
+    held to AVX2 (8 MT-Bench first turns, a 2-core Xeon; docs/cpu.md): the 6-token verify
+    costs 1.7-2.9x a decode step. Without the native kernels (no C compiler) the weights
+    are dense and speculation wins. The choice is the machine's only where the caller left
+    dtype and quantization to it."""
     if device.type != "cpu" or dtype != "auto" or quantization != "auto" \
-            or tensor_parallel_size != 1 or cpu_has_native_bf16():
+            or tensor_parallel_size != 1:
         return ""
-    return ("auto: plain decoding, no draft: on this CPU (no native bf16) plain 4-bit "
-            "decoding is faster than speculating; --draft default speculates")
+    from specscope.native import cpu_kernels
+
+    if cpu_kernels() is None:
+        return ""
+    return ("auto: plain decoding, no draft: on the CPU plain decoding on the GGUF's 4-bit "
+            "codes is faster than speculating; --draft default speculates")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
