@@ -309,3 +309,38 @@ def test_the_native_decoder_declines_what_it_does_not_run(kernels):
     assert again is not None and again is not nd
     model.model.layers[2].mlp.down_proj = torch.nn.Linear(96, 64, bias=False)
     assert not decoder_applies(model)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_native_draft_layer_equals_eagle3s_first_layer(kernels, dtype,
+                                                          norm_before_residual):
+    """An EAGLE-3 draft on Q8_0 codes: decoder.c's first layer against FirstLayer over a
+    decode token, a chain and a tree, the outputs and the draft's cache bit-equal."""
+    from specscope.draft.eagle3 import random_draft
+    from specscope.models.quant import quantize_q8_0
+    from specscope.native.decoder import native_draft_layer
+
+    target, cfg = _gguf_model(dtype, False, None)
+    draft = random_draft(cfg, dtype, "cpu", seed=9, std=0.1,
+                         norm_before_residual=norm_before_residual)
+    draft.attach_target(target)
+    quantize_q8_0(draft.layers)
+    meta, pos = _batch(4, None)
+    ids = torch.randint(0, cfg.vocab_size, (1, pos.numel()),
+                        generator=torch.Generator().manual_seed(10))
+    hidden = torch.randn(1, pos.numel(), cfg.hidden_size,
+                         generator=torch.Generator().manual_seed(11)).to(dtype)
+    out = {}
+    for on in (True, False):
+        draft.native_decoder_enabled = on
+        kv = PagedKV(1, 15, 4, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+        for t in kv.k + kv.v:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(12)))
+        with torch.inference_mode():
+            assert (native_draft_layer(draft, torch.zeros(1, dtype=dtype)) is not None) == on
+            nxt, normed = draft(ids, hidden, pos[None], kv, batch=dataclasses.replace(meta))
+        out[on] = (nxt, normed, kv.k + kv.v)
+    (a1, b1, c1), (a0, b0, c0) = out[True], out[False]
+    assert torch.equal(a1, a0) and torch.equal(b1, b0)
+    assert all(torch.equal(x, y) for x, y in zip(c1, c0, strict=True))

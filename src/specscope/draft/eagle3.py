@@ -325,11 +325,30 @@ class Eagle3Draft(nn.Module):
         def kv(i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             return (cache.k[i], cache.v[i]) if cache is not None else None
 
-        h = self.layers[0](self.embed(input_ids), hidden, ctx, kv(0))  # [B, T, H]
+        emb = self.embed(input_ids)
+        native = self._native_layer(emb, ctx, cache)
+        if native is not None:
+            cos, sin, _ = ctx.rope_tokens
+            h = native.run_first(emb[0], hidden[0], cos[:, 0], sin[:, 0], cache,
+                                 ctx.paged)[None]
+        else:
+            h = self.layers[0](emb, hidden, ctx, kv(0))  # [B, T, H]
         for i in range(1, len(self.layers)):
             h = self.layers[i](h, ctx, kv(i))
         normed = self.norm(h)
         return (normed if cfg.norm_output else h), normed
+
+    def _native_layer(self, emb: torch.Tensor, ctx: ForwardContext,
+                      cache: KVCache | PagedKV | None) -> Any:
+        """The native first layer (native/decoder.py native_draft_layer) where it runs this
+        paged CPU forward, bit-equal to FirstLayer; None: FirstLayer."""
+        if emb.is_cuda or not isinstance(cache, PagedKV) or ctx.ttt is not None or \
+                ctx.paged is None or emb.shape[0] != 1:
+            return None
+        from specscope.native.decoder import native_draft_layer
+
+        nd = native_draft_layer(self, emb)
+        return nd if nd is not None and nd.serves(emb[0], cache, ctx.rope_tokens[0]) else None
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """normed [..., H] -> draft-vocab logits [..., Vd] in fp32."""

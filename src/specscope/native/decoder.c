@@ -67,18 +67,19 @@ typedef struct {
     float norm_eps, qk_eps, scale;
 } sc_dims;
 
-int sc_decoder_version(void) { return 1; }
+int sc_decoder_version(void) { return 2; }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     int64_t m = a > b ? a : b;
     return m > c ? m : c;
 }
 
-/* Bytes of sc_decoder's work area for N tokens: its activations, then a product's scratch. */
+/* Bytes of sc_decoder's (and sc_eagle3_layer's) work area for N tokens: its activations,
+ * then a product's scratch. */
 int64_t sc_decoder_work_bytes(const sc_dims *m, int64_t N, int bf16) {
     int64_t es = bf16 ? 2 : 4;
-    int64_t acts = N * (3 * m->D + (m->H + 2 * m->Hkv) * m->Dh + m->H * m->Dh + 3 * m->I);
-    int64_t K = max3(m->D, m->H * m->Dh, m->I);
+    int64_t acts = N * (6 * m->D + (m->H + 2 * m->Hkv) * m->Dh + m->H * m->Dh + 3 * m->I);
+    int64_t K = max3(2 * m->D, m->H * m->Dh, m->I);
     return acts * es + 64 + N * K + 8 * N * (K / 32) + 64;
 }
 
@@ -94,48 +95,94 @@ static void add_rows(void *h, const void *a, const void *b, int64_t n, int bf16)
     }
 }
 
+/* The work area's buffers (sc_decoder_work_bytes' layout). */
+typedef struct {
+    void *xin, *g, *x, *h2, *o, *qkv, *att, *gu, *act, *scratch;
+} Work;
+
+static Work work_of(void *work, const sc_dims *m, int64_t N, int bf16) {
+    const int64_t es = bf16 ? 2 : 4, D = m->D;
+    char *p = (char *)work;
+    Work w;
+    w.xin = p; p += N * 2 * D * es;
+    w.g = p;   p += N * D * es;
+    w.x = p;   p += N * D * es;
+    w.h2 = p;  p += N * D * es;
+    w.o = p;   p += N * D * es;
+    w.qkv = p; p += N * (m->H + 2 * m->Hkv) * m->Dh * es;
+    w.att = p; p += N * m->H * m->Dh * es;
+    w.gu = p;  p += N * 2 * m->I * es;
+    w.act = p; p += N * m->I * es;
+    w.scratch = (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    return w;
+}
+
+/* A layer from its attention input x [N, K] on: q/k/v, the attention (the paged KV write),
+ * o; h2 = res + o and its post-attention norm; the MLP; out = h2 + mlp. res and out may be
+ * one buffer. */
+static int layer_from(const sc_layer *y, const sc_dims *m, const void *x, int64_t K,
+                      const void *res, void *out, int64_t N, const void *cos, const void *sin,
+                      const sc_batch *b, const Work *w, int bf16) {
+    const int64_t D = m->D, A = m->H * m->Dh, I = m->I;
+    sc_quant_linear(x, N, K, y->qkv.codes, y->qkv.scales, y->qkv.offsets,
+                    y->qkv.out_features, (int)y->qkv.bits, w->qkv, bf16, w->scratch, 0);
+    int rc = sc_attend_qkv(w->qkv, N, m->H, m->Hkv, m->Dh, cos, sin, y->k_cache, y->v_cache,
+                           b->slots, b->seq_index, b->block_tables, b->max_blocks,
+                           b->block_size, b->visible, b->window_start, b->tree_start,
+                           b->tree_mask, b->T, b->max_len, y->q_norm, y->k_norm, m->qk_eps,
+                           m->scale, w->att, bf16);
+    if (rc != 0) return rc;
+    sc_quant_linear(w->att, N, A, y->o.codes, y->o.scales, y->o.offsets, y->o.out_features,
+                    (int)y->o.bits, w->o, bf16, w->scratch, 0);
+    sc_rms_norm(w->o, res, y->post_norm, w->x, w->h2, N, D, m->norm_eps, bf16);
+    sc_quant_linear(w->x, N, D, y->gate_up.codes, y->gate_up.scales, y->gate_up.offsets,
+                    y->gate_up.out_features, (int)y->gate_up.bits, w->gu, bf16, w->scratch, 0);
+    sc_silu_mul(w->gu, w->act, N, I, bf16);
+    /* o is free again: the MLP's output lands there */
+    sc_quant_linear(w->act, N, I, y->down.codes, y->down.scales, y->down.offsets,
+                    y->down.out_features, (int)y->down.bits, w->o, bf16, w->scratch, 0);
+    add_rows(out, w->h2, w->o, N * D, bf16);
+    return 0;
+}
+
 /* Run L layers over h [N, D] in place. tap_slot[l] >= 0: after layer l, h goes to columns
  * [tap_slot[l] * D, (tap_slot[l] + 1) * D) of taps [N, n_taps * D]. work: at least
  * sc_decoder_work_bytes. Returns 0, or the attention's error (its scratch not allocated). */
 int sc_decoder(const sc_layer *layers, int64_t L, const sc_dims *m, void *h, int64_t N,
                const void *cos, const void *sin, const sc_batch *b, const int64_t *tap_slot,
                int64_t n_taps, void *taps, void *work, int bf16) {
-    const int64_t es = bf16 ? 2 : 4, D = m->D, W = (m->H + 2 * m->Hkv) * m->Dh;
-    const int64_t A = m->H * m->Dh, I = m->I;
-    char *p = (char *)work;
-    void *x = p;  p += N * D * es;
-    void *h2 = p; p += N * D * es;
-    void *o = p;  p += N * D * es;
-    void *qkv = p; p += N * W * es;
-    void *att = p; p += N * A * es;
-    void *gu = p;  p += N * 2 * I * es;
-    void *act = p; p += N * I * es;
-    void *scratch = (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    const int64_t es = bf16 ? 2 : 4, D = m->D;
+    Work w = work_of(work, m, N, bf16);
     for (int64_t l = 0; l < L; l++) {
         const sc_layer *y = &layers[l];
-        sc_rms_norm(h, NULL, y->input_norm, x, NULL, N, D, m->norm_eps, bf16);
-        sc_quant_linear(x, N, D, y->qkv.codes, y->qkv.scales, y->qkv.offsets,
-                        y->qkv.out_features, (int)y->qkv.bits, qkv, bf16, scratch, 0);
-        int rc = sc_attend_qkv(qkv, N, m->H, m->Hkv, m->Dh, cos, sin, y->k_cache, y->v_cache,
-                               b->slots, b->seq_index, b->block_tables, b->max_blocks,
-                               b->block_size, b->visible, b->window_start, b->tree_start,
-                               b->tree_mask, b->T, b->max_len, y->q_norm, y->k_norm,
-                               m->qk_eps, m->scale, att, bf16);
+        sc_rms_norm(h, NULL, y->input_norm, w.xin, NULL, N, D, m->norm_eps, bf16);
+        int rc = layer_from(y, m, w.xin, D, h, h, N, cos, sin, b, &w, bf16);
         if (rc != 0) return rc;
-        sc_quant_linear(att, N, A, y->o.codes, y->o.scales, y->o.offsets, y->o.out_features,
-                        (int)y->o.bits, o, bf16, scratch, 0);
-        sc_rms_norm(o, h, y->post_norm, x, h2, N, D, m->norm_eps, bf16);
-        sc_quant_linear(x, N, D, y->gate_up.codes, y->gate_up.scales, y->gate_up.offsets,
-                        y->gate_up.out_features, (int)y->gate_up.bits, gu, bf16, scratch, 0);
-        sc_silu_mul(gu, act, N, I, bf16);
-        /* o is free again: the MLP's output lands there */
-        sc_quant_linear(act, N, I, y->down.codes, y->down.scales, y->down.offsets,
-                        y->down.out_features, (int)y->down.bits, o, bf16, scratch, 0);
-        add_rows(h, h2, o, N * D, bf16);
         if (tap_slot[l] >= 0)
             for (int64_t i = 0; i < N; i++)
                 memcpy((char *)taps + (i * n_taps + tap_slot[l]) * D * es,
                        (char *)h + i * D * es, (size_t)(D * es));
     }
     return 0;
+}
+
+/* EAGLE-3's first draft layer (draft/eagle3.py FirstLayer): attention over the token
+ * embedding emb [N, D] normed by the layer's input norm beside the hidden input [N, D]
+ * normed by hidden_norm (g), the residual g (norm_before_residual) or the hidden input
+ * itself; out [N, D]. */
+int sc_eagle3_layer(const sc_layer *y, const sc_dims *m, const void *emb, const void *hidden,
+                    const void *hidden_norm, int norm_before_residual, void *out, int64_t N,
+                    const void *cos, const void *sin, const sc_batch *b, void *work,
+                    int bf16) {
+    const int64_t es = bf16 ? 2 : 4, D = m->D;
+    Work w = work_of(work, m, N, bf16);
+    sc_rms_norm(hidden, NULL, hidden_norm, w.g, NULL, N, D, m->norm_eps, bf16);
+    sc_rms_norm(emb, NULL, y->input_norm, w.x, NULL, N, D, m->norm_eps, bf16);
+    for (int64_t i = 0; i < N; i++) {  /* the embedding first */
+        memcpy((char *)w.xin + 2 * i * D * es, (char *)w.x + i * D * es, (size_t)(D * es));
+        memcpy((char *)w.xin + (2 * i + 1) * D * es, (char *)w.g + i * D * es,
+               (size_t)(D * es));
+    }
+    return layer_from(y, m, w.xin, 2 * D, norm_before_residual ? w.g : hidden, out, N, cos,
+                      sin, b, &w, bf16);
 }

@@ -1,5 +1,5 @@
 """A dense decoder's layers as one native call (decoder.c): the CPU step of a model on GGUF
-codes without Python between its ops.
+codes without Python between its ops; an EAGLE-3 draft's single layer likewise.
 
 It serves a flattened paged batch of at most ATTENTION_MAX_TOKENS tokens (decode steps,
 verifies, draft-free chains of them) through layers that are all models/llama.py's
@@ -60,8 +60,9 @@ class _Dims(ctypes.Structure):
 
 
 @cache
-def _calls(lib: ctypes.CDLL) -> tuple[Any, Any]:
-    """The library's sc_decoder and sc_decoder_work_bytes with their prototypes."""
+def _calls(lib: ctypes.CDLL) -> tuple[Any, Any, Any]:
+    """The library's sc_decoder, sc_decoder_work_bytes and sc_eagle3_layer with their
+    prototypes."""
     run = lib.sc_decoder
     run.argtypes = [ctypes.POINTER(_Layer), _I, ctypes.POINTER(_Dims), _P, _I, _P, _P,
                     ctypes.POINTER(_Batch), ctypes.POINTER(_I), _I, _P, _P, ctypes.c_int]
@@ -69,7 +70,11 @@ def _calls(lib: ctypes.CDLL) -> tuple[Any, Any]:
     work = lib.sc_decoder_work_bytes
     work.argtypes = [ctypes.POINTER(_Dims), _I, ctypes.c_int]
     work.restype = _I
-    return run, work
+    first = lib.sc_eagle3_layer
+    first.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Dims), _P, _P, _P, ctypes.c_int,
+                      _P, _I, _P, _P, ctypes.POINTER(_Batch), _P, ctypes.c_int]
+    first.restype = ctypes.c_int
+    return run, work, first
 
 
 def _qlinear(lin: Any) -> _QLinear:
@@ -90,25 +95,27 @@ def _layer_refs(layers: Any, i: int) -> list[tuple[Any, str]]:
     if a.q_norm is not None:
         mods += [(a, "q_norm"), (a, "k_norm")]
         norms += [a.q_norm, a.k_norm]
+    if hasattr(layer, "hidden_norm"):  # EAGLE-3's first draft layer
+        mods.append((layer, "hidden_norm"))
+        norms.append(layer.hidden_norm)
     tensors = [(n, "weight") for n in norms]
     for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
         tensors += [(lin, "codes"), (lin, "scales"), (lin, "offsets")]
     return mods + tensors
 
 
-def decoder_applies(model: Any) -> bool:
-    """Whether every layer is one decoder.c runs: the dense DecoderLayer of models/llama.py,
-    its products GGUF codes (models/quant.py GgufLinear) without biases, untouched by
-    tensor parallelism, its norms' weights of one dtype."""
-    from specscope.models.llama import MLP, Attention, DecoderLayer
+def layers_apply(layers: list[Any], kind: type) -> bool:
+    """Whether every layer is one decoder.c runs: `kind` (models/llama.py's DecoderLayer,
+    or draft/eagle3.py's FirstLayer) with that file's Attention and MLP, its products GGUF
+    codes (models/quant.py GgufLinear) without biases, its norms' weights of one dtype."""
+    from specscope.models.llama import MLP, Attention
     from specscope.models.quant import GgufLinear
 
-    layers = list(model.model.layers)
-    if not layers or getattr(model, "tp", None) is not None:
+    if not layers:
         return False
     dtype = layers[0].input_layernorm.weight.dtype
     for layer in layers:
-        if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or \
+        if type(layer) is not kind or type(layer.self_attn) is not Attention or \
                 type(layer.mlp) is not MLP:
             return False
         a, m = layer.self_attn, layer.mlp
@@ -117,27 +124,38 @@ def decoder_applies(model: Any) -> bool:
             return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [] if a.q_norm is None else [a.q_norm, a.k_norm]
+        norms += [layer.hidden_norm] if hasattr(layer, "hidden_norm") else []
         if any(n.weight.dtype != dtype for n in norms):
             return False
     return True
+
+
+def decoder_applies(model: Any) -> bool:
+    """Whether decoder.c runs every layer of this target (layers_apply; no tensor
+    parallelism)."""
+    from specscope.models.llama import DecoderLayer
+
+    return getattr(model, "tp", None) is None and \
+        layers_apply(list(model.model.layers), DecoderLayer)
 
 
 class NativeDecoder:
     """The addresses decoder.c reads (weights once; the KV cache's when it changes) and the
     call. Build with decoder_applies(model) true."""
 
-    def __init__(self, kernels: Any, model: Any) -> None:
-        self._run, self._work_bytes = _calls(kernels.lib)
-        layers = list(model.model.layers)
-        a0, cfg = layers[0].self_attn, model.config
+    def __init__(self, kernels: Any, container: Any, hidden_size: int, eps: float) -> None:
+        """container: the ModuleList of the layers (checked with layers_apply)."""
+        self._run, self._work_bytes, self._first = _calls(kernels.lib)
+        layers = list(container)
+        a0 = layers[0].self_attn
         self.dtype = layers[0].input_layernorm.weight.dtype
         self.head_dim = a0.head_dim
         self.num_layers = len(layers)
-        self.dims = _Dims(cfg.hidden_size, a0.num_heads, a0.num_kv_heads, a0.head_dim,
-                          layers[0].mlp.intermediate, cfg.rms_norm_eps,
+        self.dims = _Dims(hidden_size, a0.num_heads, a0.num_kv_heads, a0.head_dim,
+                          layers[0].mlp.intermediate, eps,
                           0.0 if a0.q_norm is None else a0.q_norm.eps, a0.scale)
         self.layers = (_Layer * len(layers))()
-        refs = [r for i in range(len(layers)) for r in _layer_refs(model.model.layers, i)]
+        refs = [r for i in range(len(layers)) for r in _layer_refs(container, i)]
         self._held = [(o, n, getattr(o, n)) for o, n in refs]
         self._addresses = [(t, t.data_ptr()) for _, _, t in self._held
                            if isinstance(t, torch.Tensor)]
@@ -154,6 +172,9 @@ class NativeDecoder:
                                     layer.post_attention_layernorm.weight.data_ptr(), qn, kn,
                                     _qlinear(a.qkv_proj), _qlinear(a.o_proj),
                                     _qlinear(m.gate_up_proj), _qlinear(m.down_proj), None, None)
+        hn = getattr(first, "hidden_norm", None)
+        self._hidden_norm = None if hn is None else hn.weight.data_ptr()
+        self._norm_before_residual = int(getattr(first, "norm_before_residual", False))
         self._cache: tuple[int, int] | None = None
         self._work = torch.empty(0, dtype=torch.uint8)
         self._taps_key: tuple | None = None
@@ -198,6 +219,24 @@ class NativeDecoder:
             self._tap_slot[i] = tap_ids.index(i) if i in tap_ids else -1
         self._taps_key = tap_ids
 
+    def _setup(self, N: int, bf16: bool, cache: Any, meta: Any) -> _Batch:
+        """The cache's addresses, a work area for N tokens and the batch's metadata."""
+        self._bind_cache(cache)
+        need = self._work_bytes(self.dims, N, bf16)
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.uint8)
+        if meta.native_args is None:
+            meta.native_args = _meta_args(meta)
+        _, args = meta.native_args
+        return _Batch(args[0], args[1], args[2], args[3], cache.k[0].shape[1], args[4],
+                      args[5], args[6], args[7], args[8], meta.max_len)
+
+    @staticmethod
+    def _checked_rc(rc: int, N: int, meta: Any) -> None:
+        if rc != 0:
+            raise MemoryError(f"native CPU attention could not allocate its scratch for {N} "
+                              f"tokens over {meta.max_len} keys")
+
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
             meta: Any, tap_ids: tuple[int, ...]) -> torch.Tensor | None:
         """Every layer over h [N, D] (updated in place: the last layer's output). cos/sin
@@ -206,34 +245,51 @@ class NativeDecoder:
         tap_ids."""
         N, D = h.shape
         bf16 = h.dtype == torch.bfloat16
-        self._bind_cache(cache)
+        batch = self._setup(N, bf16, cache, meta)
         self._bind_taps(tap_ids)
         taps = torch.empty(N, len(tap_ids) * D, dtype=h.dtype) if tap_ids else None
         if taps is not None and -1 in tap_ids:
             j = tap_ids.index(-1)
             taps[:, j * D:(j + 1) * D] = h
-        need = self._work_bytes(self.dims, N, bf16)
-        if self._work.numel() < need:
-            self._work = torch.empty(need, dtype=torch.uint8)
-        if meta.native_args is None:
-            meta.native_args = _meta_args(meta)
-        _, args = meta.native_args
-        batch = _Batch(args[0], args[1], args[2], args[3], cache.k[0].shape[1], args[4],
-                       args[5], args[6], args[7], args[8], meta.max_len)
-        cos = cos if cos.is_contiguous() else cos.contiguous()
-        sin = sin if sin.is_contiguous() else sin.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
         rc = self._run(self.layers, self.num_layers, self.dims, h.data_ptr(), N,
-                                  cos.data_ptr(), sin.data_ptr(), batch, self._tap_slot,
-                                  len(tap_ids), None if taps is None else taps.data_ptr(),
-                                  self._work.data_ptr(), bf16)
-        if rc != 0:
-            raise MemoryError(f"native CPU attention could not allocate its scratch for {N} "
-                              f"tokens over {meta.max_len} keys")
+                       cos.data_ptr(), sin.data_ptr(), batch, self._tap_slot, len(tap_ids),
+                       None if taps is None else taps.data_ptr(), self._work.data_ptr(), bf16)
+        self._checked_rc(rc, N, meta)
         return taps
+
+    def run_first(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, cache: Any, meta: Any) -> torch.Tensor:
+        """EAGLE-3's first draft layer (one layer built from a FirstLayer): emb and hidden
+        [N, D] -> its output [N, D]."""
+        N = emb.shape[0]
+        bf16 = emb.dtype == torch.bfloat16
+        batch = self._setup(N, bf16, cache, meta)
+        emb, hidden, cos, sin = (t.contiguous() for t in (emb, hidden, cos, sin))
+        out = torch.empty_like(emb)
+        rc = self._first(self.layers, self.dims, emb.data_ptr(), hidden.data_ptr(),
+                         self._hidden_norm, self._norm_before_residual, out.data_ptr(), N,
+                         cos.data_ptr(), sin.data_ptr(), batch, self._work.data_ptr(), bf16)
+        self._checked_rc(rc, N, meta)
+        return out
+
+
+def _held_or_built(owner: Any, container: Any, kernels: Any, build: Any
+                   ) -> NativeDecoder | None:
+    """owner's NativeDecoder over container's layers: the one it holds while current, else
+    a new one (build() returns it or None where none applies). Held as (first layer's q/k/v
+    product, it): a new first product means new layers."""
+    first = container[0].self_attn.qkv_proj
+    held = getattr(owner, "_native_decoder", None)
+    if held is not None and held[0] is first and (held[1] is None or held[1].current()):
+        return held[1]
+    nd = build()
+    owner._native_decoder = (first, nd)
+    return nd
 
 
 def native_decoder(model: Any, h: torch.Tensor) -> NativeDecoder | None:
-    """The model's NativeDecoder where decoder.c may run this forward's h (a CPU tensor at
+    """The target's NativeDecoder where decoder.c may run this forward's h (a CPU tensor at
     inference, the native kernels built, every layer one it runs), built at the first
     call and again if the model's tensors were replaced; None otherwise."""
     from specscope.native import cpu_kernels_for
@@ -241,11 +297,23 @@ def native_decoder(model: Any, h: torch.Tensor) -> NativeDecoder | None:
     kernels = cpu_kernels_for(h)
     if kernels is None or not getattr(model, "native_decoder_enabled", True):
         return None
-    # (the first layer's q/k/v product, its NativeDecoder or None where none applies)
-    first = model.model.layers[0].self_attn.qkv_proj
-    held = getattr(model, "_native_decoder", None)
-    if held is not None and held[0] is first and (held[1] is None or held[1].current()):
-        return held[1]
-    nd = NativeDecoder(kernels, model) if decoder_applies(model) else None
-    model._native_decoder = (first, nd)
-    return nd
+    cfg = model.config
+    return _held_or_built(model, model.model.layers, kernels, lambda: NativeDecoder(
+        kernels, model.model.layers, cfg.hidden_size, cfg.rms_norm_eps)
+        if decoder_applies(model) else None)
+
+
+def native_draft_layer(draft: Any, h: torch.Tensor) -> NativeDecoder | None:
+    """An EAGLE-3 draft's first (and only) layer in decoder.c, where it may run h (as
+    native_decoder); None for a draft of more layers, a sharded one, or other products."""
+    from specscope.draft.eagle3 import FirstLayer
+    from specscope.native import cpu_kernels_for
+
+    kernels = cpu_kernels_for(h)
+    if kernels is None or len(draft.layers) != 1 or draft.tp is not None or \
+            not getattr(draft, "native_decoder_enabled", True):
+        return None
+    cfg = draft.config
+    return _held_or_built(draft, draft.layers, kernels, lambda: NativeDecoder(
+        kernels, draft.layers, cfg.hidden_size, cfg.rms_norm_eps)
+        if layers_apply(list(draft.layers), FirstLayer) else None)
