@@ -344,3 +344,32 @@ def test_the_native_draft_layer_equals_eagle3s_first_layer(kernels, dtype,
     (a1, b1, c1), (a0, b0, c0) = out[True], out[False]
     assert torch.equal(a1, a0) and torch.equal(b1, b0)
     assert all(torch.equal(x, y) for x, y in zip(c1, c0, strict=True))
+
+
+def test_the_native_decoder_follows_a_new_kv_cache(kernels):
+    """A second cache (an engine rebuilt with new pools) is written and read, not the first
+    one whose addresses the decoder took before."""
+    model, cfg = _gguf_model(torch.float32, False, None)
+    meta, pos = _batch(4, None)
+    ids = torch.randint(0, cfg.vocab_size, (1, pos.numel()),
+                        generator=torch.Generator().manual_seed(13))
+
+    def cache(seed: int) -> PagedKV:
+        kv = PagedKV(cfg.num_layers, 15, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                     "cpu")
+        for t in kv.k + kv.v:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)))
+        return kv
+
+    out = {}
+    with torch.inference_mode():
+        for on in (True, False):
+            model.native_decoder_enabled = on
+            first, second = cache(14), cache(15)
+            model(ids, pos[None], first, batch=dataclasses.replace(meta))
+            before = [t.clone() for t in first.k]
+            h, _ = model(ids, pos[None], second, batch=dataclasses.replace(meta))
+            assert all(torch.equal(a, b) for a, b in zip(first.k, before, strict=True))
+            out[on] = (h, second.k + second.v)
+    assert torch.equal(out[True][0], out[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1], strict=True))

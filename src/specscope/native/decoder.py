@@ -12,6 +12,7 @@ so the two are bit-equal (tests/test_native_cpu.py).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from functools import cache
 from typing import Any
 
@@ -175,7 +176,7 @@ class NativeDecoder:
         hn = getattr(first, "hidden_norm", None)
         self._hidden_norm = None if hn is None else hn.weight.data_ptr()
         self._norm_before_residual = int(getattr(first, "norm_before_residual", False))
-        self._cache: tuple[int, int] | None = None
+        self._cache: weakref.ref | None = None
         self._work = torch.empty(0, dtype=torch.uint8)
         self._taps_key: tuple | None = None
         self._tap_slot = (_I * len(layers))()
@@ -204,13 +205,15 @@ class NativeDecoder:
                 and v.is_contiguous() and k.shape[-1] == v.shape[-1] == self.head_dim)
 
     def _bind_cache(self, cache: Any) -> None:
-        key = (id(cache), cache.k[0].data_ptr())
-        if key == self._cache:
+        """The cache's per-layer addresses, taken again for another cache object (a weak
+        reference: a freed pool's id may come back for a new one, its address may not
+        hold; nor is a pool kept alive here)."""
+        if self._cache is not None and self._cache() is cache:
             return
         for i in range(self.num_layers):
             self.layers[i].k_cache = cache.k[i].data_ptr()
             self.layers[i].v_cache = cache.v[i].data_ptr()
-        self._cache = key
+        self._cache = weakref.ref(cache)
 
     def _bind_taps(self, tap_ids: tuple[int, ...]) -> None:
         if tap_ids == self._taps_key:
