@@ -22,6 +22,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* x rounded as the activation dtype holds it. */
 static inline float rnd(float x, int bf16) {
@@ -281,27 +284,24 @@ static int64_t key_slots(const Meta *m, int64_t i, int64_t *slots) {
     return n;
 }
 
-/* Scores of G query heads (q [G, D]) that share one KV head, against their L keys at
- * `slots`, scaled: s [G, L]. A key's K row is its slot's row of [Hkv, D] (`row` floats) at
- * column `off`; it is converted once for the G heads. Eight keys' products are reduced
- * together. D is a constant where the callers below pass one, so the products unroll. */
+/* Scores of G query heads (q [G, D]) that share one KV head against its first L keys,
+ * already in fp32 (kbuf [L, D]), scaled: s [G, L]. Eight keys' products are reduced
+ * together (hsum8x8 sums as hsum8 does, so a score does not depend on L). D is a constant
+ * where the callers below pass one, so the products unroll. */
 static inline __attribute__((always_inline)) void qk_scores(
-        const float *q, int64_t G, int64_t D, int64_t row, int64_t off, const void *kc,
-        const int64_t *slots, int64_t L, float scale, float *s, float *kbuf, int bf16) {
+        const float *q, int64_t G, int64_t D, const float *kbuf, int64_t L, float scale,
+        float *s) {
     int64_t j = 0;
     for (; j + 8 <= L; j += 8) {
-        for (int k = 0; k < 8; k++) load_row(kbuf + k * D, kc, slots[j + k] * row + off, D, bf16);
         for (int64_t h = 0; h < G; h++) {
             v8f lanes[8];
-            for (int k = 0; k < 8; k++) lanes[k] = dot_lanes(q + h * D, kbuf + k * D, D);
+            for (int k = 0; k < 8; k++) lanes[k] = dot_lanes(q + h * D, kbuf + (j + k) * D, D);
             st8(s + h * L + j, hsum8x8(lanes) * scale);
         }
     }
-    for (; j < L; j++) {
-        load_row(kbuf, kc, slots[j] * row + off, D, bf16);
+    for (; j < L; j++)
         for (int64_t h = 0; h < G; h++)
-            s[h * L + j] = hsum8(dot_lanes(q + h * D, kbuf, D)) * scale;
-    }
+            s[h * L + j] = hsum8(dot_lanes(q + h * D, kbuf + j * D, D)) * scale;
 }
 
 /* o [DC * 8] = sum over j of p[j] v_j, v_j = vbuf + j * DC * 8 (fp32): the sum in
@@ -318,27 +318,29 @@ static inline __attribute__((always_inline)) void pv_head(const float *vbuf, con
     for (int c = 0; c < DC; c++) st8(o + 8 * c, a[c]);
 }
 
-/* Attention of one token's G query heads over KV head g (q [G, D], fp32) over its L keys
- * at `slots`: out [G, D] fp32. Scores in fp32, scaled after the product, softmax, then the
- * weighted sum of the values: the reference's order, head by head. scratch: [G * L + L *
- * D] floats. */
-static void attend_group(const float *q, int64_t G, int64_t Hkv, int64_t g, int64_t D,
-                         const void *kc, const void *vc, const int64_t *slots, int64_t L,
-                         float scale, float *out, float *scratch, int bf16) {
-    int64_t row = Hkv * D, off = g * D;
-    float *s = scratch, *vbuf = scratch + G * L;
-    if (D == 64) qk_scores(q, G, 64, row, off, kc, slots, L, scale, s, vbuf, bf16);
-    else if (D == 128) qk_scores(q, G, 128, row, off, kc, slots, L, scale, s, vbuf, bf16);
-    else qk_scores(q, G, D, row, off, kc, slots, L, scale, s, vbuf, bf16);
+/* KV head g's columns of the cache rows at L slots, in fp32: buf [L, D]. */
+static void load_head(const void *c, const int64_t *slots, int64_t L, int64_t row, int64_t off,
+                      int64_t D, float *buf, int bf16) {
+    size_t es = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < L; j++) {
+        if (j + 1 < L) __builtin_prefetch((const char *)c + (slots[j + 1] * row + off) * es);
+        load_row(buf + j * D, c, slots[j] * row + off, D, bf16);
+    }
+}
+
+/* Attention of one token's G query heads (q [G, D], fp32) over the first L keys and values
+ * of its KV head (kbuf, vbuf [>= L, D] fp32): out [G, D] fp32. Scores in fp32, scaled after
+ * the product, softmax, then the weighted sum of the values: the reference's order, head
+ * by head. s: [G * L] floats. */
+static void attend_group(const float *q, int64_t G, int64_t D, const float *kbuf,
+                         const float *vbuf, int64_t L, float scale, float *out, float *s) {
+    if (D == 64) qk_scores(q, G, 64, kbuf, L, scale, s);
+    else if (D == 128) qk_scores(q, G, 128, kbuf, L, scale, s);
+    else qk_scores(q, G, D, kbuf, L, scale, s);
     for (int64_t h = 0; h < G; h++) {
         float *sh = s + h * L;
         float inv = 1.0f / exp_shifted(sh, L, row_max(sh, L));
         for (int64_t j = 0; j < L; j++) sh[j] *= inv;
-    }
-    size_t es = bf16 ? 2 : 4;
-    for (int64_t j = 0; j < L; j++) {  /* the values in fp32 once, for the G heads */
-        if (j + 1 < L) __builtin_prefetch((const char *)vc + (slots[j + 1] * row + off) * es);
-        load_row(vbuf + j * D, vc, slots[j] * row + off, D, bf16);
     }
     for (int64_t h = 0; h < G; h++) {
         const float *p = s + h * L;
@@ -424,25 +426,58 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
     }
     Meta m = {seq_index, block_tables, visible, window_start, tree_start, tree_mask,
               max_blocks, block_size, T};
-    /* One item a (token, KV head): a decode token's heads split over the threads as a
-     * verify's tokens do; each reads only its KV head's columns of the cache. */
-    int64_t items = N * Hkv;
+    /* Every token's keys; then runs of tokens of one sequence, each token's keys the first
+     * ones of the next token's (a decode token alone, a verify's chain): a run's keys and
+     * values are converted once for all its tokens. */
+    int64_t *lists = scratch_slots((size_t)(N * L_cap + 4 * N));
+    if (!lists) { rc = -1; goto done; }
+    int64_t *lens = lists + N * L_cap, *piece_a = lens + N, *piece_b = piece_a + N;
+    int64_t *run_of = piece_b + N;
+    for (int64_t i = 0; i < N; i++) lens[i] = key_slots(&m, i, lists + i * L_cap);
+    int64_t runs = 0;
+    for (int64_t i = 0; i < N; i++) {
+        int joins = i > 0 && seq_index[i] == seq_index[i - 1] && lens[i] >= lens[i - 1] &&
+            memcmp(lists + i * L_cap, lists + (i - 1) * L_cap,
+                   (size_t)lens[i - 1] * sizeof(int64_t)) == 0;
+        run_of[i] = joins ? run_of[i - 1] : runs++;
+    }
+    /* Pieces of runs: enough work items (piece, KV head) for the threads to share. */
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    int64_t parts = runs * Hkv >= 2 * threads ? 1 : (2 * threads + runs * Hkv - 1) / (runs * Hkv);
+    int64_t pieces = 0;
+    for (int64_t a = 0; a < N;) {
+        int64_t b = a;
+        while (b < N && run_of[b] == run_of[a]) b++;
+        int64_t n = b - a, k = parts < n ? parts : n;
+        for (int64_t j = 0; j < k; j++) {
+            piece_a[pieces] = a + n * j / k;
+            piece_b[pieces++] = a + n * (j + 1) / k;
+        }
+        a = b;
+    }
+    int64_t items = pieces * Hkv;
 #pragma omp parallel for schedule(static) if (items > 1)
     for (int64_t it = 0; it < items; it++) {
-        int64_t i = it / Hkv, g = it - (it / Hkv) * Hkv;
-        float *scratch = scratch_floats((size_t)(G * L_cap + L_cap * D + G * D));
-        int64_t *kslots = scratch_slots((size_t)L_cap);
-        if (!scratch || !kslots) {
+        int64_t p = it / Hkv, g = it - p * Hkv, a = piece_a[p], b = piece_b[p];
+        int64_t L = lens[b - 1];
+        float *kbuf = scratch_floats((size_t)(2 * L_cap * D + G * L_cap + G * D));
+        if (!kbuf) {
 #pragma omp atomic write
             rc = -1;
             continue;
         }
-        float *acc = scratch + G * L_cap + L_cap * D;
-        int64_t L = key_slots(&m, i, kslots);
-        if (L == 0) memset(acc, 0, (size_t)(G * D) * sizeof(float));
-        else attend_group(q + (i * H + g * G) * D, G, Hkv, g, D, k_cache, v_cache, kslots, L,
-                          scale, acc, scratch, bf16);
-        for (int64_t e = 0; e < G * D; e++) store(out, (i * H + g * G) * D + e, acc[e], bf16);
+        float *vbuf = kbuf + L_cap * D, *sc = vbuf + L_cap * D, *acc = sc + G * L_cap;
+        load_head(k_cache, lists + (b - 1) * L_cap, L, Hkv * D, g * D, D, kbuf, bf16);
+        load_head(v_cache, lists + (b - 1) * L_cap, L, Hkv * D, g * D, D, vbuf, bf16);
+        for (int64_t i = a; i < b; i++) {
+            if (lens[i] == 0) memset(acc, 0, (size_t)(G * D) * sizeof(float));
+            else attend_group(q + (i * H + g * G) * D, G, D, kbuf, vbuf, lens[i], scale, acc,
+                              sc);
+            for (int64_t e = 0; e < G * D; e++) store(out, (i * H + g * G) * D + e, acc[e], bf16);
+        }
     }
 done:
     free(q); free(row);
