@@ -252,15 +252,43 @@ def _gguf_model(dtype, qk_norm: bool, window: int | None):
     return model, cfg
 
 
+def _count_native_calls(monkeypatch) -> dict[str, int]:
+    """Counts of NativeDecoder.run and .run_first calls from now on."""
+    from specscope.native.decoder import NativeDecoder
+
+    calls = {"run": 0, "run_first": 0}
+
+    def counting(name: str):
+        original = getattr(NativeDecoder, name)
+
+        def counted(self, *args):
+            calls[name] += 1
+            return original(self, *args)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(NativeDecoder, name, counting(name))
+    return calls
+
+
+def _paged_ctx(cfg, n: int, dtype=torch.float32):
+    """What native_decoder reads of a ForwardContext: a paged batch, no training-time test,
+    n rope rows."""
+    import types
+
+    cos = torch.zeros(n, 1, cfg.head_dim, dtype=dtype)
+    return types.SimpleNamespace(paged=object(), ttt=None, rope_tokens=(cos, cos, cos))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm,window", [(False, None), (True, 6)])
-def test_the_native_decoder_equals_the_layers_one_by_one(kernels, dtype, qk_norm, window):
+def test_the_native_decoder_equals_the_layers_one_by_one(kernels, monkeypatch, dtype, qk_norm,
+                                                         window):
     """decoder.c's one call against the layer-by-layer path over a batch of a decode token,
     a chain and a tree: the hidden states, the taps (the embeddings' included) and every
     layer's cache bit-equal."""
-    from specscope.native.decoder import native_decoder
-
     model, cfg = _gguf_model(dtype, qk_norm, window)
+    calls = _count_native_calls(monkeypatch)
     model.set_taps([-1, 0, 2])
     meta, pos = _batch(4, window)
     ids = torch.randint(0, cfg.vocab_size, (1, pos.numel()),
@@ -274,10 +302,11 @@ def test_the_native_decoder_equals_the_layers_one_by_one(kernels, dtype, qk_norm
         kv = PagedKV(cfg.num_layers, 15, 4, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
         for a, b in zip(kv.k + kv.v, base.k + base.v, strict=True):
             a.copy_(b)
+        before = calls["run"]
         with torch.inference_mode():
-            assert (native_decoder(model, torch.zeros(1, dtype=dtype)) is not None) == on
             h, taps = model(ids, pos[None], kv, batch=dataclasses.replace(meta),
                             return_taps=True)
+        assert (calls["run"] > before) == on
         out[on] = (h, taps, kv.k + kv.v)
     (h1, t1, c1), (h0, t0, c0) = out[True], out[False]
     assert torch.equal(h1, h0) and torch.equal(t1, t0)
@@ -292,10 +321,11 @@ def test_the_native_decoder_declines_what_it_does_not_run(kernels):
     from specscope.native.decoder import decoder_applies, native_decoder
 
     model, cfg = _gguf_model(torch.float32, False, None)
-    x = torch.zeros(1)
-    nd = native_decoder(model, x)
-    assert nd is not None and nd.current()
     kv = PagedKV(cfg.num_layers, 15, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    x = torch.zeros(4, cfg.hidden_size)
+    nd = native_decoder(model, x, kv, _paged_ctx(cfg, 4))
+    assert nd is not None and nd.current()
+    assert native_decoder(model, torch.zeros(17, 64), kv, _paged_ctx(cfg, 17)) is None
     cos = torch.zeros(17, cfg.head_dim)
     assert nd.serves(torch.zeros(16, 64), kv, cos[:16])
     assert not nd.serves(torch.zeros(17, 64), kv, cos)
@@ -305,7 +335,7 @@ def test_the_native_decoder_declines_what_it_does_not_run(kernels):
                                                         None, 8, lin.in_features,
                                                         lin.out_features, None)
     assert not nd.current()
-    again = native_decoder(model, x)
+    again = native_decoder(model, x, kv, _paged_ctx(cfg, 4))
     assert again is not None and again is not nd
     model.model.layers[2].mlp.down_proj = torch.nn.Linear(96, 64, bias=False)
     assert not decoder_applies(model)
@@ -313,15 +343,14 @@ def test_the_native_decoder_declines_what_it_does_not_run(kernels):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_the_native_draft_layer_equals_eagle3s_first_layer(kernels, dtype,
+def test_the_native_draft_layer_equals_eagle3s_first_layer(kernels, monkeypatch, dtype,
                                                           norm_before_residual):
     """An EAGLE-3 draft on Q8_0 codes: decoder.c's first layer against FirstLayer over a
     decode token, a chain and a tree, the outputs and the draft's cache bit-equal."""
     from specscope.draft.eagle3 import random_draft
     from specscope.models.quant import quantize_q8_0
-    from specscope.native.decoder import native_draft_layer
-
     target, cfg = _gguf_model(dtype, False, None)
+    calls = _count_native_calls(monkeypatch)
     draft = random_draft(cfg, dtype, "cpu", seed=9, std=0.1,
                          norm_before_residual=norm_before_residual)
     draft.attach_target(target)
@@ -337,9 +366,10 @@ def test_the_native_draft_layer_equals_eagle3s_first_layer(kernels, dtype,
         kv = PagedKV(1, 15, 4, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
         for t in kv.k + kv.v:
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(12)))
+        before = calls["run_first"]
         with torch.inference_mode():
-            assert (native_draft_layer(draft, torch.zeros(1, dtype=dtype)) is not None) == on
             nxt, normed = draft(ids, hidden, pos[None], kv, batch=dataclasses.replace(meta))
+        assert (calls["run_first"] > before) == on
         out[on] = (nxt, normed, kv.k + kv.v)
     (a1, b1, c1), (a0, b0, c0) = out[True], out[False]
     assert torch.equal(a1, a0) and torch.equal(b1, b0)

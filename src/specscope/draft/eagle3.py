@@ -49,6 +49,7 @@ from specscope.models.llama import (
 )
 from specscope.models.registry import TargetModel
 from specscope.models.rope import rope_tables
+from specscope.native.decoder import native_draft_layer
 from specscope.parallel.group import TPGroup
 from specscope.parallel.layers import (
     ParallelLMHead,
@@ -326,7 +327,7 @@ class Eagle3Draft(nn.Module):
             return (cache.k[i], cache.v[i]) if cache is not None else None
 
         emb = self.embed(input_ids)
-        native = self._native_layer(emb, ctx, cache)
+        native = native_draft_layer(self, emb[0], cache, ctx) if emb.shape[0] == 1 else None
         if native is not None:
             cos, sin, _ = ctx.rope_tokens
             h = native.run_first(emb[0], hidden[0], cos[:, 0], sin[:, 0], cache,
@@ -337,18 +338,6 @@ class Eagle3Draft(nn.Module):
             h = self.layers[i](h, ctx, kv(i))
         normed = self.norm(h)
         return (normed if cfg.norm_output else h), normed
-
-    def _native_layer(self, emb: torch.Tensor, ctx: ForwardContext,
-                      cache: KVCache | PagedKV | None) -> Any:
-        """The native first layer (native/decoder.py native_draft_layer) where it runs this
-        paged CPU forward, bit-equal to FirstLayer; None: FirstLayer."""
-        if emb.is_cuda or not isinstance(cache, PagedKV) or ctx.ttt is not None or \
-                ctx.paged is None or emb.shape[0] != 1:
-            return None
-        from specscope.native.decoder import native_draft_layer
-
-        nd = native_draft_layer(self, emb)
-        return nd if nd is not None and nd.serves(emb[0], cache, ctx.rope_tokens[0]) else None
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """normed [..., H] -> draft-vocab logits [..., Vd] in fp32."""

@@ -29,6 +29,7 @@ from specscope.models.linear import Linear, hand_kernels_apply, linear
 from specscope.models.registry import Family
 from specscope.models.rope import apply_rope_rolled, rope_tables, signed_sin
 from specscope.native import cpu_kernels_for
+from specscope.native.decoder import native_decoder
 from specscope.parallel.group import TPGroup
 from specscope.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from specscope.parallel.shard import attention_pieces, gated_mlp_pieces
@@ -459,7 +460,7 @@ class CausalLM(nn.Module):
         if return_taps and not self.tap_layer_ids:
             raise ValueError("return_taps=True but no tap layers configured; call set_taps")
         tap_set = tuple(self.tap_layer_ids) if return_taps else ()
-        native = self._native_layers(h, ctx, cache) if flat else None
+        native = native_decoder(self, h, cache, ctx) if flat else None
         if native is not None:
             cos, sin, _ = ctx.rope_tokens
             tap_out = native.run(h, cos[:, 0], sin[:, 0], cache, ctx.paged, tap_set)
@@ -483,17 +484,6 @@ class CausalLM(nn.Module):
             if i in tap_set:
                 taps[i] = h  # h is rebound each layer, never mutated: no copy needed
         return h, torch.cat([taps[i] for i in tap_set], -1) if tap_set else None
-
-    def _native_layers(self, h: torch.Tensor, ctx: ForwardContext,
-                       cache: KVCache | PagedKV | None) -> Any:
-        """The native decoder (native/decoder.py) where it runs this token-major paged
-        forward on the CPU: every layer in one call, bit-equal to _layers. None: _layers."""
-        if h.is_cuda or not isinstance(cache, PagedKV) or ctx.ttt is not None:
-            return None
-        from specscope.native.decoder import native_decoder
-
-        nd = native_decoder(self, h)
-        return nd if nd is not None and nd.serves(h, cache, ctx.rope_tokens[0]) else None
 
     def _dense_layers(self) -> bool:
         """Whether every decoder layer is this file's attention and MLP (shape-agnostic

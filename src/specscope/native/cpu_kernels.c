@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -358,34 +359,33 @@ static void attend_group(const float *q, int64_t G, int64_t D, const float *kbuf
     }
 }
 
-/* A per-thread scratch of at least n floats, kept between calls: the attention's scores
- * and values grow with the context, and a fresh allocation of that size every layer of
- * every step would be mapped and faulted in each time. NULL when memory is short. */
-static float *scratch_floats(size_t n) {
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (n > cap) {
+/* *buf grown to at least n elements of `size` bytes (half as much again, so a context that
+ * grows a token a step does not reallocate every step); NULL when memory is short. */
+static void *grow(void **buf, size_t *cap, size_t n, size_t size) {
+    if (n > *cap) {
         size_t want = n + n / 2;
-        float *grown = (float *)realloc(buf, want * sizeof(float));
+        void *grown = realloc(*buf, want * size);
         if (!grown) return NULL;
-        buf = grown;
-        cap = want;
+        *buf = grown;
+        *cap = want;
     }
-    return buf;
+    return *buf;
 }
 
-/* The same for n key slots. */
-static int64_t *scratch_slots(size_t n) {
-    static __thread int64_t *buf;
+/* Per-thread scratches kept between calls: the attention's keys, values and scores grow
+ * with the context, and a fresh allocation of that size every layer of every step would be
+ * mapped and faulted in each time. Two, as a call holds its key slots (the calling thread's)
+ * while every thread's work item uses its floats. */
+static float *scratch_floats(size_t n) {
+    static __thread void *buf;
     static __thread size_t cap;
-    if (n > cap) {
-        size_t want = n + n / 2;
-        int64_t *grown = (int64_t *)realloc(buf, want * sizeof(int64_t));
-        if (!grown) return NULL;
-        buf = grown;
-        cap = want;
-    }
-    return buf;
+    return (float *)grow(&buf, &cap, n, sizeof(float));
+}
+
+static int64_t *scratch_slots(size_t n) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    return (int64_t *)grow(&buf, &cap, n, sizeof(int64_t));
 }
 
 /* One layer's attention for N tokens of a flattened batch, from the fused projection's rows

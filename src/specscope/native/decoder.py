@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from specscope.kvcache.paged import PagedKV
+from specscope.native import cpu_kernels_for
 from specscope.native.cpu import ATTENTION_MAX_TOKENS, _meta_args
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -84,6 +86,15 @@ def _qlinear(lin: Any) -> _QLinear:
                     None if off is None else off.data_ptr(), lin.out_features, lin.bits)
 
 
+def _norms(layer: Any) -> list[Any]:
+    """A layer's RMSNorm modules decoder.c reads: the two around attention, q/k norms where
+    the model has them, and EAGLE-3's hidden_norm on its first draft layer."""
+    a = layer.self_attn
+    out = [layer.input_layernorm, layer.post_attention_layernorm]
+    out += [] if a.q_norm is None else [a.q_norm, a.k_norm]
+    return out + ([layer.hidden_norm] if hasattr(layer, "hidden_norm") else [])
+
+
 def _layer_refs(layers: Any, i: int) -> list[tuple[Any, str]]:
     """(owner, attribute) of every module and tensor decoder.c reads for layer i: what must
     stay the same object at the same address for the addresses taken from it to hold."""
@@ -92,14 +103,11 @@ def _layer_refs(layers: Any, i: int) -> list[tuple[Any, str]]:
     mods = [(layers, str(i)), (layer, "self_attn"), (layer, "mlp"),
             (layer, "input_layernorm"), (layer, "post_attention_layernorm"), (a, "qkv_proj"),
             (a, "o_proj"), (m, "gate_up_proj"), (m, "down_proj")]
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if a.q_norm is not None:
         mods += [(a, "q_norm"), (a, "k_norm")]
-        norms += [a.q_norm, a.k_norm]
-    if hasattr(layer, "hidden_norm"):  # EAGLE-3's first draft layer
+    if hasattr(layer, "hidden_norm"):
         mods.append((layer, "hidden_norm"))
-        norms.append(layer.hidden_norm)
-    tensors = [(n, "weight") for n in norms]
+    tensors = [(n, "weight") for n in _norms(layer)]
     for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
         tensors += [(lin, "codes"), (lin, "scales"), (lin, "offsets")]
     return mods + tensors
@@ -123,10 +131,7 @@ def layers_apply(layers: list[Any], kind: type) -> bool:
         lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
         if not all(type(lin) is GgufLinear and lin.bias is None for lin in lins):
             return False
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        norms += [] if a.q_norm is None else [a.q_norm, a.k_norm]
-        norms += [layer.hidden_norm] if hasattr(layer, "hidden_norm") else []
-        if any(n.weight.dtype != dtype for n in norms):
+        if any(n.weight.dtype != dtype for n in _norms(layer)):
             return False
     return True
 
@@ -291,32 +296,47 @@ def _held_or_built(owner: Any, container: Any, kernels: Any, build: Any
     return nd
 
 
-def native_decoder(model: Any, h: torch.Tensor) -> NativeDecoder | None:
-    """The target's NativeDecoder where decoder.c may run this forward's h (a CPU tensor at
-    inference, the native kernels built, every layer one it runs), built at the first
-    call and again if the model's tensors were replaced; None otherwise."""
-    from specscope.native import cpu_kernels_for
+def _serving(nd: NativeDecoder | None, h: torch.Tensor, cache: Any, ctx: Any
+             ) -> NativeDecoder | None:
+    """nd where it serves this forward (NativeDecoder.serves), else None."""
+    return nd if nd is not None and nd.serves(h, cache, ctx.rope_tokens[0]) else None
 
-    kernels = cpu_kernels_for(h)
+
+def _native_forward(h: torch.Tensor, cache: Any, ctx: Any) -> Any:
+    """The native kernels where a forward of token-major rows h [N, D] may run in decoder.c:
+    on the CPU at inference with them built, over a paged cache, not training-time test."""
+    if h.is_cuda or not isinstance(cache, PagedKV) or ctx.paged is None or \
+            ctx.ttt is not None:
+        return None
+    return cpu_kernels_for(h)
+
+
+def native_decoder(model: Any, h: torch.Tensor, cache: Any, ctx: Any
+                   ) -> NativeDecoder | None:
+    """The target's NativeDecoder where decoder.c runs this forward (h [N, D] token-major
+    rows, `cache` and `ctx` its KV cache and ForwardContext): built at the first call and
+    again if the model's tensors were replaced; None where the layers run one by one."""
+    kernels = _native_forward(h, cache, ctx)
     if kernels is None or not getattr(model, "native_decoder_enabled", True):
         return None
     cfg = model.config
-    return _held_or_built(model, model.model.layers, kernels, lambda: NativeDecoder(
+    return _serving(_held_or_built(model, model.model.layers, kernels, lambda: NativeDecoder(
         kernels, model.model.layers, cfg.hidden_size, cfg.rms_norm_eps)
-        if decoder_applies(model) else None)
+        if decoder_applies(model) else None), h, cache, ctx)
 
 
-def native_draft_layer(draft: Any, h: torch.Tensor) -> NativeDecoder | None:
-    """An EAGLE-3 draft's first (and only) layer in decoder.c, where it may run h (as
-    native_decoder); None for a draft of more layers, a sharded one, or other products."""
+def native_draft_layer(draft: Any, emb: torch.Tensor, cache: Any, ctx: Any
+                       ) -> NativeDecoder | None:
+    """An EAGLE-3 draft's first (and only) layer in decoder.c, where it runs this forward
+    (emb [N, D] token-major rows; as native_decoder); None for a draft of more layers, a
+    sharded one, or other products."""
     from specscope.draft.eagle3 import FirstLayer
-    from specscope.native import cpu_kernels_for
 
-    kernels = cpu_kernels_for(h)
+    kernels = _native_forward(emb, cache, ctx)
     if kernels is None or len(draft.layers) != 1 or draft.tp is not None or \
             not getattr(draft, "native_decoder_enabled", True):
         return None
     cfg = draft.config
-    return _held_or_built(draft, draft.layers, kernels, lambda: NativeDecoder(
+    return _serving(_held_or_built(draft, draft.layers, kernels, lambda: NativeDecoder(
         kernels, draft.layers, cfg.hidden_size, cfg.rms_norm_eps)
-        if layers_apply(list(draft.layers), FirstLayer) else None)
+        if layers_apply(list(draft.layers), FirstLayer) else None), emb, cache, ctx)

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
