@@ -298,3 +298,26 @@ def test_graph_steps_simulate_as_the_eager_step(model, draft, steps, topk, ndt):
         _assert_all_free(engine)
     assert counts["spec"] > 0
     assert runs[0] == runs[1]
+
+
+def test_plain_decode_graphs_per_key_window(model, monkeypatch):
+    """Plain decode graphs are captured per key window (engine/cuda_graph.py key_windows):
+    sequences whose contexts cross the short window's bound move to the long window's graph
+    and their greedy output is still their own, token for token."""
+    from specscope.engine import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "LONG_KEY_BOUND", 24)
+    rng = random.Random(7)
+    prompts, lens = _workload(rng, n=3)
+    cfg = BatchConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+                      max_model_len=96)
+    engine = Engine(model, cfg)
+    _static_steps(engine)
+    assert engine.graphs.windows == (24, 96)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n + 16, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens, strict=True))]
+    _run(engine, [(2 * i, s) for i, s in enumerate(seqs)])
+    for s, p, n in zip(seqs, prompts, lens, strict=True):
+        assert s.output_ids == solo_greedy(model, p, n + 16), s.seq_id
+    assert {w for _, w in engine.graphs.graphs} == {24, 96}
+    assert engine.pool.all_free()

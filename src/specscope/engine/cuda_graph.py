@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specscope.engine.draft_runner import draft_slots
-from specscope.kvcache.paged import BatchMeta, upload, with_pieces
+from specscope.kvcache.paged import LONG_KEY_BOUND, BatchMeta, upload, with_pieces
 from specscope.profiler.profiler import BATCH_BUCKETS
 
 
@@ -76,11 +76,20 @@ def _rows(tables: list[list[int]], b: int, fill: int, least: int) -> tuple[list[
     return flat + [fill] * (w * (b - len(tables))), w
 
 
+def key_windows(max_len: int) -> tuple[int, ...]:
+    """The key bounds plain decode graphs are captured for, shortest first: a step takes the
+    smallest holding its longest context. The attention kernel cuts a long bound's keys into
+    more chunks (kvcache/triton_attention.py _num_splits), which a short context under that
+    bound's graph would pay for without using them."""
+    return (LONG_KEY_BOUND, max_len) if max_len > LONG_KEY_BOUND else (max_len,)
+
+
 class BatchGraphs:
     """The plain decode step (one token per sequence over the paged KV) captured per
-    batch-size bucket. With a draft (`extend`), the step first extends the draft by each
-    sequence's one pending pair (the previous position's taps, the token being decoded), so
-    the draft stays current for a later speculative step, and it returns the decode's taps.
+    batch-size bucket and key window (key_windows). With a draft (`extend`), the step first
+    extends the draft by each sequence's one pending pair (the previous position's taps, the
+    token being decoded), so the draft stays current for a later speculative step, and it
+    returns the decode's taps.
     """
 
     def __init__(self, model, kv, block_size: int, max_blocks: int, max_len: int,
@@ -100,7 +109,8 @@ class BatchGraphs:
                                   device=device)
         self.taps = torch.zeros(B, tap_width, dtype=model.dtype, device=device)
         self.cap = Capturer(device, capture)
-        self.graphs: dict[int, tuple[Callable, list]] = {}
+        self.graphs: dict[tuple[int, int], tuple[Callable, list]] = {}
+        self.windows = key_windows(max_len)
 
     def run(self, ids: list[int], pos: list[int], tables: list[list[int]],
             dtables: list[list[int]] | None = None, taps: list[torch.Tensor] | None = None
@@ -123,23 +133,25 @@ class BatchGraphs:
         if self.extend is not None:
             self.dtables[:b, :wd].copy_(dev[2 * b + b * wt:].view(b, wd))
             self.taps[:n].copy_(torch.cat(taps))
-        entry = self.graphs.get(b)
+        window = next(w for w in self.windows if w > max(pos))
+        entry = self.graphs.get((b, window))
         if entry is None:
-            entry = self.graphs[b] = self.cap.graph(lambda: self._forward(b))
+            entry = self.graphs[b, window] = self.cap.graph(lambda: self._forward(b, window))
         entry[0]()
         logits, out_taps = entry[1][0]
         return logits[:n], None if out_taps is None else out_taps[:n]
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, b: int, window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step of bucket b over keys [0, window) (every position below window)."""
         if self.extend is not None:
             ones = torch.ones(b, dtype=torch.long, device=self.device)
             self.extend(self.ids[:b, None], (self.pos[:b] - 1).clamp_min(0)[:, None], ones,
-                        self.taps[:b], self.dtables[:b], self.max_len, self.cap.plans,
+                        self.taps[:b], self.dtables[:b], window, self.cap.plans,
                         heads=False)
         meta = BatchMeta.causal(self.tables[:b], torch.arange(b, device=self.device),
                                 self.pos[:b], self.block_size,
-                                self.model.config.sliding_window, max_len=self.max_len)
-        meta = with_pieces(meta, [(1, s, self.max_len) for s in range(b)],
+                                self.model.config.sliding_window, max_len=window)
+        meta = with_pieces(meta, [(1, s, window) for s in range(b)],
                            *self.model.local_heads, self.device, self.cap.plans)
         hidden, taps = self.model(self.ids[None, :b], self.pos[None, :b], self.kv, batch=meta,
                                   return_taps=self.extend is not None)

@@ -30,6 +30,12 @@ from specscope.native import cpu_kernels_for
 if TYPE_CHECKING:
     from specscope.kvcache.budget import KVLayout
 
+# Key bounds above this are "long": there the paged-attention kernel cuts a batch-1 decode's
+# keys into two waves of chunks, not one (kvcache/triton_attention.py _num_splits), and the
+# engine captures plain decode graphs for a bound of this many keys beside the model's
+# length (engine/cuda_graph.py key_windows), so short contexts keep the one-wave kernel.
+LONG_KEY_BOUND = 8192
+
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, tensors: int = 2) -> int:

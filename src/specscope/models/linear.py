@@ -42,6 +42,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def few_row_kernel(x: torch.Tensor, weight: torch.Tensor):
+    """models/linear_triton where its few-row product serves x @ weight.T (hand kernels
+    apply, 16-bit, at most 16 rows), for a caller that folds a norm, SwiGLU or a residual
+    add into it (models/llama.py DecoderLayer); else None."""
+    if not hand_kernels_apply(x):
+        return None
+    fast = _backend()
+    return fast if fast is not None and fast.applies(x, weight) else None
+
+
 class Linear(nn.Linear):
     """nn.Linear through `linear`."""
 

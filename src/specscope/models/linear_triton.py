@@ -1,5 +1,6 @@
 """The few-row linear in Triton (CUDA): y = x @ W.T (+ b) for up to 16 rows of x, the fast
-path of F.linear at decode and verify sizes.
+path of F.linear at decode and verify sizes, with the elementwise work around a decoder
+layer's products folded in.
 
 A batch-1 decode step multiplies one row by every weight, and a verify by a few rows: the
 work is reading W once. cuBLAS picks split-K kernels for the 4096-wide matrices of an 8B
@@ -14,6 +15,18 @@ on how many rows share the call: a verify of 8 tokens computes each row exactly 
 step computes its one (the fp32 sum over K runs in the same order), which cuBLAS does not
 promise across its M-dependent kernel choices. Accumulation is fp32, rounded once to the
 output dtype, as cuBLAS's.
+
+Every program already reads all of x, so the layer's small elementwise kernels around a
+product cost nothing more inside it, where at batch 1 each was a launch of ~2 us:
+- `norm`: x is RMS-normalised first (the layer's input and post-attention norms). The
+  norm's 1/rms is one factor per row, so it comes out of the sum: each program multiplies
+  x by the norm's weight as it streams, sums x^2 beside the product and scales its fp32
+  result by 1/rms at the end (one pass; the reference rounds x / rms to the dtype before
+  the weight, so the two agree to rounding, not bit for bit);
+- `gated`: x holds [gate | up] and the product's input is silu(gate) * up, rounded as
+  models/fused_triton.py's silu_mul rounds it (bit for bit);
+- `residual`: the rounded product is added to the residual stream in the output dtype, the
+  reference's `residual + y` (bit for bit).
 """
 
 from __future__ import annotations
@@ -26,8 +39,27 @@ MAX_ROWS = 16
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _input(x_rows, nw_ptr, k, ok, K, NORM: tl.constexpr, GATED: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of the product's input at columns k (ok: the loads' mask), and
+    its rows' sums of squares (NORM) for the norm's 1/rms."""
+    x = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
+    if GATED:  # silu(gate) * up, each rounded as silu_mul rounds it
+        up = tl.load(x_rows + K + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = x.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
+        x = (s * up).to(x.dtype)
+    if NORM:
+        xf = x.to(tl.float32)
+        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        return (xf * nw[None, :]).to(x.dtype), tl.sum(xf * xf, 1)
+    return x, 0.0
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K, eps,
+                   stride_xm, stride_wn, stride_rm, stride_om,
+                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                   HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                    PRECISION: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -36,20 +68,28 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+            x, sq = _input(x_rows, nw_ptr, k, m_ok[:, None], K, NORM, GATED)
         else:
             k_ok = k < K
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x, sq = _input(x_rows, nw_ptr, k, m_ok[:, None] & k_ok[None, :], K, NORM, GATED)
+        ss += sq
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    y = acc.to(out_ptr.dtype.element_ty)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:  # the residual stream's add, in the output dtype as the reference's
+        r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=ok)
 
 
 def config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -69,35 +109,54 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     return 32, 256, 4, 4
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether this path serves F.linear(x, weight): CUDA, 16-bit floats of one dtype, at
-    most MAX_ROWS rows, a contiguous weight with K a multiple of 16."""
+    most MAX_ROWS rows, a contiguous weight with K a multiple of 16 (gated: x is twice K
+    wide, [gate | up])."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and 0 < rows <= MAX_ROWS
-            and weight.is_contiguous() and weight.shape[1] % 16 == 0)
+    return (x.is_cuda and 0 < rows <= MAX_ROWS and weight_fits(weight, x.dtype)
+            and x.shape[-1] == (2 if gated else 1) * weight.shape[1])
+
+
+def weight_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes this weight for activations of `dtype`: 16-bit floats of
+    that dtype, 2-D, contiguous, K a multiple of 16."""
+    return (dtype in (torch.bfloat16, torch.float16) and weight.dtype == dtype
+            and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 16 == 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+           tile: tuple[int, int, int, int] | None = None, *,
+           norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] for at most MAX_ROWS rows of x
-    (check `applies`). tile: force (BLOCK_N, BLOCK_K, num_warps, num_stages) (the sweep)."""
-    K = x.shape[-1]
+    (check `applies`). tile: force (BLOCK_N, BLOCK_K, num_warps, num_stages) (the sweep).
+
+    norm: (the RMSNorm's weight [K], eps): the product of the norm of x. gated: x is
+    [..., 2K], gate then up, and the product's input is silu(gate) * up. residual [..., N]:
+    returns residual + the (rounded) product. See the module docstring for the roundings."""
+    K = weight.shape[1]
     N = weight.shape[0]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    res = None if residual is None else residual.reshape(M, N)
+    if res is not None and res.stride(-1) != 1:
+        res = res.contiguous()
     bn, bk, warps, stages = tile or config(N, K)
     bk = min(bk, triton.next_power_of_2(K))
     _linear_kernel[(triton.cdiv(N, bn),)](
-        x2, weight, bias if bias is not None else weight, out, M, N, K,
-        x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk,
+        x2, weight, bias if bias is not None else weight,
+        norm[0] if norm is not None else weight, res if res is not None else out, out,
+        M, N, K, norm[1] if norm is not None else 0.0,
+        x2.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
+        HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
+        HAS_RES=res is not None, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=K % bk == 0, PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=warps, num_stages=stages)
     return out.view(*x.shape[:-1], N)
 
 
-__all__ = ["MAX_ROWS", "applies", "config", "linear"]
+__all__ = ["MAX_ROWS", "applies", "config", "linear", "weight_fits"]

@@ -25,7 +25,7 @@ from specscope.kvcache import KVCache, attention, causal_mask, write_kv
 from specscope.kvcache.attention import fold_mask
 from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, paged_attend_qkv
-from specscope.models.linear import Linear, hand_kernels_apply, linear
+from specscope.models.linear import Linear, few_row_kernel, hand_kernels_apply, linear
 from specscope.models.registry import Family
 from specscope.models.rope import apply_rope_rolled, rope_tables, signed_sin
 from specscope.native import cpu_kernels_for
@@ -248,12 +248,14 @@ class Attention(nn.Module):
         return paged_attend(qk[:, :H], qk[:, H:], v, kv[0], kv[1], ctx.paged, self.scale)
 
     def _paged_fused(self, x: torch.Tensor, ctx: ForwardContext,
-                     kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                     kv: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor | None = None
+                     ) -> torch.Tensor:
         """A paged forward's attention from the projection rows in fused kernels (norms,
         rotary and the KV write in one; then the attention: kvcache/paged.py
         paged_attend_qkv), or the reference from the same rows where they do not apply.
-        x [N, hidden] -> [N, H*D]."""
-        qkv = self.qkv_proj(x)  # [N, (H + 2 Hkv) D]
+        x [N, hidden] -> [N, H*D]; qkv: x's projection where the caller made it."""
+        if qkv is None:
+            qkv = self.qkv_proj(x)  # [N, (H + 2 Hkv) D]
         norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         cos, sin, _ = ctx.rope_tokens
@@ -313,9 +315,54 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        fast = self._few_row_kernel(h, ctx, kv)
+        if fast is not None:
+            return self._few_rows(fast, h, ctx, kv)
         a = self.self_attn(self.input_layernorm(h), ctx, kv)
         x, h = self.post_attention_layernorm.add(a, h)  # h + a, and its norm
         return h + (self.mlp(x, ctx) if self._mlp_context else self.mlp(x))
+
+    def _few_row_kernel(self, h: torch.Tensor, ctx: ForwardContext,
+                        kv: tuple[torch.Tensor, torch.Tensor] | None):
+        """models/linear_triton where this layer's products can take its norms, SwiGLU and
+        residual adds (a paged forward of at most 16 bf16 rows on CUDA through this file's
+        attention, unsharded: decode steps and verifies), else None."""
+        attn = self.self_attn
+        if (ctx.paged is None or ctx.ttt is not None or kv is None or not h.is_cuda
+                or h.dtype != torch.bfloat16 or type(attn) is not Attention
+                or type(attn.qkv_proj) is not Linear or type(attn.o_proj) is not Linear):
+            return None
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.weight.dtype != h.dtype for n in norms):
+            return None
+        fast = few_row_kernel(h, attn.qkv_proj.weight)
+        return fast if fast is not None and fast.weight_fits(attn.o_proj.weight, h.dtype) \
+            else None
+
+    def _few_rows(self, fast, h: torch.Tensor, ctx: ForwardContext,
+                  kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """forward's layer in four few-row products that also do its elementwise work: the
+        input norm inside the q/k/v product, the residual add inside o_proj, the
+        post-attention norm inside gate/up and silu * up and the second residual add inside
+        down (models/linear_triton.py). An MLP other than this file's (MoE) runs as in
+        forward after the norm."""
+        attn, mlp = self.self_attn, self.mlp
+        rows = h if h.dim() == 2 else h[0]  # [N, hidden]
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = fast.linear(rows, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                          norm=(ln1.weight, ln1.eps))
+        out = attn._paged_fused(rows, ctx, kv, qkv)  # [N, H * D]
+        h2 = fast.linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=rows)
+        if type(mlp) is MLP and all(type(p) is Linear and fast.weight_fits(p.weight, h.dtype)
+                                    for p in (mlp.gate_up_proj, mlp.down_proj)):
+            gate_up = fast.linear(h2, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                  norm=(ln2.weight, ln2.eps))
+            h3 = fast.linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, gated=True,
+                             residual=h2)
+            return h3 if h.dim() == 2 else h3[None]
+        h2 = h2.view(h.shape)
+        x = ln2(h2)
+        return h2 + (mlp(x, ctx) if self._mlp_context else mlp(x))
 
 
 class Backbone(nn.Module):
