@@ -399,3 +399,37 @@ def test_cuda_mla_decode_step_has_no_host_sync_but_its_read():
     llm.add_request(list(range(10)), SamplingParams(max_tokens=8, ignore_eos=True))
     llm.step()  # the prefill
     assert _reads_in_one_step(llm) == 1
+
+
+def test_folded_layer_products_match_the_unfolded_layers_in_bf16(monkeypatch):
+    """A bf16 decode of a few sequences through the products that fold the norms, SwiGLU and
+    residual adds (models/llama.py attend_folded, mlp_folded) gives the separate kernels'
+    logits to bf16 rounding, and the same top token almost everywhere."""
+    from specscope.kvcache.paged import BatchMeta, PagedKV
+    from specscope.models import llama
+
+    cfg = ModelConfig.from_hf({**TINY, "hidden_size": 256, "intermediate_size": 512})
+    model = random_model(cfg, torch.bfloat16, "cuda", seed=5)
+    bs, S, P = 16, 4, 40
+    tables = torch.arange(S * 4, device="cuda").view(S, 4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (S, P + 1), generator=g).cuda()
+
+    def logits() -> torch.Tensor:
+        kv = PagedKV(cfg.num_layers, S * 4 + 1, bs, cfg.num_kv_heads, cfg.head_dim,
+                     torch.bfloat16, "cuda")
+        seq = torch.arange(S, device="cuda").repeat_interleave(P)
+        pos = torch.arange(P, device="cuda").repeat(S)
+        model(ids[:, :P].reshape(1, -1), pos[None], kv,
+              batch=BatchMeta.causal(tables, seq, pos, bs))  # the prefill: not folded
+        last = torch.full((S,), P, device="cuda")
+        hidden, _ = model(ids[:, P][None], last[None], kv,
+                          batch=BatchMeta.causal(tables, torch.arange(S, device="cuda"),
+                                                 last, bs))
+        return model.compute_logits(hidden[0])
+
+    folded = logits()
+    monkeypatch.setattr(llama, "few_row_layer_kernel", lambda *a: None)
+    plain = logits()
+    assert (folded - plain).abs().max() <= 0.05 * plain.abs().max()
+    assert (folded.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.75

@@ -43,9 +43,12 @@ from specscope.models.llama import (
     DecoderLayer,
     ForwardContext,
     RMSNorm,
+    attend_folded,
     decoder_layer_layout,
+    few_row_layer_kernel,
     forward_context,
     local_heads,
+    mlp_folded,
 )
 from specscope.models.registry import TargetModel
 from specscope.models.rope import rope_tables
@@ -174,7 +177,16 @@ class FirstLayer(nn.Module):
         g = self.hidden_norm(hidden)  # [B, T, H]
         residual = g if self.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(emb), g), dim=-1)  # [B, T, 2H], embedding first
-        h = residual + self.self_attn(x, ctx, kv)
+        fast = few_row_layer_kernel(x, self.self_attn, (self.post_attention_layernorm,), ctx,
+                                    kv)
+        if fast is not None and x.shape[0] == 1:  # the residual add and the MLP folded
+            h = attend_folded(fast, self.self_attn, x[0], ctx, kv, residual[0])
+            out = mlp_folded(fast, self.mlp, self.post_attention_layernorm, h)
+            if out is not None:
+                return out[None]
+            h = h[None]
+        else:
+            h = residual + self.self_attn(x, ctx, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

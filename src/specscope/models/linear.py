@@ -42,14 +42,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def few_row_kernel(x: torch.Tensor, weight: torch.Tensor):
-    """models/linear_triton where its few-row product serves x @ weight.T (hand kernels
-    apply, 16-bit, at most 16 rows), for a caller that folds a norm, SwiGLU or a residual
-    add into it (models/llama.py DecoderLayer); else None."""
+def few_row_kernel(x: torch.Tensor):
+    """models/linear_triton where its few-row product may take x (hand kernels apply, at
+    most 16 rows), for a caller that folds a norm, SwiGLU or a residual add into it and
+    checks its weights with `weight_fits` (models/llama.py attend_folded); else None."""
     if not hand_kernels_apply(x):
         return None
     fast = _backend()
-    return fast if fast is not None and fast.applies(x, weight) else None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return fast if fast is not None and 0 < rows <= fast.MAX_ROWS else None
 
 
 class Linear(nn.Linear):

@@ -39,20 +39,16 @@ MAX_ROWS = 16
 
 
 @triton.jit
-def _input(x_rows, nw_ptr, k, ok, K, NORM: tl.constexpr, GATED: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] of the product's input at columns k (ok: the loads' mask), and
-    its rows' sums of squares (NORM) for the norm's 1/rms."""
+def _input(x_rows, k, ok, K, GATED: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of x at columns k (ok: the loads' mask); GATED: silu(gate) * up
+    from x's two halves, each rounded as silu_mul rounds it."""
     x = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
-    if GATED:  # silu(gate) * up, each rounded as silu_mul rounds it
+    if GATED:
         up = tl.load(x_rows + K + k[None, :], mask=ok, other=0.0).to(tl.float32)
         g = x.to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
         x = (s * up).to(x.dtype)
-    if NORM:
-        xf = x.to(tl.float32)
-        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        return (xf * nw[None, :]).to(x.dtype), tl.sum(xf * xf, 1)
-    return x, 0.0
+    return x
 
 
 @triton.jit
@@ -73,12 +69,16 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K, eps,
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-            x, sq = _input(x_rows, nw_ptr, k, m_ok[:, None], K, NORM, GATED)
+            x = _input(x_rows, k, m_ok[:, None], K, GATED)
         else:
             k_ok = k < K
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x, sq = _input(x_rows, nw_ptr, k, m_ok[:, None] & k_ok[None, :], K, NORM, GATED)
-        ss += sq
+            x = _input(x_rows, k, m_ok[:, None] & k_ok[None, :], K, GATED)
+        if NORM:  # x times the norm's weight; the rows' sums of squares for 1/rms
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (xf * nw[None, :]).to(x.dtype)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if NORM:
         acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
