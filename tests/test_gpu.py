@@ -402,9 +402,9 @@ def test_cuda_mla_decode_step_has_no_host_sync_but_its_read():
 
 
 def test_folded_layer_products_match_the_unfolded_layers_in_bf16(monkeypatch):
-    """A bf16 decode of a few sequences through the products that fold the norms, SwiGLU and
+    """A bf16 decode of a few sequences through the products that fold SwiGLU and the
     residual adds (models/llama.py attend_folded, mlp_folded) gives the separate kernels'
-    logits to bf16 rounding, and the same top token almost everywhere."""
+    logits: the folds round as those kernels do, so bit for bit."""
     from specscope.kvcache.paged import BatchMeta, PagedKV
     from specscope.models import llama
 
@@ -431,5 +431,4 @@ def test_folded_layer_products_match_the_unfolded_layers_in_bf16(monkeypatch):
     folded = logits()
     monkeypatch.setattr(llama, "few_row_layer_kernel", lambda *a: None)
     plain = logits()
-    assert (folded - plain).abs().max() <= 0.05 * plain.abs().max()
-    assert (folded.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.75
+    assert torch.equal(folded, plain)

@@ -177,11 +177,10 @@ class FirstLayer(nn.Module):
         g = self.hidden_norm(hidden)  # [B, T, H]
         residual = g if self.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(emb), g), dim=-1)  # [B, T, 2H], embedding first
-        fast = few_row_layer_kernel(x, self.self_attn, (self.post_attention_layernorm,), ctx,
-                                    kv)
-        if fast is not None and x.shape[0] == 1:  # the residual add and the MLP folded
+        fast = few_row_layer_kernel(x, self.self_attn, ctx, kv)
+        if fast is not None and x.shape[0] == 1:  # the residual adds and SwiGLU folded
             h = attend_folded(fast, self.self_attn, x[0], ctx, kv, residual[0])
-            out = mlp_folded(fast, self.mlp, self.post_attention_layernorm, h)
+            out = mlp_folded(fast, self.mlp, self.post_attention_layernorm(h), h)
             if out is not None:
                 return out[None]
             h = h[None]

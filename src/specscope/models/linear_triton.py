@@ -16,17 +16,16 @@ step computes its one (the fp32 sum over K runs in the same order), which cuBLAS
 promise across its M-dependent kernel choices. Accumulation is fp32, rounded once to the
 output dtype, as cuBLAS's.
 
-Every program already reads all of x, so the layer's small elementwise kernels around a
-product cost nothing more inside it, where at batch 1 each was a launch of ~2 us:
-- `norm`: x is RMS-normalised first (the layer's input and post-attention norms). The
-  norm's 1/rms is one factor per row, so it comes out of the sum: each program multiplies
-  x by the norm's weight as it streams, sums x^2 beside the product and scales its fp32
-  result by 1/rms at the end (one pass; the reference rounds x / rms to the dtype before
-  the weight, so the two agree to rounding, not bit for bit);
-- `gated`: x holds [gate | up] and the product's input is silu(gate) * up, rounded as
-  models/fused_triton.py's silu_mul rounds it (bit for bit);
+Two pieces of a decoder layer's elementwise work ride along in the epilogue, where they
+cost one operation an output (each was a launch of ~2 us at batch 1):
+- `gated`: the weight is SwiGLU's [gate | up] (2I rows) and the output is silu(gate) * up
+  [I]: each program multiplies x by its gate rows and by the matching up rows and combines
+  them, rounded as F.linear then models/fused_triton.py's silu_mul round them (bit for bit);
 - `residual`: the rounded product is added to the residual stream in the output dtype, the
   reference's `residual + y` (bit for bit).
+Work before the product (a norm, silu · up as the input) does not fold as well: every
+program would redo it for all of x, and the transformed x loses the loads' pipelining into
+the tensor cores (tried on an H100: the batch-1 step 6.2 -> 11.4 ms; docs/gpu-floor.md).
 """
 
 from __future__ import annotations
@@ -39,56 +38,47 @@ MAX_ROWS = 16
 
 
 @triton.jit
-def _input(x_rows, k, ok, K, GATED: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] of x at columns k (ok: the loads' mask); GATED: silu(gate) * up
-    from x's two halves, each rounded as silu_mul rounds it."""
-    x = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
-    if GATED:
-        up = tl.load(x_rows + K + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        g = x.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-        x = (s * up).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K, eps,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
                    stride_xm, stride_wn, stride_rm, stride_om,
-                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-                   HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Output columns n of y [M, N]; GATED: the weight has 2N rows, gate then up."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     n_ok, m_ok = n < N, m < M
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    u_rows = w_rows + N * stride_wn  # GATED: the up rows of the same columns
     x_rows = x_ptr + m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    ss = tl.zeros([BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-            x = _input(x_rows, k, m_ok[:, None], K, GATED)
+            w_ok, x_ok = n_ok[:, None], m_ok[:, None]
         else:
-            k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = _input(x_rows, k, m_ok[:, None] & k_ok[None, :], K, GATED)
-        if NORM:  # x times the norm's weight; the rows' sums of squares for 1/rms
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(x.dtype)
+            w_ok = n_ok[:, None] & (k < K)[None, :]
+            x_ok = m_ok[:, None] & (k < K)[None, :]
+        x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+        if GATED:
+            u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
+            acc_u += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+    dt = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(out_ptr.dtype.element_ty)
+        if GATED:
+            acc_u += tl.load(b_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dt)
+    if GATED:  # silu(gate) * up from the rounded products, as silu_mul computes it
+        g = y.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (s * acc_u.to(dt).to(tl.float32)).to(dt)
     ok = m_ok[:, None] & n_ok[None, :]
     if HAS_RES:  # the residual stream's add, in the output dtype as the reference's
         r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=ok)
 
 
@@ -109,13 +99,12 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     return 32, 256, 4, 4
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this path serves F.linear(x, weight): CUDA, 16-bit floats of one dtype, at
-    most MAX_ROWS rows, a contiguous weight with K a multiple of 16 (gated: x is twice K
-    wide, [gate | up])."""
+    most MAX_ROWS rows, a contiguous weight with K a multiple of 16."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (x.is_cuda and 0 < rows <= MAX_ROWS and weight_fits(weight, x.dtype)
-            and x.shape[-1] == (2 if gated else 1) * weight.shape[1])
+            and x.shape[-1] == weight.shape[1])
 
 
 def weight_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -126,18 +115,16 @@ def weight_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tile: tuple[int, int, int, int] | None = None, *,
-           norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+           tile: tuple[int, int, int, int] | None = None, *, gated: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] for at most MAX_ROWS rows of x
     (check `applies`). tile: force (BLOCK_N, BLOCK_K, num_warps, num_stages) (the sweep).
 
-    norm: (the RMSNorm's weight [K], eps): the product of the norm of x. gated: x is
-    [..., 2K], gate then up, and the product's input is silu(gate) * up. residual [..., N]:
-    returns residual + the (rounded) product. See the module docstring for the roundings."""
-    K = weight.shape[1]
-    N = weight.shape[0]
-    x2 = x.reshape(-1, x.shape[-1])
+    gated: weight (and bias) are [gate | up], 2I rows, and the result is silu(gate) * up
+    [..., I]. residual [..., N]: returns residual + the rounded product."""
+    K = x.shape[-1]
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
+    x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
@@ -145,16 +132,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     res = None if residual is None else residual.reshape(M, N)
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
-    bn, bk, warps, stages = tile or config(N, K)
+    bn, bk, warps, stages = tile or config(weight.shape[0], K)
+    if gated:  # a program streams as many weight rows as the plain product's: half each
+        bn = max(16, bn // 2)
     bk = min(bk, triton.next_power_of_2(K))
     _linear_kernel[(triton.cdiv(N, bn),)](
-        x2, weight, bias if bias is not None else weight,
-        norm[0] if norm is not None else weight, res if res is not None else out, out,
-        M, N, K, norm[1] if norm is not None else 0.0,
-        x2.stride(0), weight.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated,
-        HAS_RES=res is not None, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=K % bk == 0, PRECISION="ieee" if x.dtype == torch.float32 else None,
+        x2, weight, bias if bias is not None else weight, res if res is not None else out,
+        out, M, N, K, x2.stride(0), weight.stride(0),
+        res.stride(0) if res is not None else 0, out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, HAS_RES=res is not None,
+        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=warps, num_stages=stages)
     return out.view(*x.shape[:-1], N)
 

@@ -315,50 +315,36 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext,
                 kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        fast = self._few_row_kernel(h, ctx, kv)
+        fast = few_row_layer_kernel(h, self.self_attn, ctx, kv)
         if fast is not None:
             return self._few_rows(fast, h, ctx, kv)
         a = self.self_attn(self.input_layernorm(h), ctx, kv)
         x, h = self.post_attention_layernorm.add(a, h)  # h + a, and its norm
         return h + (self.mlp(x, ctx) if self._mlp_context else self.mlp(x))
 
-    def _few_row_kernel(self, h: torch.Tensor, ctx: ForwardContext,
-                        kv: tuple[torch.Tensor, torch.Tensor] | None):
-        """models/linear_triton where this layer's products can take its norms, SwiGLU and
-        residual adds, else None (see few_row_kernel)."""
-        return few_row_layer_kernel(h, self.self_attn,
-                                    (self.input_layernorm, self.post_attention_layernorm),
-                                    ctx, kv)
-
     def _few_rows(self, fast, h: torch.Tensor, ctx: ForwardContext,
                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """forward's layer in four few-row products that also do its elementwise work: the
-        input norm inside the q/k/v product, the residual add inside o_proj, the
-        post-attention norm inside gate/up and silu * up and the second residual add inside
-        down (models/linear_triton.py). An MLP other than this file's (MoE) runs as in
-        forward after the norm."""
+        """forward's layer with the residual adds inside o_proj's and down's products and
+        silu * up inside gate/up's (models/linear_triton.py): two launches fewer a layer.
+        An MLP other than this file's (MoE) runs as in forward."""
         rows = h if h.dim() == 2 else h[0]  # [N, hidden]
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        h2 = attend_folded(fast, self.self_attn, rows, ctx, kv, rows, ln1)
-        h3 = mlp_folded(fast, self.mlp, ln2, h2)
-        if h3 is not None:
-            return h3 if h.dim() == 2 else h3[None]
-        h2 = h2.view(h.shape)
-        x = ln2(h2)
-        return h2 + (self.mlp(x, ctx) if self._mlp_context else self.mlp(x))
+        h2 = attend_folded(fast, self.self_attn, self.input_layernorm(rows), ctx, kv, rows)
+        x = self.post_attention_layernorm(h2)
+        h3 = mlp_folded(fast, self.mlp, x, h2)
+        if h3 is None:
+            x, h2 = x.view(h.shape), h2.view(h.shape)
+            h3 = h2 + (self.mlp(x, ctx) if self._mlp_context else self.mlp(x))
+        return h3.view(h.shape)
 
 
-def few_row_layer_kernel(h: torch.Tensor, attn: nn.Module, norms: tuple[nn.Module, ...],
-                         ctx: ForwardContext, kv: tuple[torch.Tensor, torch.Tensor] | None):
-    """models/linear_triton where a layer's products can take its norms, SwiGLU and residual
-    adds (attend_folded, mlp_folded): a paged forward of at most 16 bf16 rows h on CUDA
-    through this file's unsharded attention with RMSNorms `norms` (decode steps, verifies,
-    draft steps), else None."""
+def few_row_layer_kernel(h: torch.Tensor, attn: nn.Module, ctx: ForwardContext,
+                         kv: tuple[torch.Tensor, torch.Tensor] | None):
+    """models/linear_triton where a layer's products can take its residual adds and SwiGLU
+    (attend_folded, mlp_folded): a paged forward of at most 16 rows h on CUDA through this
+    file's unsharded attention (decode steps, verifies, draft steps), else None."""
     if (ctx.paged is None or ctx.ttt is not None or kv is None or not h.is_cuda
-            or h.dtype != torch.bfloat16 or type(attn) is not Attention
-            or type(attn.qkv_proj) is not Linear or type(attn.o_proj) is not Linear):
-        return None
-    if any(type(n) is not RMSNorm or n.weight.dtype != h.dtype for n in norms):
+            or type(attn) is not Attention or type(attn.qkv_proj) is not Linear
+            or type(attn.o_proj) is not Linear):
         return None
     fast = few_row_kernel(h)
     return fast if fast is not None and all(
@@ -366,27 +352,25 @@ def few_row_layer_kernel(h: torch.Tensor, attn: nn.Module, norms: tuple[nn.Modul
 
 
 def attend_folded(fast, attn: Attention, x: torch.Tensor, ctx: ForwardContext,
-                  kv: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor,
-                  norm: RMSNorm | None = None) -> torch.Tensor:
-    """residual + attn(norm(x)) for x, residual [N, hidden] rows (norm None: x as it is),
-    the norm inside the q/k/v product and the residual add inside o_proj's."""
-    fold = None if norm is None else (norm.weight, norm.eps)
-    qkv = fast.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=fold)
+                  kv: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor
+                  ) -> torch.Tensor:
+    """residual + attn(x) for x, residual [N, hidden] rows, the add inside o_proj's
+    product."""
+    qkv = fast.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
     out = attn._paged_fused(x, ctx, kv, qkv)  # [N, H * D]
     return fast.linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=residual)
 
 
-def mlp_folded(fast, mlp: nn.Module, norm: RMSNorm, h: torch.Tensor) -> torch.Tensor | None:
-    """h + mlp(norm(h)) for rows h [N, hidden] in two few-row products (the norm inside
-    gate/up's, silu * up and the residual add inside down's), or None for an MLP other than
-    this file's unsharded one."""
-    if type(mlp) is not MLP or not all(type(p) is Linear and fast.weight_fits(p.weight, h.dtype)
+def mlp_folded(fast, mlp: nn.Module, x: torch.Tensor, h: torch.Tensor
+               ) -> torch.Tensor | None:
+    """h + mlp(x) for rows x, h [N, hidden] in two few-row products (silu * up inside
+    gate/up's, the residual add inside down's), or None for an MLP other than this file's
+    unsharded one."""
+    if type(mlp) is not MLP or not all(type(p) is Linear and fast.weight_fits(p.weight, x.dtype)
                                        for p in (mlp.gate_up_proj, mlp.down_proj)):
         return None
-    gate_up = fast.linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                          norm=(norm.weight, norm.eps))
-    return fast.linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, gated=True,
-                       residual=h)
+    act = fast.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True)
+    return fast.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
 
 class Backbone(nn.Module):
