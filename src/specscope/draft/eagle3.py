@@ -178,15 +178,13 @@ class FirstLayer(nn.Module):
         residual = g if self.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(emb), g), dim=-1)  # [B, T, 2H], embedding first
         fast = few_row_layer_kernel(x, self.self_attn, ctx, kv)
-        if fast is not None and x.shape[0] == 1:  # the residual adds and SwiGLU folded
-            h = attend_folded(fast, self.self_attn, x[0], ctx, kv, residual[0])
-            out = mlp_folded(fast, self.mlp, self.post_attention_layernorm(h), h)
-            if out is not None:
-                return out[None]
-            h = h[None]
+        if fast is not None:  # a paged forward: x [1, N, 2H]; the residual adds folded
+            h = attend_folded(fast, self.self_attn, x[0], ctx, kv, residual[0])[None]
         else:
             h = residual + self.self_attn(x, ctx, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        y = self.post_attention_layernorm(h)
+        out = None if fast is None else mlp_folded(fast, self.mlp, y[0], h[0])
+        return h + self.mlp(y) if out is None else out[None]
 
 
 class Eagle3Draft(nn.Module):

@@ -97,7 +97,7 @@ class BatchGraphs:
                  extend: Callable | None = None, tap_width: int = 0,
                  draft_scratch: int = 0, capture: bool = True) -> None:
         self.model, self.kv, self.block_size = model, kv, block_size
-        self.max_len, self.scratch, self.device = max_len, scratch_block, device
+        self.scratch, self.device = scratch_block, device
         self.extend, self.draft_scratch = extend, draft_scratch
         self.max_batch = bucket_for(max_batch) or BATCH_BUCKETS[-1]
         B = self.max_batch

@@ -35,22 +35,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     """F.linear(x, weight, bias), through the few-row kernel where it applies (see
     hand_kernels_apply; 16-bit weights, at most 16 rows)."""
-    if hand_kernels_apply(x):
-        fast = _backend()
-        if fast is not None and fast.applies(x, weight):
-            return fast.linear(x, weight, bias)
+    fast = few_row_kernel(x)
+    if fast is not None and fast.applies(x, weight):
+        return fast.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def few_row_kernel(x: torch.Tensor):
     """models/linear_triton where its few-row product may take x (hand kernels apply, at
-    most 16 rows), for a caller that folds a norm, SwiGLU or a residual add into it and
-    checks its weights with `weight_fits` (models/llama.py attend_folded); else None."""
+    most 16 rows on CUDA); the caller checks the weight (`applies`, `weight_fits`). Else
+    None."""
     if not hand_kernels_apply(x):
         return None
     fast = _backend()
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return fast if fast is not None and 0 < rows <= fast.MAX_ROWS else None
+    return fast if fast is not None and fast.rows_fit(x) else None
 
 
 class Linear(nn.Linear):

@@ -102,9 +102,13 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this path serves F.linear(x, weight): CUDA, 16-bit floats of one dtype, at
     most MAX_ROWS rows, a contiguous weight with K a multiple of 16."""
+    return rows_fit(x) and weight_fits(weight, x.dtype) and x.shape[-1] == weight.shape[1]
+
+
+def rows_fit(x: torch.Tensor) -> bool:
+    """Whether x [..., K] is a few-row input: on CUDA, 1 to MAX_ROWS rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.is_cuda and 0 < rows <= MAX_ROWS and weight_fits(weight, x.dtype)
-            and x.shape[-1] == weight.shape[1])
+    return x.is_cuda and 0 < rows <= MAX_ROWS
 
 
 def weight_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -147,4 +151,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], N)
 
 
-__all__ = ["MAX_ROWS", "applies", "config", "linear", "weight_fits"]
+__all__ = ["MAX_ROWS", "applies", "config", "linear", "rows_fit", "weight_fits"]
