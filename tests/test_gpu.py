@@ -432,3 +432,35 @@ def test_folded_layer_products_match_the_unfolded_layers_in_bf16(monkeypatch):
     monkeypatch.setattr(llama, "few_row_layer_kernel", lambda *a: None)
     plain = logits()
     assert torch.equal(folded, plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="dependent launches need Hopper or later")
+def test_dependent_launches_change_no_token(monkeypatch):
+    """bf16 plain and speculative decoding of concurrent requests in CUDA graphs, the
+    Triton kernels launched dependently (models/dependent_launch.py) and not: the same
+    tokens, greedy and seeded sampling alike, and the same simulated acceptance. A kernel
+    that read its predecessor's output before waiting would differ here."""
+    from specscope.config import SpecConfig
+    from specscope.models import dependent_launch
+
+    cfg = ModelConfig.from_hf({**TINY, "hidden_size": 256, "intermediate_size": 512})
+    model = random_model(cfg, torch.bfloat16, "cuda", seed=11)
+    prompts = [" ".join(str(i) for i in range(5, 5 + n)) for n in (25, 3, 60, 11, 7)]
+    greedy = SamplingParams(max_tokens=48, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.8, seed=3)
+
+    def run(pdl: str) -> list:
+        monkeypatch.setenv(dependent_launch.ENV, pdl)
+        assert dependent_launch.enabled(torch.empty(1, device="cuda")) == (pdl == "1")
+        out = []
+        for spec in (None, SpecConfig(draft="random", num_steps=5, simulate_acceptance=2.5)):
+            llm = _spec_llm(model, spec)
+            for params in (greedy, sampled):
+                got = llm.generate(prompts, params)
+                out.append([o.token_ids for o in got])
+                if spec is not None:
+                    out.append([o.spec["accepted_per_cycle"] for o in got])
+        return out
+
+    assert run("1") == run("0")

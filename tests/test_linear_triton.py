@@ -121,3 +121,22 @@ def test_folded_epilogues_in_bf16_on_cuda(m):
     act = torch.randn(m, i, device=DEV, dtype=bf)
     wd = (torch.randn(k, i, device=DEV) * i ** -0.5).to(bf)
     assert torch.equal(lt.linear(act, wd, residual=x), lt.linear(act, wd) + x)
+
+
+def test_dependent_launch_options(monkeypatch):
+    """PDL's launch options: never off CUDA or in the interpreter, never for a launch of
+    more than MAX_ROWS tokens, never with SPECSCOPE_PDL=0; the linear's L2 prefetch is a
+    power of two of whole 128-byte lines, at most K."""
+    from specscope.models import dependent_launch as dl
+
+    assert dl.options(torch.empty(4, 8), 1) == {"PDL": False}
+    monkeypatch.setenv(dl.PREFETCH_ENV, "512")
+    assert [dl.prefetch_columns(k) for k in (32, 64, 96, 256, 4096)] == [0, 64, 64, 256, 512]
+    monkeypatch.setenv(dl.PREFETCH_ENV, "0")
+    assert dl.prefetch_columns(4096) == 0
+    if torch.cuda.is_available() and dl.enabled(torch.empty(1, device="cuda")):
+        x = torch.empty(1, device="cuda")
+        assert dl.options(x, dl.MAX_ROWS) == {"PDL": True, "launch_pdl": True}
+        assert dl.options(x, dl.MAX_ROWS + 1) == {"PDL": False}
+        monkeypatch.setenv(dl.ENV, "0")
+        assert dl.options(x, 1) == {"PDL": False}

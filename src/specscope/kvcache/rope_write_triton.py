@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from specscope.models import dependent_launch
+from specscope.models.dependent_launch import release, wait
+
 
 @triton.jit
 def _round(x, like_ptr):
@@ -37,7 +40,7 @@ def _head_norm(lo, hi, w_ptr, like_ptr, eps, HALF: tl.constexpr, D: tl.constexpr
 @triton.jit
 def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
                        qn_ptr, kn_ptr, eps, H, Hkv,
-                       HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+                       HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """Program (token n, head j) of the fused projection's H + 2 Hkv heads: a q head is
     normed (optionally), rotated and stored to q; a k head the same, stored into its cache
     slot; a v head copied into its slot."""
@@ -46,6 +49,8 @@ def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_pt
     D: tl.constexpr = 2 * HALF
     half = tl.arange(0, HALF)
     base = qkv_ptr + n * (H + 2 * Hkv) * D + j * D
+    wait(PDL)
+    release(PDL)
     lo = tl.load(base + half).to(tl.float32)
     hi = tl.load(base + HALF + half).to(tl.float32)
     slot = tl.load(slot_ptr + n)
@@ -90,5 +95,6 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: t
         qn, kn = norms if norms is not None else (qkv, qkv)
         _rope_write_kernel[(N, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, slots, q, k_cache, v_cache, qn, kn, eps, num_heads, num_kv_heads,
-            HALF=D // 2, HAS_NORM=norms is not None, num_warps=1)
+            HALF=D // 2, HAS_NORM=norms is not None, num_warps=1,
+            **dependent_launch.options(qkv, N))
     return q

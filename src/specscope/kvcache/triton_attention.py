@@ -27,6 +27,7 @@ Design (why each piece is there):
   would run as a second wave), the chunk length by each program from its tile's actual key
   range: a CUDA graph is captured for the model's length limit, and chunks cut for that
   limit would leave most programs idle at a shorter context.
+- On Hopper both kernels launch dependently (models/dependent_launch.py).
 - Online softmax in fp32 (exp2 with the log2(e)-folded scale); rows that see nothing yield
   zeros, never NaN.
 
@@ -54,6 +55,8 @@ import triton
 import triton.language as tl
 
 from specscope.kvcache.paged import LONG_KEY_BOUND, BatchMeta, upload
+from specscope.models import dependent_launch
+from specscope.models.dependent_launch import release, wait
 
 LOG2E = 1.4426950408889634
 # Rows of a tile (tokens x G heads), smallest first: decode-sized, tree-sized, prefill-sized.
@@ -313,7 +316,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
                  G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_PAD: tl.constexpr,
                  HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """One (tile, KV head, key chunk) program: flash attention of the tile's rows over the
     chunk of its key range in three runs of key steps: masked up to the first step every
     row sees whole, unmasked while all rows see every key, masked again to the end (the
@@ -322,6 +325,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
     the launch is short."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh, split = tl.program_id(1), tl.program_id(2)
+    wait(PDL)
+    release(PDL)
     first, end, tok, g, row_ok, r = _tile_rows(tiles_ptr, tile, G, BLOCK_M)
     vis, ws, ts, lo, hi = _key_range(tok, row_ok, vis_ptr, ws_ptr, ts_ptr, tm_ptr, stride_tm,
                                      T, max_len, W, BS, HAS_TREE, T_PAD)
@@ -376,11 +381,13 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tiles_
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tiles_ptr, num_splits, stride_on,
                     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, SPLIT_STEP: tl.constexpr):
+                    BLOCK_M: tl.constexpr, SPLIT_STEP: tl.constexpr, PDL: tl.constexpr):
     """Merge one tile row's per-chunk partial (max, sum, acc) into its output row. One
     program per row, SPLIT_STEP chunks a load, so the merge is a few wide loads, not a
     serial walk over the chunks (which was latency-bound at batch-1 decode)."""
     tile, kvh, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait(PDL)
+    release(PDL)
     first = tl.load(tiles_ptr + 2 * tile)
     end = tl.load(tiles_ptr + 2 * tile + 1)
     tok = first + r // G
@@ -533,12 +540,12 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         T_PAD=max(16, triton.next_power_of_2(max(T, 1))), HAS_TREE=T > 0, SPLIT=splits > 1,
         MIN_CHUNK=-(-MIN_SPLIT_KEYS // block_n) * block_n,
         PRECISION=precision, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **dependent_launch.options(q, N))
     if splits > 1:
         _combine_kernel[(group.num_tiles, Hkv, block_m)](
             out, part_acc, part_ml, group.tiles, splits, out.stride(0), G=G, D=D, DP=DP,
             BLOCK_M=block_m, SPLIT_STEP=min(COMBINE_STEP, triton.next_power_of_2(splits)),
-            num_warps=4)
+            num_warps=4, **dependent_launch.options(q, N))
 
 
 __all__ = ["TileGroup", "TilePlan", "build_tiles", "paged_attention", "plan_tiles",

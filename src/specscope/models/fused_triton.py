@@ -10,7 +10,8 @@ kernel here is one launch that reads its inputs once and writes its outputs once
 Each reproduces its torch reference's roundings (models/llama.py): every
 intermediate the reference rounds to the model's dtype is rounded here too, so in bf16 the
 results are those of the reference up to the fp32 reductions' order;
-tests/test_fused_triton.py checks each against its reference.
+tests/test_fused_triton.py checks each against its reference. On Hopper they launch
+dependently (models/dependent_launch.py).
 """
 
 from __future__ import annotations
@@ -19,13 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
+from specscope.models import dependent_launch
+from specscope.models.dependent_launch import release, wait
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, D, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < D
+    wait(PDL)
+    release(PDL)
     x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0)
     if HAS_RES:
         # h = x + residual in the model's dtype (the reference's bf16 add), kept for the
@@ -57,15 +63,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, res, weight, out, h, D, eps,
                                          HAS_RES=residual is not None, BLOCK=block,
-                                         num_warps=_warps(block))
+                                         num_warps=_warps(block),
+                                         **dependent_launch.options(x, x2.shape[0]))
     return out.view(*x.shape[:-1], D), h.view(x.shape)
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
+    wait(PDL)
+    release(PDL)
     g = tl.load(gu_ptr + row * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -82,5 +91,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if x.shape[0]:
         _silu_mul_kernel[(x.shape[0], triton.cdiv(two_i // 2, block))](
-            x, out, two_i // 2, BLOCK=block, num_warps=4)
+            x, out, two_i // 2, BLOCK=block, num_warps=4, **dependent_launch.options(x, x.shape[0]))
     return out.view(*gate_up.shape[:-1], two_i // 2)

@@ -23,6 +23,9 @@ cost one operation an output (each was a launch of ~2 us at batch 1):
   them, rounded as F.linear then models/fused_triton.py's silu_mul round them (bit for bit);
 - `residual`: the rounded product is added to the residual stream in the output dtype, the
   reference's `residual + y` (bit for bit).
+On Hopper the kernel launches dependently (models/dependent_launch.py): its programs are
+scheduled while the kernel before finishes and pull the first lines of their weight rows
+into L2 before waiting for it.
 Work before the product (a norm, silu · up as the input) does not fold as well: every
 program would redo it for all of x, and the transformed x loses the loads' pipelining into
 the tensor cores (tried on an H100: the batch-1 step 6.2 -> 11.4 ms; docs/gpu-floor.md).
@@ -34,6 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from specscope.models import dependent_launch
+from specscope.models.dependent_launch import prefetch_l2, release, wait
+
 MAX_ROWS = 16
 
 
@@ -42,13 +48,23 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
                    stride_xm, stride_wn, stride_rm, stride_om,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     """Output columns n of y [M, N]; GATED: the weight has 2N rows, gate then up."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     n_ok, m_ok = n < N, m < M
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     u_rows = w_rows + N * stride_wn  # GATED: the up rows of the same columns
+    if PDL and PREFETCH > 0:
+        # While the kernel before finishes: the first lines of this program's weight rows
+        # (rows past N clamped to the last, so every address is inside the weight).
+        lines = w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_wn \
+            + tl.arange(0, PREFETCH // 64)[None, :] * 64
+        prefetch_l2(lines)
+        if GATED:
+            prefetch_l2(lines + N * stride_wn)
+    wait(PDL)
     x_rows = x_ptr + m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -65,6 +81,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
         if GATED:
             u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
             acc_u += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+    release(PDL)
     dt = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -147,7 +164,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, GATED=gated, HAS_RES=res is not None,
         BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else None,
-        num_warps=warps, num_stages=stages)
+        PREFETCH=dependent_launch.prefetch_columns(K), num_warps=warps, num_stages=stages,
+        **dependent_launch.options(x, M))
     return out.view(*x.shape[:-1], N)
 
 
