@@ -29,7 +29,11 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: every launch plain
+    gdc_launch_dependents = gdc_wait = None
 
 ENV = "SPECSCOPE_PDL"
 PREFETCH_ENV = "SPECSCOPE_PDL_PREFETCH"
@@ -47,8 +51,10 @@ def _supported(index: int) -> bool:
 
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels on t's device launch with PDL: CUDA on Hopper or later, compiled
-    (not Triton's interpreter), not turned off by SPECSCOPE_PDL=0."""
-    return (t.is_cuda and not _INTERPRET and os.environ.get(ENV, "1") != "0"
+    (not Triton's interpreter) by a Triton with grid dependency control, not turned off by
+    SPECSCOPE_PDL=0."""
+    return (t.is_cuda and not _INTERPRET and gdc_wait is not None
+            and os.environ.get(ENV, "1") != "0"
             and _supported(t.device.index if t.device.index is not None
                            else torch.cuda.current_device()))
 
