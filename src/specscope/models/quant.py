@@ -39,8 +39,11 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 def tile_codes(q: np.ndarray, bits: int) -> np.ndarray:
     """Codes [N, K] (N a multiple of TILE) in quant_kernels.c's layout: per tile of 8 rows and
     block of 32 inputs, 8 groups of 4 inputs as 8 rows x 4 codes; 4-bit codes pack group g
-    (low nibble) with group g + 4 (high). uint8, flat."""
+    (low nibble) with group g + 4 (high), 8-bit codes q (-128..127) are stored as q + 128.
+    uint8, flat."""
     N, K = q.shape
+    if bits == 8:
+        q = (q.astype(np.int16) + 128).astype(np.uint8)
     x = q.reshape(N // TILE, TILE, K // GROUP, 8, 4).transpose(0, 2, 3, 1, 4)
     if bits == 4:
         x = x[:, :, 0:4].astype(np.uint8) | (x[:, :, 4:8].astype(np.uint8) << 4)
@@ -54,7 +57,7 @@ def untile_codes(w: torch.Tensor, bits: int, N: int, K: int) -> torch.Tensor:
         x = w.view(T, nb, 4, TILE, 4).to(torch.int32)
         x = torch.cat([x & 0x0F, x >> 4], dim=2)  # [T, nb, 8 groups, rows, 4]
     else:
-        x = w.view(torch.int8).view(T, nb, 8, TILE, 4).to(torch.int32)
+        x = w.view(T, nb, 8, TILE, 4).to(torch.int32) - 128
     return x.permute(0, 3, 1, 2, 4).reshape(N, K)
 
 

@@ -138,7 +138,7 @@ class CpuKernels:
         the activations quantised to 8 bits per block of 32 as llama.cpp does. `reference`
         runs the C scalar loop the vector paths equal bit for bit."""
         M, K = x.shape
-        need = M * K + 8 * M * (K // 32) + 64
+        need = M * K + 12 * M * (K // 32) + 64  # kernels.h SC_QUANT_SCRATCH, aligned
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
         y = torch.empty(M, out_features, dtype=x.dtype)

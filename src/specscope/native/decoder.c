@@ -66,7 +66,7 @@ int64_t sc_decoder_work_bytes(const sc_dims *m, int64_t N, int bf16) {
     int64_t es = bf16 ? 2 : 4;
     int64_t acts = N * (6 * m->D + (m->H + 2 * m->Hkv) * m->Dh + m->H * m->Dh + 3 * m->I);
     int64_t K = max3(2 * m->D, m->H * m->Dh, m->I);
-    return acts * es + 64 + N * K + 8 * N * (K / 32) + 64;
+    return acts * es + 64 + SC_QUANT_SCRATCH(N, K) + 64;
 }
 
 static void add_rows(void *h, const void *a, const void *b, int64_t n, int bf16) {

@@ -14,8 +14,12 @@
  * its 32 inputs as 8 groups of 4, each group as 8 rows x 4 codes (32 bytes), so one 4-byte
  * broadcast of the activation meets 8 rows at once and every int32 lane sums one row's block
  * with no horizontal reduction. 4-bit codes pack groups g and g + 4 into one byte (low and
- * high nibble: 128 bytes a tile block); 8-bit codes take 256. Scales and offsets are fp32,
- * [N/8, K/32, 8].
+ * high nibble: 128 bytes a tile block); 8-bit codes take 256, each stored as q + 128 (0..255),
+ * so VNNI's vpdpbusd takes them as its unsigned operand against the signed activations as
+ * they are: sum_i q_i a_i = sum_i (q_i + 128) a_i - 128 sum_i a_i, exact in int32, with the
+ * activation block's 128 sum a_i computed once a row (AVX2's vpmaddubsw, whose int16 pairs
+ * would overflow, gets the signed codes back with one xor a block). Scales and offsets are
+ * fp32, [N/8, K/32, 8].
  *
  * Every path sums in the same order (each block's integer sum, then per block
  * acc = fma(isum, d * e, acc) and acc = fma(m, e * sum a, acc)), so the scalar reference,
@@ -78,10 +82,11 @@ static inline int quantize_block(const void *x, int64_t k, int bf16, int8_t *a, 
 }
 #endif
 
-/* One activation row [K] (fp32 or bf16) -> codes a [K], scales e [K/32], and e * (the
- * block's code sum) s [K/32] (the offset term's factor). */
+/* One activation row [K] (fp32 or bf16) -> codes a [K], scales e [K/32], e * (the block's
+ * code sum) s [K/32] (the offset term's factor) and 128 * the code sum c [K/32] (the 8-bit
+ * codes' offset). */
 static void quantize_row(const void *x, int64_t row, int64_t K, int bf16, int8_t *a, float *e,
-                         float *s, int reference) {
+                         float *s, int32_t *c, int reference) {
     float buf[QK];
     for (int64_t b = 0; b < K / QK; b++) {
         float amax = 0.0f;
@@ -91,6 +96,7 @@ static void quantize_row(const void *x, int64_t row, int64_t K, int bf16, int8_t
             sum = quantize_block(x, row * K + b * QK, bf16, a + b * QK, &amax);
             e[b] = amax / 127.0f;
             s[b] = e[b] * (float)sum;
+            c[b] = 128 * sum;
             continue;
         }
 #endif
@@ -109,6 +115,7 @@ static void quantize_row(const void *x, int64_t row, int64_t K, int bf16, int8_t
         }
         e[b] = amax / 127.0f;
         s[b] = e[b] * (float)sum;
+        c[b] = 128 * sum;
     }
 }
 
@@ -118,7 +125,7 @@ static inline int64_t tile_block_bytes(int bits) { return bits == 4 ? 128 : 256;
 /* The code of row r (0..7), input i (0..31) of a tile block (the layout above). */
 static inline int code_at(const uint8_t *blk, int r, int i, int bits) {
     int g = i / 4, j = i % 4;
-    if (bits == 8) return (int8_t)blk[g * 32 + r * 4 + j];
+    if (bits == 8) return (int)blk[g * 32 + r * 4 + j] - 128;
     uint8_t byte = blk[(g % 4) * 32 + r * 4 + j];
     return g < 4 ? (byte & 0x0F) : (byte >> 4);
 }
@@ -157,6 +164,7 @@ static inline __m256i bcast4(const int8_t *p) {
  * unpacked to bytes 0..15; 8-bit codes as they are. */
 static inline __attribute__((always_inline)) void block_codes(const uint8_t *blk, int bits,
                                                              __m256i *w) {
+    /* 8-bit codes: as stored (q + 128) for vpdpbusd, else the signed q (xor 0x80). */
     if (bits == 4) {
         const __m256i low = _mm256_set1_epi8(0x0F);
         for (int g = 0; g < 4; g++) {
@@ -165,13 +173,19 @@ static inline __attribute__((always_inline)) void block_codes(const uint8_t *blk
             w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
         }
     } else {
-        for (int g = 0; g < 8; g++) w[g] = _mm256_loadu_si256((const __m256i *)(blk + g * 32));
+        for (int g = 0; g < 8; g++) {
+            w[g] = _mm256_loadu_si256((const __m256i *)(blk + g * 32));
+#ifndef DPBUSD
+            w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+#endif
+        }
     }
 }
 
-/* The block's integer sums for one activation row ab: lane r = sum_i q[r, i] a[i]. */
+/* The block's integer sums for one activation row ab: lane r = sum_i q[r, i] a[i]; c128 =
+ * 128 * sum_i a[i] (the 8-bit codes' offset). */
 static inline __attribute__((always_inline)) __m256i block_isum(const __m256i *w, int bits,
-                                                                const int8_t *ab) {
+                                                                const int8_t *ab, int32_t c128) {
     if (bits == 4) {
 #ifdef DPBUSD
         /* Four chains, not one: vpdpbusd's latency would otherwise bound the loop. */
@@ -187,26 +201,29 @@ static inline __attribute__((always_inline)) __m256i block_isum(const __m256i *w
         return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1));
 #endif
     }
-    /* 8-bit signed codes: |q| as the unsigned operand, a carrying q's sign. */
     __m256i c[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#ifdef DPBUSD
+    /* 8-bit codes q + 128 as the unsigned operand, the offset's 128 sum a taken off. */
+    for (int g = 0; g < 8; g++) c[g & 1] = DPBUSD(c[g & 1], w[g], bcast4(ab + 4 * g));
+    return _mm256_sub_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_set1_epi32(c128));
+#else
+    /* Signed codes: |q| as the unsigned operand, a carrying q's sign. */
+    (void)c128;
     for (int g = 0; g < 8; g++) {
         __m256i av = _mm256_sign_epi8(bcast4(ab + 4 * g), w[g]);
-#ifdef DPBUSD
-        c[g & 1] = DPBUSD(c[g & 1], _mm256_abs_epi8(w[g]), av);
-#else
         c[g & 1] = _mm256_add_epi32(c[g & 1], _mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), av), _mm256_set1_epi16(1)));
-#endif
     }
     return _mm256_add_epi32(c[0], c[1]);
+#endif
 }
 
 /* Rows m0 .. m0 + R - 1 against one tile: acc[j] lanes = the tile's 8 outputs of row m0 + j.
  * Each block's codes are unpacked once for the R rows. */
 static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
-        const int8_t *a, const float *e, const float *s, int64_t K, int64_t m0, int R,
-        __m256 *acc) {
+        const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t K,
+        int64_t m0, int R, __m256 *acc) {
     for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i codes[8];
@@ -214,7 +231,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         __m256 d = _mm256_loadu_ps(wd + b * TILE);
         for (int j = 0; j < R; j++) {
             int64_t m = m0 + j;
-            __m256i isum = block_isum(codes, bits, a + m * K + b * QK);
+            __m256i isum = block_isum(codes, bits, a + m * K + b * QK, c[m * nb + b]);
             __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(e[m * nb + b]));
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), de, acc[j]);
             if (wm) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * TILE),
@@ -233,8 +250,8 @@ static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
 
 /* One tile's outputs for every activation row. */
 static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
-                 const int8_t *a, const float *e, const float *s, int64_t K, int64_t M,
-                 int64_t N, int64_t n0, void *y, int bf16, int reference) {
+                 const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t K,
+                 int64_t M, int64_t N, int64_t n0, void *y, int bf16, int reference) {
     int cols = (int)(N - n0 < TILE ? N - n0 : TILE);
     float out[4 * TILE];
 #if defined(__AVX2__)
@@ -243,10 +260,10 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
             __m256 acc[4];
             int R = (int)(M - m0 < 4 ? M - m0 : 4);
             switch (R) {  /* constant row counts, so the accumulators stay in registers */
-            case 4: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 4, acc); break;
-            case 3: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 3, acc); break;
-            case 2: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 2, acc); break;
-            default: tile_rows(w, wd, wm, nb, bits, a, e, s, K, m0, 1, acc); break;
+            case 4: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 4, acc); break;
+            case 3: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 3, acc); break;
+            case 2: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 2, acc); break;
+            default: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 1, acc); break;
             }
             for (int j = 0; j < R; j++) {
                 _mm256_storeu_ps(out, acc[j]);
@@ -257,17 +274,18 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
     }
 #endif
     (void)reference;
+    (void)c;
     for (int64_t m = 0; m < M; m++) {
         tile_scalar(w, wd, wm, nb, bits, a, e, s, K, m, out);
         store_row(y, m * N + n0, out, cols, bf16);
     }
 }
 
-int sc_quant_version(void) { return 1; }
+int sc_quant_version(void) { return 2; }
 
 /* y [M, N] = x [M, K] W^T, W in the tiled layout above (`bits` 4 or 8; wm NULL where the
  * blocks have no offset), x and y fp32 or bf16 (`bf16`). scratch: at least
- * M * K + 8 * M * (K / 32) bytes. `reference` runs the scalar loop (for the tests). */
+ * SC_QUANT_SCRATCH(M, K) bytes. `reference` runs the scalar loop (for the tests). */
 void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, const float *wd,
                      const float *wm, int64_t N, int bits, void *y, int bf16, void *scratch,
                      int reference) {
@@ -275,11 +293,12 @@ void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, cons
     int8_t *a = (int8_t *)scratch;
     float *e = (float *)(a + M * K);
     float *s = e + M * nb;
+    int32_t *c = (int32_t *)(s + M * nb);
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x, m, K, bf16, a + m * K, e + m * nb, s + m * nb, reference);
+        quantize_row(x, m, K, bf16, a + m * K, e + m * nb, s + m * nb, c + m * nb, reference);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
         tile(w + t * nb * tile_block_bytes(bits), wd + t * nb * TILE,
-             wm ? wm + t * nb * TILE : NULL, nb, bits, a, e, s, K, M, N, t * TILE, y, bf16,
+             wm ? wm + t * nb * TILE : NULL, nb, bits, a, e, s, c, K, M, N, t * TILE, y, bf16,
              reference);
 }
