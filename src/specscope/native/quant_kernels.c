@@ -248,18 +248,31 @@ static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
     }
 }
 
-/* One tile's outputs for every activation row. */
+#if defined(__AVX512VL__)
+#define MAX_R 8  /* 32 vector registers: up to 8 rows' accumulators beside a block's codes */
+#else
+#define MAX_R 4
+#endif
+
+/* One tile's outputs for every activation row, the rows MAX_R at a time (each block's codes
+ * unpacked once for them). */
 static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
                  const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t K,
                  int64_t M, int64_t N, int64_t n0, void *y, int bf16, int reference) {
     int cols = (int)(N - n0 < TILE ? N - n0 : TILE);
-    float out[4 * TILE];
+    float out[TILE];
 #if defined(__AVX2__)
     if (!reference) {
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            __m256 acc[4];
-            int R = (int)(M - m0 < 4 ? M - m0 : 4);
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
+            __m256 acc[MAX_R];
+            int R = (int)(M - m0 < MAX_R ? M - m0 : MAX_R);
             switch (R) {  /* constant row counts, so the accumulators stay in registers */
+#if MAX_R == 8
+            case 8: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 8, acc); break;
+            case 7: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 7, acc); break;
+            case 6: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 6, acc); break;
+            case 5: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 5, acc); break;
+#endif
             case 4: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 4, acc); break;
             case 3: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 3, acc); break;
             case 2: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 2, acc); break;
