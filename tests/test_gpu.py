@@ -436,16 +436,21 @@ def test_folded_layer_products_match_the_unfolded_layers_in_bf16(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="dependent launches need Hopper or later")
-def test_dependent_launches_change_no_token(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_dependent_launches_change_no_token(monkeypatch, family):
     """bf16 plain and speculative decoding of concurrent requests in CUDA graphs, the
     Triton kernels launched dependently (models/dependent_launch.py) and not: the same
-    tokens, greedy and seeded sampling alike, and the same simulated acceptance. A kernel
-    that read its predecessor's output before waiting would differ here."""
+    tokens, greedy and seeded sampling alike, and the same simulated acceptance, on a dense
+    model and on a MoE one (router, routing and the pair kernels). A kernel that read its
+    predecessor's output before waiting would differ here."""
     from specscope.config import SpecConfig
     from specscope.models import dependent_launch
 
-    cfg = ModelConfig.from_hf({**TINY, "hidden_size": 256, "intermediate_size": 512})
-    model = random_model(cfg, torch.bfloat16, "cuda", seed=11)
+    if family == "llama":
+        cfg = ModelConfig.from_hf({**TINY, "hidden_size": 256, "intermediate_size": 512})
+        model = random_model(cfg, torch.bfloat16, "cuda", seed=11)
+    else:
+        model = _moe_model(torch.bfloat16, "cuda")
     prompts = [" ".join(str(i) for i in range(5, 5 + n)) for n in (25, 3, 60, 11, 7)]
     greedy = SamplingParams(max_tokens=48, ignore_eos=True)
     sampled = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.8, seed=3)

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 
 from specscope.config import MoEConfig
+from specscope.models import dependent_launch
+from specscope.models.dependent_launch import release, wait
 
 # Below every fp32 value's _order_key (-inf's is -2**31 + 2**23 - 1): not pickable.
 _UNAVAIL = -(2**31)
@@ -85,11 +87,13 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, stride_l, scale,
                   TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr,
                   PER_PAD: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
                   HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
-                  NORM: tl.constexpr, UNAVAIL: tl.constexpr):
+                  NORM: tl.constexpr, UNAVAIL: tl.constexpr, PDL: tl.constexpr):
     """Tokens [pid * BLOCK_T, +BLOCK_T): logits [N, E] (E = G * PER) -> ids [N, K] int64,
     weights [N, K] fp32. A token's experts are one row of T = G_PAD * PER_PAD positions,
     group-major (pos = g * PER_PAD + j), so positions ascend with expert ids."""
     T: tl.constexpr = G_PAD * PER_PAD
+    wait(PDL)  # the router's logits come from the kernel before
+    release(PDL)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     live = (tok < N)[:, None]  # [BT, 1]
     row = logits_ptr + tok.to(tl.int64)[:, None] * stride_l  # [BT, 1]
@@ -168,7 +172,7 @@ def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None 
         TOP2=per >= 2, NORM=moe.norm_topk_prob, UNAVAIL=_UNAVAIL,
         # One warp while a block is a few hundred scores (decode: every reduction stays
         # in-warp shuffles), more for bigger blocks. Not measured yet either.
-        num_warps=_warps(BT * G_PAD * PER_PAD))
+        num_warps=_warps(BT * G_PAD * PER_PAD), **dependent_launch.options(logits, N))
     return ids, w
 
 

@@ -22,6 +22,7 @@ per (pair, column tile) its down, and a batched matmul sums each token's k outpu
 their weights (in pick order: deterministic). Each pair reads its
 expert's rows itself, so pairs that share an expert read it again (from L2 when close):
 the sorted path wins once pairs share experts enough (PAIR_PATH_MAX_PAIRS, measured).
+On Hopper the two pair kernels launch dependently (models/dependent_launch.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specscope.models import dependent_launch
+from specscope.models.dependent_launch import release, wait
 from specscope.models.moe_experts import expert_counts
 
 # Triton 3.9's CPU interpreter (the tests' CUDA stand-in) multiplies bf16 dot operands as
@@ -145,10 +148,12 @@ def _down_kernel(a_ptr, w_ptr, blk_ptr, out_ptr, H, I, E,
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, H, I, K,
                          stride_x, stride_we, stride_wr, stride_o,
-                         BN: tl.constexpr, BK: tl.constexpr):
+                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """act[p, c] = silu(x[p // K] . gate[e, c]) * (x[p // K] . up[e, c]), e = ids[p], for
     pair p = program_id(0) and the columns c of tile program_id(1): a GEMV in fp32."""
     p, pid_n = tl.program_id(0), tl.program_id(1)
+    wait(PDL)  # the routing ids and x come from the kernels before
+    release(PDL)
     e = tl.load(ids_ptr + p).to(tl.int64)
     x_row = x_ptr + (p // K).to(tl.int64) * stride_x
     cols = pid_n * BN + tl.arange(0, BN)
@@ -172,10 +177,12 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, H, I, K,
 @triton.jit
 def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, H, I,
                       stride_a, stride_we, stride_wr, stride_o,
-                      BN: tl.constexpr, BK: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """y[p, c] = act[p] . down[ids[p], c] in fp32, for pair p = program_id(0) and the
     columns c of tile program_id(1)."""
     p, pid_n = tl.program_id(0), tl.program_id(1)
+    wait(PDL)
+    release(PDL)
     e = tl.load(ids_ptr + p).to(tl.int64)
     w_base = w_ptr + e * stride_we
     a_row = a_ptr + p.to(tl.int64) * stride_a
@@ -224,12 +231,14 @@ def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     BN, BK, warps = PAIR_GATE_UP_TILE
     _pair_gate_up_kernel[(N * k, triton.cdiv(i, BN))](
         x, gate_up, ids, act, H, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BN=BN, BK=_tile(H, BK), num_warps=warps)
+        act.stride(0), BN=BN, BK=_tile(H, BK), num_warps=warps,
+        **dependent_launch.options(x, N))
     y = torch.empty(N * k, H, dtype=torch.float32, device=x.device)
     BN, BK, warps = PAIR_DOWN_TILE
     _pair_down_kernel[(N * k, triton.cdiv(H, BN))](
         act, down, ids, y, H, i, act.stride(0), down.stride(0), down.stride(1),
-        y.stride(0), BN=BN, BK=_tile(i, BK), num_warps=warps)
+        y.stride(0), BN=BN, BK=_tile(i, BK), num_warps=warps,
+        **dependent_launch.options(x, N))
     out = torch.bmm(weights.float()[:, None, :], y.view(N, k, H))  # [N, 1, H]
     return out.view(N, H).to(x.dtype)
 
