@@ -143,7 +143,8 @@ def host_gap(llm: LLM, prompt: list[int], tokens: int, spec: bool) -> dict[str, 
         gpu = replay_us([seg[0] for seg in e.segments])
     else:
         # The batch-1 graph of the key window the request ran in (the shortest).
-        gpu = replay_us([min((k, v) for k, v in eng.graphs.graphs.items() if k[0] == 1)[1][0]])
+        graphs = eng.graphs.graphs
+        gpu = replay_us([graphs[min(key for key in graphs if key[0] == 1)][0]])
     step = r["step_us"]
     print(f"  engine {step:.0f} us, its graphs back to back {gpu:.0f} us: host "
           f"{step - gpu:.0f} us ({1 - gpu / step:.1%})")

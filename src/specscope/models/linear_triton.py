@@ -157,6 +157,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if gated:  # a program streams as many weight rows as the plain product's: half each
         bn = max(16, bn // 2)
     bk = min(bk, triton.next_power_of_2(K))
+    launch = dependent_launch.options(x, M)
     _linear_kernel[(triton.cdiv(N, bn),)](
         x2, weight, bias if bias is not None else weight, res if res is not None else out,
         out, M, N, K, x2.stride(0), weight.stride(0),
@@ -164,8 +165,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, GATED=gated, HAS_RES=res is not None,
         BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else None,
-        PREFETCH=dependent_launch.prefetch_columns(K), num_warps=warps, num_stages=stages,
-        **dependent_launch.options(x, M))
+        PREFETCH=dependent_launch.prefetch_columns(K) if launch["PDL"] else 0,
+        num_warps=warps, num_stages=stages, **launch)
     return out.view(*x.shape[:-1], N)
 
 

@@ -161,10 +161,10 @@ static inline __m256i bcast4(const int8_t *p) {
 }
 
 /* A tile block's codes as 8 vectors of 8 rows x 4 codes, group g in w[g]: 4-bit codes
- * unpacked to bytes 0..15; 8-bit codes as they are. */
+ * unpacked to bytes 0..15; 8-bit codes as stored (q + 128) for vpdpbusd, else back to the
+ * signed q (xor 0x80) for vpmaddubsw. */
 static inline __attribute__((always_inline)) void block_codes(const uint8_t *blk, int bits,
                                                              __m256i *w) {
-    /* 8-bit codes: as stored (q + 128) for vpdpbusd, else the signed q (xor 0x80). */
     if (bits == 4) {
         const __m256i low = _mm256_set1_epi8(0x0F);
         for (int g = 0; g < 4; g++) {
