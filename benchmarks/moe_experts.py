@@ -85,12 +85,17 @@ def shape_rows(name: str, tokens: list[int]) -> dict:
             "router_and_routing_us_bs1": router_us, "rows": rows}
 
 
-TILES = [(bn, bk, w) for bn in (16, 32, 64) for bk in (128, 256) for w in (4, 8)]
+TILES = {"PAIR_GATE_UP_TILE": [(bn, bk, w) for bn in (16, 32, 64) for bk in (128, 256)
+                               for w in (4, 8)],
+         # a down program holds a token's k pairs: k times the rows of a gate_up tile
+         "PAIR_DOWN_TILE": [(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (64, 128, 256)
+                            for w in (4, 8)]}
 
 
-def sweep(name: str, tokens: list[int]) -> dict:
+def sweep(name: str, tokens: list[int], kernels: list[str]) -> dict:
     """The pair path's us per call for each gate_up tile (down at its default), then each
-    down tile (gate_up at the best found), summed over `tokens`."""
+    down tile (gate_up at the best found), summed over `tokens`; `kernels`: which of the
+    two to sweep (the other stays at its default)."""
     cfg = config_from_hf(SHAPES[name], name=name)
     moe = cfg.moe
     E, k, H, i = moe.num_experts, moe.top_k, cfg.hidden_size, moe.expert_intermediate_size
@@ -103,8 +108,10 @@ def sweep(name: str, tokens: list[int]) -> dict:
                       torch.rand(N, k, device="cuda"), gate_up, down))
     out = {"shape": name, "tokens": tokens}
     for which in ("PAIR_GATE_UP_TILE", "PAIR_DOWN_TILE"):
+        if which.split("_")[1].lower() not in kernels:
+            continue
         times = {}
-        for tile in TILES:
+        for tile in TILES[which]:
             setattr(moe_triton, which, tile)
             times[tile] = sum(graph_us(lambda a=c: moe_triton.experts_pairs(*a))
                               for c in cases)
@@ -137,10 +144,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--sweep", action="store_true", help="sweep the pair kernels' tiles")
+    ap.add_argument("--sweep-kernels", nargs="+", choices=["gate", "down"],
+                    default=["gate", "down"], help="with --sweep: gate (gate_up), down")
     args = ap.parse_args()
     out = []
     if args.sweep:
-        print(json.dumps([sweep(name, args.tokens) for name in args.shape]))
+        print(json.dumps([sweep(name, args.tokens, args.sweep_kernels)
+                          for name in args.shape]))
         return
     for name in args.shape:
         res = shape_rows(name, args.tokens)

@@ -17,6 +17,7 @@ from triton_env import CUDA, DEV  # noqa: F401  (imported first: it skips withou
 from specscope.config import MoEConfig
 from specscope.models import moe as moe_module
 from specscope.models.moe import Router, route
+from specscope.models.moe_experts import expert_counts, live_mask
 from specscope.models.moe_route_triton import route_fused
 
 
@@ -132,6 +133,34 @@ def test_router_takes_the_kernel_on_cuda_only(monkeypatch):
     assert calls == ([1] if CUDA else [])
     assert torch.equal(ids.cpu(), ref_ids)
     torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("N", [1, 6, 40])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("padding", [False, True])
+def test_active_count_equals_expert_counts(N, name, padding):
+    """route_fused's distinct-expert count equals expert_counts' over the real tokens: in
+    the routing launch (one program holds every token) and in its own launch (40 tokens
+    of 128 or 256 experts: more than one program), with CUDA-graph padding rows (slots in
+    the scratch range) left out."""
+    moe = moe_cfg(**ROUTINGS[name])
+    g = torch.Generator().manual_seed(N)
+    logits = torch.randn(N, moe.num_experts, generator=g)
+    logits[::2, :3] += 4  # half the tokens share their top experts
+    bias = _bias(moe, g)
+    live = None
+    if padding:
+        slots = torch.randint(0, 80, (N,), generator=g)
+        slots[0] = 70  # at least one padding row ...
+        slots[-1] = 3 if N > 1 else 70  # ... and one real one where there are two
+        live = (slots, 64, 80)
+    active = torch.full((), -1, dtype=torch.long, device=DEV)
+    ids, _ = route_fused(logits.to(DEV), moe, None if bias is None else bias.to(DEV), active,
+                         None if live is None else (live[0].to(DEV), 64, 80))
+    ref = (expert_counts(ids.cpu(), moe.num_experts, live_mask(live)) > 0).sum()
+    assert int(active) == int(ref)
+    if padding and N == 1:
+        assert int(active) == 0
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

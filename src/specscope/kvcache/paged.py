@@ -119,7 +119,7 @@ class PagedKV:
         self.latent_values = latent_values
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         # The block CUDA-graph padding rows write (the engine sets it): its tokens are not
-        # counted in per-token statistics (models/llama.py ForwardContext.live_tokens).
+        # counted in per-token statistics (models/llama.py ForwardContext.live_slots).
         self.scratch_block: int | None = None
 
     @classmethod

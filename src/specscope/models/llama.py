@@ -109,13 +109,13 @@ class ForwardContext:
     # each: the layout of q/k heads [N, heads, D] in a token-major attention.
     rope_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def live_tokens(self) -> torch.Tensor | None:
-        """[N] bool: which tokens of a paged forward are real, not CUDA-graph padding (None:
-        all). What per-token statistics (MoE expert counts) count; the math ignores it."""
+    def live_slots(self) -> tuple[torch.Tensor, int, int] | None:
+        """(slots [N], first, end): a token of a paged forward is real, not CUDA-graph
+        padding, where its slot is outside [first, end) (None: every token is). What
+        per-token statistics (MoE expert counts) count; the math ignores it."""
         if self.paged is None or self.scratch_slots is None:
             return None
-        first, end = self.scratch_slots
-        return (self.paged.slots < first) | (self.paged.slots >= end)
+        return (self.paged.slots, *self.scratch_slots)
 
 
 def forward_context(rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,

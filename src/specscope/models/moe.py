@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specscope.config import ModelConfig, MoEConfig
+from specscope.models.linear import few_row_kernel
 from specscope.models.llama import MLP, CausalLM, ForwardContext, mlp_layout
-from specscope.models.moe_experts import expert_counts, run_experts
+from specscope.models.moe_experts import LiveSlots, expert_counts, live_mask, run_experts
 from specscope.parallel.group import TPGroup
 from specscope.parallel.shard import Shard, gated_mlp_pieces
 
@@ -107,14 +108,32 @@ class Router(nn.Module):
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts))
                                         if moe.correction_bias else None)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> ids [N, k], weights [N, k] fp32. Logits in fp32 whatever the model
-        dtype: near-equal experts are ranked on exact scores (DeepSeek-V3's reference does
-        the same; bf16 logits would flip close choices). On CUDA with Triton the routing is
-        one fused launch (route_fused) in place of route()'s ~20 small kernels."""
-        logits = F.linear(x.float(), self.weight.float())  # [N, E]
+    def forward(self, x: torch.Tensor, active: torch.Tensor | None = None,
+                live: LiveSlots | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> ids [N, k], weights [N, k] fp32. active (a 0-d int64, or None): also
+        set to how many distinct experts the real tokens (`live`, None: all) picked.
+
+        Logits in fp32 whatever the model dtype: near-equal experts are ranked on exact
+        scores (DeepSeek-V3's reference does the same; bf16 logits would flip close
+        choices). On CUDA with Triton the logits are the few-row kernel's fp32 sums of the
+        16-bit products (exact in fp32) and the routing and the count are one fused launch
+        (route_fused) in place of route()'s ~20 small kernels and the count's ~6."""
+        logits = self.logits(x)  # [N, E]
         fused = _route_backend() if logits.is_cuda else None
-        return (fused or route)(logits, self.moe, self.e_score_correction_bias)
+        if fused is not None:
+            return fused(logits, self.moe, self.e_score_correction_bias, active, live)
+        ids, weights = route(logits, self.moe, self.e_score_correction_bias)
+        if active is not None:  # in place: a CUDA graph's replay updates what the engine reads
+            counts = expert_counts(ids, self.moe.num_experts, live_mask(live))
+            active.copy_((counts > 0).sum())
+        return ids, weights
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] -> the router's logits [N, E] in fp32."""
+        fast = few_row_kernel(x)
+        if fast is not None and fast.weight_fits(self.weight, x.dtype):
+            return fast.linear(x, self.weight, out_dtype=torch.float32)
+        return F.linear(x.float(), self.weight.float())
 
 
 class Experts(nn.Module):
@@ -168,10 +187,8 @@ class SparseMoe(nn.Module):
         """x [..., H] -> [..., H]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
-        ids, weights = self.gate(flat)  # [N, k] each
-        live = None if ctx is None else ctx.live_tokens()
-        # In place: a CUDA graph's replay updates the same buffer the engine reads.
-        self.active.copy_((expert_counts(ids, self.moe.num_experts, live) > 0).sum())
+        ids, weights = self.gate(flat, self.active,
+                                 None if ctx is None else ctx.live_slots())  # [N, k] each
         out = run_experts(flat, ids, weights, self.experts.gate_up_proj,
                           self.experts.down_proj)
         if self.shared_expert is not None:

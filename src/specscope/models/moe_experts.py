@@ -19,6 +19,19 @@ import torch
 import torch.nn.functional as F
 
 
+# (slots [N], first, end): token n is real (not CUDA-graph padding) where slots[n] is
+# outside [first, end) (ForwardContext.live_slots).
+LiveSlots = tuple[torch.Tensor, int, int]
+
+
+def live_mask(live: LiveSlots | None) -> torch.Tensor | None:
+    """[N] bool: the real tokens of `live` (None: every token)."""
+    if live is None:
+        return None
+    slots, first, end = live
+    return (slots < first) | (slots >= end)
+
+
 def expert_counts(ids: torch.Tensor, num_experts: int,
                   live: torch.Tensor | None = None) -> torch.Tensor:
     """Token-expert pairs per expert [E] int64 from ids [N, k] (only tokens where live [N]

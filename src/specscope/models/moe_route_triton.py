@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from specscope.config import MoEConfig
+from specscope.models.moe_experts import LiveSlots
 from specscope.models import dependent_launch
 from specscope.models.dependent_launch import release, wait
 
@@ -82,20 +83,28 @@ def _group_keep(choice, G: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.con
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, stride_l, scale,
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N,
+                  stride_l, scale, first, end,
                   G: tl.constexpr, PER: tl.constexpr, K: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr,
                   PER_PAD: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
                   HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
-                  NORM: tl.constexpr, UNAVAIL: tl.constexpr, PDL: tl.constexpr):
+                  NORM: tl.constexpr, UNAVAIL: tl.constexpr, COUNT: tl.constexpr,
+                  HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
     """Tokens [pid * BLOCK_T, +BLOCK_T): logits [N, E] (E = G * PER) -> ids [N, K] int64,
     weights [N, K] fp32. A token's experts are one row of T = G_PAD * PER_PAD positions,
-    group-major (pos = g * PER_PAD + j), so positions ascend with expert ids."""
+    group-major (pos = g * PER_PAD + j), so positions ascend with expert ids. COUNT (the
+    grid is this one program): also active = the distinct experts the real tokens picked
+    (HAS_SLOTS: a token is real where its KV slot is outside [first, end))."""
     T: tl.constexpr = G_PAD * PER_PAD
     wait(PDL)  # the router's logits come from the kernel before
     release(PDL)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     live = (tok < N)[:, None]  # [BT, 1]
+    real = live
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + tok, mask=tok < N, other=first)[:, None]
+        real = live & ((slot < first) | (slot >= end))
     row = logits_ptr + tok.to(tl.int64)[:, None] * stride_l  # [BT, 1]
     pos = tl.arange(0, T)[None, :]  # [1, T]
     valid = (pos // PER_PAD < G) & (pos % PER_PAD < PER)  # [1, T]: a real expert
@@ -123,11 +132,17 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, stride_l, scale,
     key = tl.where(live & valid, _order_key(choice), UNAVAIL)  # [BT, T]
     kk = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
     picked = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)  # positions, best first
+    hit = tl.zeros([T], dtype=tl.int32)  # COUNT: positions some real token picked
     for t in tl.static_range(K):
         # The best available, the lowest position (= expert id) among equals.
         _, p = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
         picked = tl.where(kk == t, p[:, None], picked)
-        key = tl.where(pos == p[:, None], UNAVAIL, key)
+        taken = pos == p[:, None]  # [BT, T]
+        key = tl.where(taken, UNAVAIL, key)
+        if COUNT:
+            hit = tl.maximum(hit, tl.max((taken & real).to(tl.int32), axis=0))
+    if COUNT:
+        tl.store(active_ptr, tl.sum(hit).to(tl.int64))
     ids = (picked // PER_PAD) * PER + picked % PER_PAD  # [BT, K_PAD]
     store = live & (kk < K)
     # The weights are the picked experts' scores: recomputed from their logits by the same
@@ -143,16 +158,47 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, stride_l, scale,
     tl.store(w_ptr + out, w, mask=store)
 
 
+@triton.jit
+def _count_kernel(ids_ptr, slots_ptr, active_ptr, NK, first, end, K: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                  PDL: tl.constexpr):
+    """active = the distinct experts among the ids [NK] of real tokens (pair p is token
+    p // K's; HAS_SLOTS: real where its KV slot is outside [first, end)): one program,
+    for routings of more tokens than one route program holds."""
+    wait(PDL)
+    release(PDL)
+    e = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
+    hit = tl.zeros([E_PAD], dtype=tl.int32)
+    for p0 in range(0, NK, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)  # [BP]
+        ok = p < NK
+        if HAS_SLOTS:
+            slot = tl.load(slots_ptr + p // K, mask=ok, other=first)
+            ok = ok & ((slot < first) | (slot >= end))
+        ids = tl.load(ids_ptr + p, mask=ok, other=-1)[:, None]  # [BP, 1]
+        hit = tl.maximum(hit, tl.max((ids == e).to(tl.int32), axis=0))
+    tl.store(active_ptr, tl.sum(hit).to(tl.int64))
+
+
 @torch.compiler.disable  # as experts_grouped: a launch with a host-side grid
-def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None
+def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None,
+                active: torch.Tensor | None = None, live: LiveSlots | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """route()'s contract in one launch: logits [N, E] (fp32) -> ids [N, k] int64, weights
-    [N, k] fp32: the same ids, token for token, and the same weights to rounding."""
+    [N, k] fp32: the same ids, token for token, and the same weights to rounding.
+
+    active (a 0-d int64, or None): also written with the distinct experts the real tokens
+    picked (live: (slots [N], first, end), a token is real where its slot is outside the
+    scratch range [first, end); None: every token), the count `expert_counts` gives. Within
+    the routing launch when one program holds every token (decode, verify), else one more
+    launch."""
     N, E = logits.shape
     k = moe.top_k
     ids = torch.empty(N, k, dtype=torch.long, device=logits.device)
     w = torch.empty(N, k, dtype=torch.float32, device=logits.device)
     if N == 0:
+        if active is not None:
+            active.zero_()
         return ids, w  # a grid of 0 programs is not a launch
     grouped = moe.n_group > 1 and moe.topk_group < moe.n_group
     G = moe.n_group if grouped else 1
@@ -163,16 +209,27 @@ def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None 
         logits = logits.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    _route_kernel[(triton.cdiv(N, BT),)](
-        logits, logits if bias is None else bias, ids, w, N, logits.stride(0),
-        float(moe.routed_scaling_factor),
+    slots, first, end = live if live is not None else (logits, 0, 0)
+    programs = triton.cdiv(N, BT)
+    count_here = active is not None and programs == 1
+    launch = dependent_launch.options(logits, N)
+    _route_kernel[(programs,)](
+        logits, logits if bias is None else bias, ids, w, slots,
+        active if count_here else ids, N, logits.stride(0),
+        float(moe.routed_scaling_factor), first, end,
         G=G, PER=per, K=k, TOPK_GROUP=moe.topk_group if grouped else 1, BLOCK_T=BT,
         G_PAD=G_PAD, PER_PAD=PER_PAD, K_PAD=triton.next_power_of_2(k),
         SIGMOID=moe.scoring == "sigmoid", HAS_BIAS=bias is not None, GROUPED=grouped,
-        TOP2=per >= 2, NORM=moe.norm_topk_prob, UNAVAIL=_UNAVAIL,
+        TOP2=per >= 2, NORM=moe.norm_topk_prob, UNAVAIL=_UNAVAIL, COUNT=count_here,
+        HAS_SLOTS=live is not None,
         # One warp while a block is a few hundred scores (decode: every reduction stays
         # in-warp shuffles), more for bigger blocks. Not measured yet either.
-        num_warps=_warps(BT * G_PAD * PER_PAD), **dependent_launch.options(logits, N))
+        num_warps=_warps(BT * G_PAD * PER_PAD), **launch)
+    if active is not None and not count_here:
+        E_PAD = triton.next_power_of_2(E)
+        _count_kernel[(1,)](ids, slots, active, N * k, first, end, K=k, E_PAD=E_PAD,
+                            BLOCK_P=max(1, _MAX_TILE // E_PAD), HAS_SLOTS=live is not None,
+                            num_warps=4, **launch)
     return ids, w
 
 

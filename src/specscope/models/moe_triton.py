@@ -17,11 +17,12 @@ bucket and one device->host read:
 
 A step of few pairs (decode at small batch sizes: `experts_pairs`) skips the dispatch:
 its ~20 small sort/scan/scatter launches cost more than its GEMMs there. One program per
-(pair, column tile) runs the pair's gate_up as a GEMV straight from the routing ids, one
-per (pair, column tile) its down, and a batched matmul sums each token's k outputs by
-their weights (in pick order: deterministic). Each pair reads its
-expert's rows itself, so pairs that share an expert read it again (from L2 when close):
-the sorted path wins once pairs share experts enough (PAIR_PATH_MAX_PAIRS, measured).
+(pair, column tile) runs the pair's gate_up as a GEMV straight from the routing ids; one
+per (token, column tile) runs its k pairs' down GEMVs side by side and sums them by their
+weights (a fixed order: deterministic), writing the token's output row: no fp32
+intermediate, no combine launch. Each pair reads its expert's rows itself, so pairs that
+share an expert read it again (from L2 when close): the sorted path wins once pairs share
+experts enough (PAIR_PATH_MAX_PAIRS, measured).
 On Hopper the two pair kernels launch dependently (models/dependent_launch.py).
 """
 
@@ -175,26 +176,37 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, H, I, K,
 
 
 @triton.jit
-def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, H, I,
-                      stride_a, stride_we, stride_wr, stride_o,
-                      BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """y[p, c] = act[p] . down[ids[p], c] in fp32, for pair p = program_id(0) and the
-    columns c of tile program_id(1)."""
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    wait(PDL)
+def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, H, I,
+                      stride_a, stride_we, stride_wr, stride_o, K: tl.constexpr,
+                      K_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      PDL: tl.constexpr):
+    """out[n, c] = sum_j wt[n, j] * (act[n * K + j] . down[ids[n, j], c]) for token n =
+    program_id(0) and the columns c of tile program_id(1): the token's K pairs' down
+    products side by side in fp32 (K_PAD streams of weight rows in flight), summed by their
+    routing weights and rounded once to out's dtype."""
+    n, pid_n = tl.program_id(0), tl.program_id(1)
+    wait(PDL)  # act, the ids and their weights come from the kernels before
     release(PDL)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    w_base = w_ptr + e * stride_we
-    a_row = a_ptr + p.to(tl.int64) * stride_a
+    j = tl.arange(0, K_PAD)
+    j_ok = j < K
+    pair = n.to(tl.int64) * K + j  # [K_PAD]
+    e = tl.load(ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
+    wt = tl.load(wt_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
     cols = pid_n * BN + tl.arange(0, BN)
-    acc = tl.zeros((BN,), dtype=tl.float32)
+    w_rows = w_ptr + e[:, None, None] * stride_we + cols[None, :, None] * stride_wr
+    w_ok = j_ok[:, None, None] & (cols < H)[None, :, None]  # [K_PAD, BN, 1]
+    a_rows = a_ptr + pair[:, None] * stride_a  # [K_PAD, 1]
+    acc = tl.zeros((K_PAD, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         ks = k0 + tl.arange(0, BK)
-        a = tl.load(a_row + ks, mask=ks < I, other=0.0).to(tl.float32)
-        w = tl.load(w_base + cols[:, None] * stride_wr + ks[None, :],
-                    mask=(cols[:, None] < H) & (ks[None, :] < I), other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
-    tl.store(out_ptr + p.to(tl.int64) * stride_o + cols, acc, mask=cols < H)
+        a = tl.load(a_rows + ks[None, :], mask=j_ok[:, None] & (ks < I)[None, :],
+                    other=0.0).to(tl.float32)  # [K_PAD, BK]
+        w = tl.load(w_rows + ks[None, None, :], mask=w_ok & (ks < I)[None, None, :],
+                    other=0.0)  # [K_PAD, BN, BK]: rows contiguous along I
+        acc += tl.sum(w.to(tl.float32) * a[:, None, :], 2)
+    y = tl.sum(acc * wt[:, None], 0)  # [BN]
+    tl.store(out_ptr + n.to(tl.int64) * stride_o + cols, y.to(out_ptr.dtype.element_ty),
+             mask=cols < H)
 
 
 # Up to this many token-expert pairs, and no more than half the experts, a forward runs
@@ -210,18 +222,19 @@ def use_pairs(num_pairs: int, num_experts: int) -> bool:
 
 
 # (BN, BK, num_warps) of the pair kernels: bytes in flight per program are what a GEMV of
-# one row needs to stream at full bandwidth (benchmarks/moe_experts.py --sweep, H200).
-# Best on Qwen3-30B-A3B's and DeepSeek-V3's experts at 1 and 4 tokens (Mixtral's within 5 %).
+# one row needs to stream at full bandwidth (benchmarks/moe_experts.py --sweep). gate_up:
+# best on Qwen3-30B-A3B's and DeepSeek-V3's experts at 1 and 4 tokens on the H200
+# (Mixtral's within 5 %). down (a token's k pairs a program, BN columns of each).
 PAIR_GATE_UP_TILE = (64, 256, 8)
-PAIR_DOWN_TILE = (16, 128, 4)
+PAIR_DOWN_TILE = (8, 128, 4)
 
 
 @torch.compiler.disable  # as experts_grouped
 def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """experts_grouped's contract for a few pairs: x [N, H], ids/weights [N, k], gate_up
-    [E, 2I, H], down [E, H, I] -> [N, H]. Two GEMV launches over the pairs, then each
-    token's k outputs summed by its weights in pick order (one batched matmul)."""
+    [E, 2I, H], down [E, H, I] -> [N, H]. Two launches: gate_up's GEMVs over the pairs,
+    then each token's k down GEMVs summed by its weights."""
     N, H = x.shape
     k = ids.shape[1]
     i = gate_up.shape[1] // 2
@@ -233,14 +246,13 @@ def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         x, gate_up, ids, act, H, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         act.stride(0), BN=BN, BK=_tile(H, BK), num_warps=warps,
         **dependent_launch.options(x, N))
-    y = torch.empty(N * k, H, dtype=torch.float32, device=x.device)
+    out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     BN, BK, warps = PAIR_DOWN_TILE
-    _pair_down_kernel[(N * k, triton.cdiv(H, BN))](
-        act, down, ids, y, H, i, act.stride(0), down.stride(0), down.stride(1),
-        y.stride(0), BN=BN, BK=_tile(i, BK), num_warps=warps,
-        **dependent_launch.options(x, N))
-    out = torch.bmm(weights.float()[:, None, :], y.view(N, k, H))  # [N, 1, H]
-    return out.view(N, H).to(x.dtype)
+    _pair_down_kernel[(N, triton.cdiv(H, BN))](
+        act, down, ids, weights.float().contiguous(), out, H, i, act.stride(0),
+        down.stride(0), down.stride(1), out.stride(0), K=k, K_PAD=triton.next_power_of_2(k),
+        BN=BN, BK=_tile(i, BK), num_warps=warps, **dependent_launch.options(x, N))
+    return out
 
 
 def _tile(n: int, largest: int) -> int:
