@@ -18,7 +18,6 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-
 # (slots [N], first, end): token n is real (not CUDA-graph padding) where slots[n] is
 # outside [first, end) (ForwardContext.live_slots).
 LiveSlots = tuple[torch.Tensor, int, int]

@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from specscope.config import MoEConfig
-from specscope.models.moe_experts import LiveSlots
 from specscope.models import dependent_launch
 from specscope.models.dependent_launch import release, wait
+from specscope.models.moe_experts import LiveSlots
 
 # Below every fp32 value's _order_key (-inf's is -2**31 + 2**23 - 1): not pickable.
 _UNAVAIL = -(2**31)
