@@ -57,27 +57,6 @@ def test_kernel_bf16_on_cuda_matches_cublas(n, k, m):
     assert torch.equal(lt.linear(x[:1], w), lt.linear(x, w)[:1])
 
 
-@pytest.mark.skipif(not CUDA, reason="the bf16 kernel is the GPU's")
-@pytest.mark.parametrize("m", [1, 6, 16])
-def test_fp32_sums_of_bf16_products(m):
-    """out_dtype float32 (a MoE router's logits): the fp32 sums unrounded, as F.linear of
-    the operands widened to fp32 (bf16 products are exact in fp32; only the order of the
-    sum differs); each row the same bits alone as within the call."""
-    torch.manual_seed(m)
-    x = torch.randn(m, 2048, device=DEV, dtype=torch.bfloat16)
-    w = (torch.randn(128, 2048, device=DEV) * 0.02).to(torch.bfloat16)
-    out = lt.linear(x, w, out_dtype=torch.float32)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, F.linear(x.float(), w.float()), rtol=1e-5, atol=1e-5)
-    assert torch.equal(lt.linear(x[-1:], w, out_dtype=torch.float32), out[-1:])
-
-
-def test_fp32_out_is_for_plain_products_only():
-    x, w = torch.randn(1, 32, device=DEV), torch.randn(64, 32, device=DEV)
-    with pytest.raises(ValueError, match="out_dtype"):
-        lt.linear(x.half(), w.half(), gated=True, out_dtype=torch.float32)
-
-
 def test_applies_only_to_few_16_bit_rows_on_cuda():
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
     assert not lt.applies(torch.zeros(1, 64, dtype=torch.bfloat16), w)  # the CPU

@@ -18,7 +18,7 @@ from specscope.config import MoEConfig
 from specscope.models import moe as moe_module
 from specscope.models.moe import Router, route
 from specscope.models.moe_experts import expert_counts, live_mask
-from specscope.models.moe_route_triton import route_fused
+from specscope.models.moe_route_triton import route_fused, router_fits, router_fused
 
 
 def moe_cfg(**kw) -> MoEConfig:
@@ -110,29 +110,77 @@ def test_no_tokens():
     assert ids.shape == w.shape == (0, 4)
 
 
-def test_router_takes_the_kernel_on_cuda_only(monkeypatch):
-    """Router.forward routes through route_fused where the logits are on CUDA, route()
-    elsewhere; the backend is the cached import of route_fused."""
-    assert moe_module._route_backend() is route_fused
+def test_router_takes_the_kernels_on_cuda_only(monkeypatch):
+    """Router.forward routes through router_fused (up to 16 tokens) or F.linear and
+    route_fused (more) where x is on CUDA, route() elsewhere; the backend is the cached
+    import of models/moe_route_triton."""
+    from specscope.models import moe_route_triton as mrt
+
+    assert moe_module._route_backend() is mrt
     calls = []
 
-    def spy(*a):
-        calls.append(1)
-        return route_fused(*a)
+    class Spy:
+        router_fits = staticmethod(mrt.router_fits)
 
-    monkeypatch.setattr(moe_module, "_route_backend", lambda: spy)
+        @staticmethod
+        def router_fused(*a):
+            calls.append("router")
+            return mrt.router_fused(*a)
+
+        @staticmethod
+        def route_fused(*a):
+            calls.append("route")
+            return mrt.route_fused(*a)
+
+    monkeypatch.setattr(moe_module, "_route_backend", lambda: Spy)
     moe = moe_cfg(**ROUTINGS["deepseek_v3"])
     router = Router(32, moe).to(DEV)
     with torch.no_grad():
         router.weight.normal_()
         router.e_score_correction_bias.normal_(0, 0.1)
-        x = torch.randn(5, 32, device=DEV)
-        ids, w = router(x)
-        logits = torch.nn.functional.linear(x, router.weight)
-        ref_ids, ref_w = route(logits.cpu(), moe, router.e_score_correction_bias.cpu())
-    assert calls == ([1] if CUDA else [])
-    assert torch.equal(ids.cpu(), ref_ids)
-    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-6, atol=0)
+        for n in (5, 17):
+            x = torch.randn(n, 32, device=DEV)
+            ids, w = router(x)
+            logits = torch.nn.functional.linear(x, router.weight)
+            ref_ids, ref_w = route(logits.cpu(), moe, router.e_score_correction_bias.cpu())
+            assert torch.equal(ids.cpu(), ref_ids)
+            torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=0)
+    assert calls == (["router", "route"] if CUDA else [])
+
+
+@pytest.mark.parametrize("N", [1, 3, 16])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "kimi_k2"])
+def test_router_fused_equals_linear_then_route(N, name):
+    """The one-launch router (logits by its programs, routing by the last to finish) gives
+    route()'s ids on F.linear's fp32 logits, its weights to 1e-5, and expert_counts' count
+    over the real tokens; called again (the ticket back at zero) it does the same on new
+    tokens, with CUDA-graph padding rows this time."""
+    moe = moe_cfg(**ROUTINGS[name])
+    E, H = moe.num_experts, 48
+    g = torch.Generator().manual_seed(N + E)
+    weight = torch.randn(E, H, generator=g)
+    bias = _bias(moe, g)
+    ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
+    active = torch.full((), -1, dtype=torch.long, device=DEV)
+    for live in (None, (torch.randint(0, 80, (N,), generator=g), 64, 80)):
+        x = torch.randn(N, H, generator=g)
+        ids, w = router_fused(x.to(DEV), weight.to(DEV), moe, ticket,
+                              None if bias is None else bias.to(DEV), active,
+                              None if live is None else (live[0].to(DEV), 64, 80))
+        ref_ids, ref_w = route(torch.nn.functional.linear(x, weight), moe, bias)
+        assert torch.equal(ids.cpu(), ref_ids)
+        torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-7)
+        ref = (expert_counts(ref_ids, E, live_mask(live)) > 0).sum()
+        assert int(active) == int(ref)
+        assert int(ticket) == 0
+
+
+def test_router_fits_few_tokens_of_one_dtype():
+    w = torch.zeros(8, 32, device=DEV)
+    assert router_fits(torch.zeros(16, 32, device=DEV), w)
+    assert not router_fits(torch.zeros(17, 32, device=DEV), w)
+    assert not router_fits(torch.zeros(0, 32, device=DEV), w)
+    assert not router_fits(torch.zeros(2, 32, device=DEV, dtype=torch.float16), w)
 
 
 @pytest.mark.parametrize("N", [1, 6, 40])

@@ -137,24 +137,19 @@ def weight_fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            tile: tuple[int, int, int, int] | None = None, *, gated: bool = False,
-           residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-           ) -> torch.Tensor:
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] for at most MAX_ROWS rows of x
     (check `applies`). tile: force (BLOCK_N, BLOCK_K, num_warps, num_stages) (the sweep).
 
     gated: weight (and bias) are [gate | up], 2I rows, and the result is silu(gate) * up
-    [..., I]. residual [..., N]: returns residual + the rounded product. out_dtype
-    torch.float32: the fp32 sums unrounded (a MoE router's logits), without gated or
-    residual."""
-    if out_dtype not in (None, x.dtype) and (gated or residual is not None):
-        raise ValueError("linear: out_dtype applies to a plain product only")
+    [..., I]. residual [..., N]: returns residual + the rounded product."""
     K = x.shape[-1]
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     res = None if residual is None else residual.reshape(M, N)
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()

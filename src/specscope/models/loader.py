@@ -317,6 +317,9 @@ def allocate(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
     if cfg.tie_word_embeddings:  # to_empty may untie; re-tie
         m.lm_head.weight = m.embed_tokens.weight
     zero_padding(m)
+    with torch.no_grad():  # a target's buffers are counters its forward keeps, from zero
+        for b in m.buffers():  # (a MoE router's ticket must be 0 before its first launch)
+            b.zero_()
     return m
 
 

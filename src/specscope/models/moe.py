@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specscope.config import ModelConfig, MoEConfig
-from specscope.models.linear import few_row_kernel
 from specscope.models.llama import MLP, CausalLM, ForwardContext, mlp_layout
 from specscope.models.moe_experts import LiveSlots, expert_counts, live_mask, run_experts
 from specscope.parallel.group import TPGroup
@@ -85,13 +84,13 @@ def route(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None
 
 @cache
 def _route_backend():
-    """The fused Triton routing kernel (models/moe_route_triton.py), or None without
+    """models/moe_route_triton (the fused Triton router and routing), or None without
     Triton. Cached: the import is tried once, not per layer per step."""
     try:
-        from specscope.models.moe_route_triton import route_fused
+        from specscope.models import moe_route_triton
     except ImportError:
         return None
-    return route_fused
+    return moe_route_triton
 
 
 # -- the block ----------------------------------------------------------------------------
@@ -107,6 +106,8 @@ class Router(nn.Module):
         # A parameter, not a buffer, so the strict loader's table covers it like any weight.
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(moe.num_experts))
                                         if moe.correction_bias else None)
+        # router_fused's count of its finished programs: zero between launches.
+        self.register_buffer("ticket", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor, active: torch.Tensor | None = None,
                 live: LiveSlots | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,25 +116,22 @@ class Router(nn.Module):
 
         Logits in fp32 whatever the model dtype: near-equal experts are ranked on exact
         scores (DeepSeek-V3's reference does the same; bf16 logits would flip close
-        choices). On CUDA with Triton the logits are the few-row kernel's fp32 sums of the
-        16-bit products (exact in fp32) and the routing and the count are one fused launch
-        (route_fused) in place of route()'s ~20 small kernels and the count's ~6."""
-        logits = self.logits(x)  # [N, E]
-        fused = _route_backend() if logits.is_cuda else None
+        choices). On CUDA with Triton, up to 16 tokens (decode, verify) take one launch for
+        the logits (the 16-bit products are exact in fp32, summed in fp32), the routing
+        and the count (router_fused); more tokens take F.linear's fp32 logits and one
+        routing launch (route_fused) in place of route()'s ~20 small kernels."""
+        fused = _route_backend() if x.is_cuda else None
+        bias = self.e_score_correction_bias
+        if fused is not None and fused.router_fits(x, self.weight):
+            return fused.router_fused(x, self.weight, self.moe, self.ticket, bias, active, live)
+        logits = F.linear(x.float(), self.weight.float())  # [N, E]
         if fused is not None:
-            return fused(logits, self.moe, self.e_score_correction_bias, active, live)
-        ids, weights = route(logits, self.moe, self.e_score_correction_bias)
+            return fused.route_fused(logits, self.moe, bias, active, live)
+        ids, weights = route(logits, self.moe, bias)
         if active is not None:  # in place: a CUDA graph's replay updates what the engine reads
             counts = expert_counts(ids, self.moe.num_experts, live_mask(live))
             active.copy_((counts > 0).sum())
         return ids, weights
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> the router's logits [N, E] in fp32."""
-        fast = few_row_kernel(x)
-        if fast is not None and fast.weight_fits(self.weight, x.dtype):
-            return fast.linear(x, self.weight, out_dtype=torch.float32)
-        return F.linear(x.float(), self.weight.float())
 
 
 class Experts(nn.Module):

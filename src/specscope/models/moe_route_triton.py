@@ -83,23 +83,21 @@ def _group_keep(choice, G: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.con
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N,
-                  stride_l, scale, first, end,
-                  G: tl.constexpr, PER: tl.constexpr, K: tl.constexpr,
-                  TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr,
-                  PER_PAD: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
-                  NORM: tl.constexpr, UNAVAIL: tl.constexpr, COUNT: tl.constexpr,
-                  HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
-    """Tokens [pid * BLOCK_T, +BLOCK_T): logits [N, E] (E = G * PER) -> ids [N, K] int64,
+def _route_block(tok0, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N,
+                 stride_l, scale, first, end, G: tl.constexpr, PER: tl.constexpr,
+                 K: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+                 G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                 SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+                 TOP2: tl.constexpr, NORM: tl.constexpr, UNAVAIL: tl.constexpr,
+                 COUNT: tl.constexpr, HAS_SLOTS: tl.constexpr, CACHE: tl.constexpr):
+    """Tokens [tok0, tok0 + BLOCK_T): logits [N, E] (E = G * PER) -> ids [N, K] int64,
     weights [N, K] fp32. A token's experts are one row of T = G_PAD * PER_PAD positions,
-    group-major (pos = g * PER_PAD + j), so positions ascend with expert ids. COUNT (the
-    grid is this one program): also active = the distinct experts the real tokens picked
-    (HAS_SLOTS: a token is real where its KV slot is outside [first, end))."""
+    group-major (pos = g * PER_PAD + j), so positions ascend with expert ids. COUNT (this
+    block holds every token): also active = the distinct experts the real tokens picked
+    (HAS_SLOTS: a token is real where its KV slot is outside [first, end)). CACHE: the
+    logits' load cache modifier."""
     T: tl.constexpr = G_PAD * PER_PAD
-    wait(PDL)  # the router's logits come from the kernel before
-    release(PDL)
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    tok = tok0 + tl.arange(0, BLOCK_T)  # [BT]
     live = (tok < N)[:, None]  # [BT, 1]
     real = live
     if HAS_SLOTS:
@@ -109,7 +107,8 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N
     pos = tl.arange(0, T)[None, :]  # [1, T]
     valid = (pos // PER_PAD < G) & (pos % PER_PAD < PER)  # [1, T]: a real expert
     e = (pos // PER_PAD) * PER + pos % PER_PAD  # its id, where valid
-    x = tl.load(row + e, mask=live & valid, other=float("-inf")).to(tl.float32)  # [BT, T]
+    x = tl.load(row + e, mask=live & valid, other=float("-inf"),
+                cache_modifier=CACHE).to(tl.float32)  # [BT, T]
     x = tl.where(live, x, 0.0)  # rows past N: finite (never stored), so no NaN softmax
     if SIGMOID:
         scores = tl.sigmoid(x)
@@ -147,7 +146,8 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N
     store = live & (kk < K)
     # The weights are the picked experts' scores: recomputed from their logits by the same
     # ops (the same values), a gather instead of K more reductions over the row.
-    xs = tl.load(row + ids, mask=store, other=0.0).to(tl.float32)  # [BT, K_PAD]
+    xs = tl.load(row + ids, mask=store, other=0.0,
+                 cache_modifier=CACHE).to(tl.float32)  # [BT, K_PAD]
     w = tl.sigmoid(xs) if SIGMOID else tl.exp(xs - mx) / den
     w = tl.where(store, w, 0.0)
     if NORM:
@@ -156,6 +156,67 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N
     out = tok.to(tl.int64)[:, None] * K + kk
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=store)
     tl.store(w_ptr + out, w, mask=store)
+
+
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N,
+                  stride_l, scale, first, end,
+                  G: tl.constexpr, PER: tl.constexpr, K: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr,
+                  PER_PAD: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
+                  NORM: tl.constexpr, UNAVAIL: tl.constexpr, COUNT: tl.constexpr,
+                  HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+    """`_route_block` for tokens [pid * BLOCK_T, +BLOCK_T) of logits an earlier kernel
+    wrote."""
+    wait(PDL)  # the router's logits come from the kernel before
+    release(PDL)
+    _route_block(tl.program_id(0) * BLOCK_T, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr,
+                 active_ptr, N, stride_l, scale, first, end,
+                 G, PER, K, TOPK_GROUP, BLOCK_T, G_PAD, PER_PAD, K_PAD, SIGMOID,
+                 HAS_BIAS, GROUPED, TOP2, NORM, UNAVAIL, COUNT, HAS_SLOTS, "")
+
+
+@triton.jit
+def _router_kernel(x_ptr, rw_ptr, logits_ptr, ticket_ptr, bias_ptr, ids_ptr, w_ptr,
+                   slots_ptr, active_ptr, N, H, stride_x, scale, first, end,
+                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+                   G: tl.constexpr, PER: tl.constexpr, K: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr,
+                  PER_PAD: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
+                  NORM: tl.constexpr, UNAVAIL: tl.constexpr, COUNT: tl.constexpr,
+                  HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+    """The router and the routing in one launch, for at most 16 tokens (BLOCK_T <= 16):
+    program i computes the fp32 logits of experts [i * BLOCK_E, +BLOCK_E) for every token
+    (x [N, H] times the router weight rw [E, H] on the tensor cores: the 16-bit products
+    are exact in fp32, summed in fp32); the last program to finish (a ticket taken with an
+    acquire-release atomic after the logits' stores) routes all N tokens from them, reading
+    past L1, then resets the ticket for the next launch."""
+    E: tl.constexpr = G * PER
+    ex = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    m = tl.arange(0, 16)
+    wait(PDL)  # x comes from the kernel before
+    acc = tl.zeros([16, BLOCK_E], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        xt = tl.load(x_ptr + m[:, None] * stride_x + h[None, :],
+                     mask=(m < N)[:, None] & (h < H)[None, :], other=0.0)
+        wt = tl.load(rw_ptr + ex[:, None].to(tl.int64) * H + h[None, :],
+                     mask=(ex < E)[:, None] & (h < H)[None, :], other=0.0)
+        acc += tl.dot(xt, tl.trans(wt), input_precision=PRECISION)  # [16, BLOCK_E]
+    release(PDL)
+    tl.store(logits_ptr + m[:, None] * E + ex[None, :], acc,
+             mask=(m < N)[:, None] & (ex < E)[None, :])
+    done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        _route_block(0, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N, E,
+                     scale, first, end,
+                     G, PER, K, TOPK_GROUP, BLOCK_T, G_PAD, PER_PAD, K_PAD, SIGMOID,
+                 HAS_BIAS, GROUPED, TOP2, NORM, UNAVAIL, COUNT, HAS_SLOTS, ".cg")
+        tl.atomic_xchg(ticket_ptr, 0)
 
 
 @triton.jit
@@ -180,6 +241,16 @@ def _count_kernel(ids_ptr, slots_ptr, active_ptr, NK, first, end, K: tl.constexp
     tl.store(active_ptr, tl.sum(hit).to(tl.int64))
 
 
+def _layout(E: int, moe: MoEConfig) -> dict:
+    """The routing constexprs of E experts under `moe` (the tile of a token's experts)."""
+    grouped = moe.n_group > 1 and moe.topk_group < moe.n_group
+    G = moe.n_group if grouped else 1
+    return dict(G=G, PER=E // G, K=moe.top_k, TOPK_GROUP=moe.topk_group if grouped else 1,
+                G_PAD=triton.next_power_of_2(G), PER_PAD=triton.next_power_of_2(E // G),
+                K_PAD=triton.next_power_of_2(moe.top_k), SIGMOID=moe.scoring == "sigmoid",
+                GROUPED=grouped, TOP2=E // G >= 2, NORM=moe.norm_topk_prob, UNAVAIL=_UNAVAIL)
+
+
 @torch.compiler.disable  # as experts_grouped: a launch with a host-side grid
 def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None,
                 active: torch.Tensor | None = None, live: LiveSlots | None = None
@@ -190,8 +261,7 @@ def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None 
     active (a 0-d int64, or None): also written with the distinct experts the real tokens
     picked (live: (slots [N], first, end), a token is real where its slot is outside the
     scratch range [first, end); None: every token), the count `expert_counts` gives. Within
-    the routing launch when one program holds every token (decode, verify), else one more
-    launch."""
+    the routing launch when one program holds every token, else one more launch."""
     N, E = logits.shape
     k = moe.top_k
     ids = torch.empty(N, k, dtype=torch.long, device=logits.device)
@@ -200,11 +270,9 @@ def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None 
         if active is not None:
             active.zero_()
         return ids, w  # a grid of 0 programs is not a launch
-    grouped = moe.n_group > 1 and moe.topk_group < moe.n_group
-    G = moe.n_group if grouped else 1
-    per = E // G
-    G_PAD, PER_PAD = triton.next_power_of_2(G), triton.next_power_of_2(per)
-    BT = min(triton.next_power_of_2(N), max(1, _MAX_TILE // (G_PAD * PER_PAD)))
+    lay = _layout(E, moe)
+    tile = lay["G_PAD"] * lay["PER_PAD"]
+    BT = min(triton.next_power_of_2(N), max(1, _MAX_TILE // tile))
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if bias is not None:
@@ -216,20 +284,61 @@ def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None 
     _route_kernel[(programs,)](
         logits, logits if bias is None else bias, ids, w, slots,
         active if count_here else ids, N, logits.stride(0),
-        float(moe.routed_scaling_factor), first, end,
-        G=G, PER=per, K=k, TOPK_GROUP=moe.topk_group if grouped else 1, BLOCK_T=BT,
-        G_PAD=G_PAD, PER_PAD=PER_PAD, K_PAD=triton.next_power_of_2(k),
-        SIGMOID=moe.scoring == "sigmoid", HAS_BIAS=bias is not None, GROUPED=grouped,
-        TOP2=per >= 2, NORM=moe.norm_topk_prob, UNAVAIL=_UNAVAIL, COUNT=count_here,
-        HAS_SLOTS=live is not None,
-        # One warp while a block is a few hundred scores (decode: every reduction stays
-        # in-warp shuffles), more for bigger blocks. Not measured yet either.
-        num_warps=_warps(BT * G_PAD * PER_PAD), **launch)
+        float(moe.routed_scaling_factor), first, end, BLOCK_T=BT, HAS_BIAS=bias is not None,
+        COUNT=count_here, HAS_SLOTS=live is not None, num_warps=_warps(BT * tile), **lay,
+        **launch)
     if active is not None and not count_here:
         E_PAD = triton.next_power_of_2(E)
         _count_kernel[(1,)](ids, slots, active, N * k, first, end, K=k, E_PAD=E_PAD,
                             BLOCK_P=max(1, _MAX_TILE // E_PAD), HAS_SLOTS=live is not None,
                             num_warps=4, **launch)
+    return ids, w
+
+
+# Tokens the one-launch router takes (its logits tile is 16 rows: the tensor cores'
+# smallest), and experts per program of it.
+ROUTER_MAX_TOKENS = 16
+ROUTER_BLOCK_E = 16
+
+
+def router_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether router_fused takes x [N, H] with the router weight [E, H]: 1 to 16 tokens,
+    one dtype, a contiguous weight."""
+    return (0 < x.shape[0] <= ROUTER_MAX_TOKENS and weight.dtype == x.dtype
+            and weight.is_contiguous())
+
+
+@torch.compiler.disable
+def router_fused(x: torch.Tensor, weight: torch.Tensor, moe: MoEConfig, ticket: torch.Tensor,
+                 bias: torch.Tensor | None = None, active: torch.Tensor | None = None,
+                 live: LiveSlots | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's logits and route_fused's routing (and count) in one launch, for the few
+    tokens of decode and verify (router_fits): x [N, H], weight [E, H] -> ids [N, k] int64,
+    weights [N, k] fp32. ticket: a zeroed int32 [1] the launch counts its finished
+    programs in (the last routes, then zeroes it): one per router, not shared between
+    launches that may run at once."""
+    N, H = x.shape
+    E = weight.shape[0]
+    k = moe.top_k
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    ids = torch.empty(N, k, dtype=torch.long, device=x.device)
+    w = torch.empty(N, k, dtype=torch.float32, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    lay = _layout(E, moe)
+    BT = triton.next_power_of_2(N)
+    slots, first, end = live if live is not None else (logits, 0, 0)
+    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](
+        x, weight, logits, ticket, logits if bias is None else bias, ids, w, slots,
+        active if active is not None else ids, N, H, x.stride(0),
+        float(moe.routed_scaling_factor), first, end, BLOCK_E=ROUTER_BLOCK_E,
+        BLOCK_H=min(256, max(16, triton.next_power_of_2(H))),
+        PRECISION="ieee" if x.dtype == torch.float32 else None, BLOCK_T=BT,
+        HAS_BIAS=bias is not None, COUNT=active is not None, HAS_SLOTS=live is not None,
+        num_warps=max(4, _warps(BT * lay["G_PAD"] * lay["PER_PAD"])), **lay,
+        **dependent_launch.options(x, N))
     return ids, w
 
 
