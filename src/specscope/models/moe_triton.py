@@ -226,7 +226,7 @@ def use_pairs(num_pairs: int, num_experts: int) -> bool:
 # best on Qwen3-30B-A3B's and DeepSeek-V3's experts at 1 and 4 tokens on the H200
 # (Mixtral's within 5 %). down (a token's k pairs a program, BN columns of each).
 PAIR_GATE_UP_TILE = (64, 256, 8)
-PAIR_DOWN_TILE = (8, 128, 4)
+PAIR_DOWN_TILE = (8, 256, 4)
 
 
 @torch.compiler.disable  # as experts_grouped
