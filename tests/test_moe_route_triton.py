@@ -150,15 +150,17 @@ def test_router_takes_the_kernels_on_cuda_only(monkeypatch):
 
 @pytest.mark.parametrize("N", [1, 3, 16])
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "kimi_k2"])
-def test_router_fused_equals_linear_then_route(N, name):
-    """The one-launch router (logits by its programs, routing by the last to finish) gives
-    route()'s ids on F.linear's fp32 logits, its weights to 1e-5, and expert_counts' count
-    over the real tokens; called again (the ticket back at zero) it does the same on new
-    tokens, with CUDA-graph padding rows this time."""
+@pytest.mark.parametrize("H", [48, 1024])
+def test_router_fused_equals_linear_then_route(N, name, H):
+    """The one-launch router (partial logits by its programs, 2 to 4 hidden chunks a tile
+    of experts at H = 1024; the sum and the routing by the last to finish) gives route()'s
+    ids on F.linear's fp32 logits, its weights to 1e-5, and expert_counts' count over the
+    real tokens; called again (the ticket back at zero) it does the same on new tokens,
+    with CUDA-graph padding rows this time."""
     moe = moe_cfg(**ROUTINGS[name])
-    E, H = moe.num_experts, 48
+    E = moe.num_experts
     g = torch.Generator().manual_seed(N + E)
-    weight = torch.randn(E, H, generator=g)
+    weight = torch.randn(E, H, generator=g) * H ** -0.5  # logits of order 1, as trained
     bias = _bias(moe, g)
     ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
     active = torch.full((), -1, dtype=torch.long, device=DEV)

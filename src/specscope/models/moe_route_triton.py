@@ -83,19 +83,30 @@ def _group_keep(choice, G: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.con
 
 
 @triton.jit
+def _logits(ptrs, mask, other, stride_s, SPLIT: tl.constexpr, CACHE: tl.constexpr):
+    """fp32 logits at ptrs: the sum of SPLIT partial sums stride_s apart, in order."""
+    x = tl.load(ptrs, mask=mask, other=other, cache_modifier=CACHE).to(tl.float32)
+    for i in tl.static_range(1, SPLIT):
+        x += tl.load(ptrs + i * stride_s, mask=mask, other=0.0, cache_modifier=CACHE)
+    return x
+
+
+@triton.jit
 def _route_block(tok0, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N,
                  stride_l, scale, first, end, G: tl.constexpr, PER: tl.constexpr,
                  K: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
                  G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr,
                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
                  TOP2: tl.constexpr, NORM: tl.constexpr, UNAVAIL: tl.constexpr,
-                 COUNT: tl.constexpr, HAS_SLOTS: tl.constexpr, CACHE: tl.constexpr):
+                 COUNT: tl.constexpr, HAS_SLOTS: tl.constexpr, CACHE: tl.constexpr,
+                 SPLIT: tl.constexpr, stride_s):
     """Tokens [tok0, tok0 + BLOCK_T): logits [N, E] (E = G * PER) -> ids [N, K] int64,
     weights [N, K] fp32. A token's experts are one row of T = G_PAD * PER_PAD positions,
     group-major (pos = g * PER_PAD + j), so positions ascend with expert ids. COUNT (this
     block holds every token): also active = the distinct experts the real tokens picked
     (HAS_SLOTS: a token is real where its KV slot is outside [first, end)). CACHE: the
-    logits' load cache modifier."""
+    logits' load cache modifier; SPLIT: the logits are SPLIT partial sums stride_s apart,
+    added in order."""
     T: tl.constexpr = G_PAD * PER_PAD
     tok = tok0 + tl.arange(0, BLOCK_T)  # [BT]
     live = (tok < N)[:, None]  # [BT, 1]
@@ -107,8 +118,7 @@ def _route_block(tok0, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_p
     pos = tl.arange(0, T)[None, :]  # [1, T]
     valid = (pos // PER_PAD < G) & (pos % PER_PAD < PER)  # [1, T]: a real expert
     e = (pos // PER_PAD) * PER + pos % PER_PAD  # its id, where valid
-    x = tl.load(row + e, mask=live & valid, other=float("-inf"),
-                cache_modifier=CACHE).to(tl.float32)  # [BT, T]
+    x = _logits(row + e, live & valid, float("-inf"), stride_s, SPLIT, CACHE)  # [BT, T]
     x = tl.where(live, x, 0.0)  # rows past N: finite (never stored), so no NaN softmax
     if SIGMOID:
         scores = tl.sigmoid(x)
@@ -146,8 +156,7 @@ def _route_block(tok0, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_p
     store = live & (kk < K)
     # The weights are the picked experts' scores: recomputed from their logits by the same
     # ops (the same values), a gather instead of K more reductions over the row.
-    xs = tl.load(row + ids, mask=store, other=0.0,
-                 cache_modifier=CACHE).to(tl.float32)  # [BT, K_PAD]
+    xs = _logits(row + ids, store, 0.0, stride_s, SPLIT, CACHE)  # [BT, K_PAD]
     w = tl.sigmoid(xs) if SIGMOID else tl.exp(xs - mx) / den
     w = tl.where(store, w, 0.0)
     if NORM:
@@ -176,31 +185,35 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N
     _route_block(tl.program_id(0) * BLOCK_T, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr,
                  active_ptr, N, stride_l, scale, first, end,
                  G, PER, K, TOPK_GROUP, BLOCK_T, G_PAD, PER_PAD, K_PAD, SIGMOID,
-                 HAS_BIAS, GROUPED, TOP2, NORM, UNAVAIL, COUNT, HAS_SLOTS, "")
+                 HAS_BIAS, GROUPED, TOP2, NORM, UNAVAIL, COUNT, HAS_SLOTS, "", 1, 0)
 
 
 @triton.jit
-def _router_kernel(x_ptr, rw_ptr, logits_ptr, ticket_ptr, bias_ptr, ids_ptr, w_ptr,
-                   slots_ptr, active_ptr, N, H, stride_x, scale, first, end,
-                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+def _router_kernel(x_ptr, rw_ptr, part_ptr, ticket_ptr, bias_ptr, ids_ptr, w_ptr,
+                   slots_ptr, active_ptr, N, H, stride_x, scale, first, end, CHUNK,
+                   SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                   PRECISION: tl.constexpr,
                    G: tl.constexpr, PER: tl.constexpr, K: tl.constexpr,
-                  TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr,
-                  PER_PAD: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
-                  NORM: tl.constexpr, UNAVAIL: tl.constexpr, COUNT: tl.constexpr,
-                  HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
-    """The router and the routing in one launch, for at most 16 tokens (BLOCK_T <= 16):
-    program i computes the fp32 logits of experts [i * BLOCK_E, +BLOCK_E) for every token
-    (x [N, H] times the router weight rw [E, H] on the tensor cores: the 16-bit products
-    are exact in fp32, summed in fp32); the last program to finish (a ticket taken with an
-    acquire-release atomic after the logits' stores) routes all N tokens from them, reading
-    past L1, then resets the ticket for the next launch."""
+                   TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, G_PAD: tl.constexpr,
+                   PER_PAD: tl.constexpr, K_PAD: tl.constexpr, SIGMOID: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr,
+                   NORM: tl.constexpr, UNAVAIL: tl.constexpr, COUNT: tl.constexpr,
+                   HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+    """The router and the routing in one launch, for at most 16 tokens (BLOCK_T <= 16).
+    Program (i, s) computes the fp32 partial logits of experts [i * BLOCK_E, +BLOCK_E)
+    over hidden columns [s * CHUNK, +CHUNK) for every token (x [N, H] times the router
+    weight rw [E, H] on the tensor cores: the 16-bit products are exact in fp32, summed in
+    fp32) into part [SPLIT, N, E]; the last program to finish (a ticket taken with an
+    acquire-release atomic after the stores) adds the SPLIT parts in order, past L1, and
+    routes all N tokens, then resets the ticket for the next launch."""
     E: tl.constexpr = G * PER
-    ex = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    pid = tl.program_id(0)
+    s = pid % SPLIT
+    ex = (pid // SPLIT) * BLOCK_E + tl.arange(0, BLOCK_E)
     m = tl.arange(0, 16)
     wait(PDL)  # x comes from the kernel before
     acc = tl.zeros([16, BLOCK_E], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(s * CHUNK, (s + 1) * CHUNK, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         xt = tl.load(x_ptr + m[:, None] * stride_x + h[None, :],
                      mask=(m < N)[:, None] & (h < H)[None, :], other=0.0)
@@ -208,14 +221,15 @@ def _router_kernel(x_ptr, rw_ptr, logits_ptr, ticket_ptr, bias_ptr, ids_ptr, w_p
                      mask=(ex < E)[:, None] & (h < H)[None, :], other=0.0)
         acc += tl.dot(xt, tl.trans(wt), input_precision=PRECISION)  # [16, BLOCK_E]
     release(PDL)
-    tl.store(logits_ptr + m[:, None] * E + ex[None, :], acc,
+    tl.store(part_ptr + s * N * E + m[:, None] * E + ex[None, :], acc,
              mask=(m < N)[:, None] & (ex < E)[None, :])
     done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:
-        _route_block(0, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N, E,
+        _route_block(0, part_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N, E,
                      scale, first, end,
                      G, PER, K, TOPK_GROUP, BLOCK_T, G_PAD, PER_PAD, K_PAD, SIGMOID,
-                 HAS_BIAS, GROUPED, TOP2, NORM, UNAVAIL, COUNT, HAS_SLOTS, ".cg")
+                     HAS_BIAS, GROUPED, TOP2, NORM, UNAVAIL, COUNT, HAS_SLOTS, ".cg",
+                     SPLIT, N * E)
         tl.atomic_xchg(ticket_ptr, 0)
 
 
@@ -299,6 +313,9 @@ def route_fused(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None 
 # smallest), and experts per program of it.
 ROUTER_MAX_TOKENS = 16
 ROUTER_BLOCK_E = 16
+# Hidden columns per load step of a router program, and the programs a launch aims at.
+ROUTER_BLOCK_H = 256
+ROUTER_PROGRAMS = 64
 
 
 def router_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -314,13 +331,23 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, moe: MoEConfig, ticket: 
                  live: LiveSlots | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's logits and route_fused's routing (and count) in one launch, for the few
     tokens of decode and verify (router_fits): x [N, H], weight [E, H] -> ids [N, k] int64,
-    weights [N, k] fp32. ticket: a zeroed int32 [1] the launch counts its finished
+    weights [N, k] fp32. Each tile of 16 experts is cut into hidden chunks so the launch
+    has about ROUTER_PROGRAMS programs; the routing program adds the chunks' partial
+    logits in order (deterministic). ticket: a zeroed int32 [1] the launch counts its finished
     programs in (the last routes, then zeroes it): one per router, not shared between
     launches that may run at once."""
     N, H = x.shape
     E = weight.shape[0]
     k = moe.top_k
-    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    e_tiles = triton.cdiv(E, ROUTER_BLOCK_E)
+    block_h = min(ROUTER_BLOCK_H, max(16, triton.next_power_of_2(H)))
+    # Hidden chunks a tile of experts is cut into, for about ROUTER_PROGRAMS programs of at
+    # least one BLOCK_H step each: one 16-row tile's stream over all of H is a long chain
+    # of dependent loads for a single program.
+    split = max(1, min(H // block_h, ROUTER_PROGRAMS // e_tiles))
+    chunk = triton.cdiv(triton.cdiv(H, split), block_h) * block_h
+    split = triton.cdiv(H, chunk)
+    part = torch.empty(split, N, E, dtype=torch.float32, device=x.device)
     ids = torch.empty(N, k, dtype=torch.long, device=x.device)
     w = torch.empty(N, k, dtype=torch.float32, device=x.device)
     if x.stride(1) != 1:
@@ -329,15 +356,15 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, moe: MoEConfig, ticket: 
         bias = bias.contiguous()
     lay = _layout(E, moe)
     BT = triton.next_power_of_2(N)
-    slots, first, end = live if live is not None else (logits, 0, 0)
-    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](
-        x, weight, logits, ticket, logits if bias is None else bias, ids, w, slots,
+    slots, first, end = live if live is not None else (part, 0, 0)
+    _router_kernel[(e_tiles * split,)](
+        x, weight, part, ticket, part if bias is None else bias, ids, w, slots,
         active if active is not None else ids, N, H, x.stride(0),
-        float(moe.routed_scaling_factor), first, end, BLOCK_E=ROUTER_BLOCK_E,
-        BLOCK_H=min(256, max(16, triton.next_power_of_2(H))),
+        float(moe.routed_scaling_factor), first, end, chunk, SPLIT=split,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h,
         PRECISION="ieee" if x.dtype == torch.float32 else None, BLOCK_T=BT,
         HAS_BIAS=bias is not None, COUNT=active is not None, HAS_SLOTS=live is not None,
-        num_warps=max(4, _warps(BT * lay["G_PAD"] * lay["PER_PAD"])), **lay,
+        num_warps=_warps(BT * lay["G_PAD"] * lay["PER_PAD"]), **lay,
         **dependent_launch.options(x, N))
     return ids, w
 
