@@ -103,25 +103,49 @@ def test_path_by_pair_count(monkeypatch):
     assert calls == ["pairs", "sorted", "sorted"]
 
 
-def test_a_moe_model_forward_through_the_kernel(monkeypatch, path):
-    """A whole tiny Qwen2-MoE forward with the grouped kernel (as CUDA runs it) against the
-    looped path (the CPU's)."""
+def _looped(x, ids, w, gate_up, down, residual=None):
+    """experts_looped with run_experts' residual."""
+    out = experts_looped(x, ids, w, gate_up, down)
+    return out if residual is None else residual + out
+
+
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"])
+def test_a_moe_model_forward_through_the_kernel(monkeypatch, path, arch):
+    """A whole tiny MoE forward with the grouped kernel (as CUDA runs it) against the
+    looped path (the CPU's): Qwen2-MoE's shared expert joins the experts' sum, so the
+    residual is added after; Qwen3-MoE's block adds it inside the experts' last kernel."""
     from specscope.models import moe as moe_module
     from specscope.models.loader import random_model
     from specscope.models.registry import config_from_hf
 
     cfg = config_from_hf({
-        "architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "architectures": [arch], "vocab_size": 64, "hidden_size": 32,
         "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32})
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "head_dim": 8})
     model = random_model(cfg, torch.float32, DEV, seed=3)
     ids = torch.randint(0, 64, (1, 13), generator=torch.Generator().manual_seed(1)).to(DEV)
     pos = torch.arange(13, device=DEV)[None]
     torch.backends.cuda.matmul.allow_tf32 = False
-    monkeypatch.setattr(moe_module, "run_experts", experts_looped)
+    monkeypatch.setattr(moe_module, "run_experts", _looped)
     with torch.no_grad():
         ref = model.compute_logits(model(ids, pos)[0])
         monkeypatch.setattr(moe_module, "run_experts", experts_grouped)
         out = model.compute_logits(model(ids, pos)[0])
     assert (out - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    # The interpreter's fp32 -> bf16 conversion does not round as the GPU's does.
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="bf16 rounding"))])
+def test_residual_added_as_the_reference_adds_it(path, dtype):
+    """experts_grouped(..., residual) is residual + experts_grouped(...) bit for bit: the
+    pair path adds it in its down kernel to the rounded sum, in fp32, and rounds again."""
+    x, ids, w, gate_up, down = (t.to(DEV) for t in _case(3, 32, 8, 64, 48, seed=4))
+    if dtype != torch.float32:
+        x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    r = torch.randn(3, 64, device=DEV).to(dtype)
+    out = experts_grouped(x, ids, w, gate_up, down, r)
+    assert out.dtype == dtype
+    assert torch.equal(out, r + experts_grouped(x, ids, w, gate_up, down))

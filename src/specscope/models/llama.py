@@ -302,7 +302,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, each added to the residual stream. A family passes its
     own attention or MLP module (MoE, MLA): anything with the same call signature; an MLP
-    with `takes_context = True` is also given the ForwardContext (models/moe.py)."""
+    with `takes_context = True` is also given the ForwardContext and the residual stream,
+    and returns residual + its output itself (models/moe.py: inside its last kernel where
+    it can)."""
 
     def __init__(self, cfg: ModelConfig, attn: nn.Module | None = None,
                  mlp: nn.Module | None = None) -> None:
@@ -320,7 +322,12 @@ class DecoderLayer(nn.Module):
             return self._few_rows(fast, h, ctx, kv)
         a = self.self_attn(self.input_layernorm(h), ctx, kv)
         x, h = self.post_attention_layernorm.add(a, h)  # h + a, and its norm
-        return h + (self.mlp(x, ctx) if self._mlp_context else self.mlp(x))
+        return self._mlp_add(x, h, ctx)
+
+    def _mlp_add(self, x: torch.Tensor, h: torch.Tensor, ctx: ForwardContext
+                 ) -> torch.Tensor:
+        """h + mlp(x)."""
+        return self.mlp(x, ctx, residual=h) if self._mlp_context else h + self.mlp(x)
 
     def _few_rows(self, fast, h: torch.Tensor, ctx: ForwardContext,
                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -332,8 +339,7 @@ class DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h2)
         h3 = mlp_folded(fast, self.mlp, x, h2)
         if h3 is None:
-            x, h2 = x.view(h.shape), h2.view(h.shape)
-            h3 = h2 + (self.mlp(x, ctx) if self._mlp_context else self.mlp(x))
+            h3 = self._mlp_add(x.view(h.shape), h2.view(h.shape), ctx)
         return h3.view(h.shape)
 
 

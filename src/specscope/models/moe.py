@@ -181,14 +181,19 @@ class SparseMoe(nn.Module):
                                    if moe.shared_expert_gate else None)
         self.register_buffer("active", torch.zeros((), dtype=torch.long), persistent=False)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """x [..., H] -> [..., H]."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]; residual [..., H]: residual + the block's output, the
+        add inside the experts' last kernel when nothing else joins their sum (no shared
+        expert, no tensor parallelism), else after."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
         ids, weights = self.gate(flat, self.active,
                                  None if ctx is None else ctx.live_slots())  # [N, k] each
+        inside = residual is not None and self.shared_expert is None and self.tp is None
         out = run_experts(flat, ids, weights, self.experts.gate_up_proj,
-                          self.experts.down_proj)
+                          self.experts.down_proj,
+                          residual.reshape(flat.shape) if inside else None)
         if self.shared_expert is not None:
             # Under tensor parallelism the shared expert's partial sum joins the experts'
             # (the gate scales each token's sum, so it may scale the parts): one all-reduce.
@@ -199,6 +204,8 @@ class SparseMoe(nn.Module):
             out = out + shared
         if self.tp is not None:
             out = self.tp.all_reduce(out)
+        if residual is not None and not inside:
+            out = residual.reshape(flat.shape) + out
         return out.view(shape)
 
 

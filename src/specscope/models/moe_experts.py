@@ -99,11 +99,17 @@ def _grouped_backend():
 
 
 def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The experts' output [N, H]: the Triton grouped GEMM on CUDA, else the looped path."""
+                gate_up: torch.Tensor, down: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts' output [N, H] (plus residual [N, H], added to the output rounded to
+    x's dtype): the Triton grouped GEMM on CUDA, else the looped path."""
     if x.is_cuda:
         fast = _grouped_backend()
-        return (fast or experts_dense)(x, ids, weights, gate_up, down)
-    return experts_looped(x, ids, weights, gate_up, down)
+        if fast is not None:
+            return fast(x, ids, weights, gate_up, down, residual)
+        out = experts_dense(x, ids, weights, gate_up, down)
+    else:
+        out = experts_looped(x, ids, weights, gate_up, down)
+    return out if residual is None else residual + out
 
 

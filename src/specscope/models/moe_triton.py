@@ -176,14 +176,15 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, H, I, K,
 
 
 @triton.jit
-def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, H, I,
-                      stride_a, stride_we, stride_wr, stride_o, K: tl.constexpr,
+def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, r_ptr, out_ptr, H, I,
+                      stride_a, stride_we, stride_wr, stride_r, stride_o, K: tl.constexpr,
                       K_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      PDL: tl.constexpr):
+                      HAS_RES: tl.constexpr, PDL: tl.constexpr):
     """out[n, c] = sum_j wt[n, j] * (act[n * K + j] . down[ids[n, j], c]) for token n =
     program_id(0) and the columns c of tile program_id(1): the token's K pairs' down
     products side by side in fp32 (K_PAD streams of weight rows in flight), summed by their
-    routing weights and rounded once to out's dtype."""
+    routing weights and rounded once to out's dtype; HAS_RES: plus r[n, c], added in
+    fp32 to the rounded sum and rounded again (the reference's `r + out`)."""
     n, pid_n = tl.program_id(0), tl.program_id(1)
     wait(PDL)  # act, the ids and their weights come from the kernels before
     release(PDL)
@@ -204,9 +205,12 @@ def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, H, I,
         w = tl.load(w_rows + ks[None, None, :], mask=w_ok & (ks < I)[None, None, :],
                     other=0.0)  # [K_PAD, BN, BK]: rows contiguous along I
         acc += tl.sum(w.to(tl.float32) * a[:, None, :], 2)
-    y = tl.sum(acc * wt[:, None], 0)  # [BN]
-    tl.store(out_ptr + n.to(tl.int64) * stride_o + cols, y.to(out_ptr.dtype.element_ty),
-             mask=cols < H)
+    dt = out_ptr.dtype.element_ty
+    y = tl.sum(acc * wt[:, None], 0).to(dt)  # [BN]
+    if HAS_RES:
+        r = tl.load(r_ptr + n.to(tl.int64) * stride_r + cols, mask=cols < H, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(out_ptr + n.to(tl.int64) * stride_o + cols, y, mask=cols < H)
 
 
 # Up to this many token-expert pairs, and no more than half the experts, a forward runs
@@ -231,10 +235,12 @@ PAIR_DOWN_TILE = (8, 256, 4)
 
 @torch.compiler.disable  # as experts_grouped
 def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                  gate_up: torch.Tensor, down: torch.Tensor,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """experts_grouped's contract for a few pairs: x [N, H], ids/weights [N, k], gate_up
     [E, 2I, H], down [E, H, I] -> [N, H]. Two launches: gate_up's GEMVs over the pairs,
-    then each token's k down GEMVs summed by its weights."""
+    then each token's k down GEMVs summed by its weights (and residual [N, H] added to the
+    rounded sum, as `residual + out` adds it)."""
     N, H = x.shape
     k = ids.shape[1]
     i = gate_up.shape[1] // 2
@@ -247,11 +253,15 @@ def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         act.stride(0), BN=BN, BK=_tile(H, BK), num_warps=warps,
         **dependent_launch.options(x, N))
     out = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
     BN, BK, warps = PAIR_DOWN_TILE
     _pair_down_kernel[(N, triton.cdiv(H, BN))](
-        act, down, ids, weights.float().contiguous(), out, H, i, act.stride(0),
-        down.stride(0), down.stride(1), out.stride(0), K=k, K_PAD=triton.next_power_of_2(k),
-        BN=BN, BK=_tile(i, BK), num_warps=warps, **dependent_launch.options(x, N))
+        act, down, ids, weights.float().contiguous(), out if residual is None else residual,
+        out, H, i, act.stride(0), down.stride(0), down.stride(1),
+        0 if residual is None else residual.stride(0), out.stride(0), K=k,
+        K_PAD=triton.next_power_of_2(k), BN=BN, BK=_tile(i, BK), HAS_RES=residual is not None,
+        num_warps=warps, **dependent_launch.options(x, N))
     return out
 
 
@@ -263,11 +273,13 @@ def _tile(n: int, largest: int) -> int:
 
 @torch.compiler.disable  # kernel launches with host-side grids; CUDA graphs still capture
 def experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [N, H], ids/weights [N, k], gate_up [E, 2I, H], down [E, H, I] -> [N, H]: the
-    pair path for few pairs (use_pairs), else the sorted, block-padded GEMMs."""
+                    gate_up: torch.Tensor, down: torch.Tensor,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H], ids/weights [N, k], gate_up [E, 2I, H], down [E, H, I] -> [N, H] (plus
+    residual [N, H], added to the output rounded to x's dtype): the pair path for few pairs
+    (use_pairs), else the sorted, block-padded GEMMs."""
     if use_pairs(ids.numel(), gate_up.shape[0]):
-        return experts_pairs(x, ids, weights, gate_up, down)
+        return experts_pairs(x, ids, weights, gate_up, down, residual)
     N, H = x.shape
     E, two_i, _ = gate_up.shape
     i = two_i // 2
@@ -290,4 +302,5 @@ def experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         act.stride(0), down.stride(0), down.stride(1), y.stride(0),
         BM=BM, BN=BN, BK=BK, PRECISION=prec, UPCAST=upcast)
     picked = y[d.pair_row]  # [N, k, H]
-    return (picked.float() * weights[..., None].float()).sum(1).to(x.dtype)
+    out = (picked.float() * weights[..., None].float()).sum(1).to(x.dtype)
+    return out if residual is None else residual + out
