@@ -6,8 +6,9 @@ sparse layers from `SparseMoe`, configured by a `MoEConfig` (config.py). The pie
 - `route`: router logits [N, E] -> top-k expert ids [N, k] and weights [N, k]. A pure
   batch-first function covering every MoEConfig routing field: softmax or sigmoid scores,
   DeepSeek-V3's grouped top-k and correction bias, renormalisation, scaling. On CUDA the
-  router runs its one-launch Triton form instead (models/moe_route_triton.py `route_fused`,
-  tested against route).
+  router runs its Triton form instead (models/moe_route_triton.py: `router_fused`, the
+  logits, the routing and the expert count in one launch, up to 16 tokens; `route_fused`
+  on F.linear's logits past that; both tested against route).
 - the experts' execution, three ways with one contract (x [N, H], ids, weights -> [N, H]):
   `experts_looped` (the CPU path and the tests' reference: each expert over the tokens
   routed to it), `experts_dense` (every expert over every token, masked by the routing

@@ -1,4 +1,4 @@
-"""MoE routing in one Triton kernel (CUDA): the fast path of `route` (models/moe.py).
+"""MoE routing in one Triton launch (CUDA): the fast path of `route` (models/moe.py).
 
 `route` is ~20 small torch kernels (softmax or sigmoid, the bias add, the group top-2 and
 its sort, the mask, the expert sort, the gather, the renormalisation); at decode sizes
@@ -24,8 +24,17 @@ stays its reference, tests/test_moe_route_triton.py checks one against the other
    their logits by the same ops, renormalised w / (sum + 1e-20) when norm_topk_prob,
    times routed_scaling_factor.
 
-Static shapes, a grid from the shape alone, no host reads: CUDA-graph capturable. Not yet
-timed on a GPU.
+The same block of work also counts the distinct experts the real tokens picked (the
+profile's expert metric) when one program holds every token; past that, `_count_kernel`
+counts from the ids in one more launch.
+
+`router_fused` (decode and verify: up to 16 tokens) puts the router's logits in the same
+launch: its programs each compute a 16-expert tile's partial logits over a chunk of the
+hidden width, and the last program to finish (an acquire-release ticket) adds the
+partials in order and routes every token. Larger batches take F.linear's fp32 logits and
+`route_fused`.
+
+Static shapes, a grid from the shape alone, no host reads: CUDA-graph capturable.
 """
 
 from __future__ import annotations
