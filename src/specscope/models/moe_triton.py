@@ -228,7 +228,8 @@ def use_pairs(num_pairs: int, num_experts: int) -> bool:
 # (BN, BK, num_warps) of the pair kernels: bytes in flight per program are what a GEMV of
 # one row needs to stream at full bandwidth (benchmarks/moe_experts.py --sweep). gate_up:
 # best on Qwen3-30B-A3B's and DeepSeek-V3's experts at 1 and 4 tokens on the H200
-# (Mixtral's within 5 %). down (a token's k pairs a program, BN columns of each).
+# (Mixtral's within 5 %). down (a token's k pairs a program, BN columns of each): best of
+# 24 for Qwen3-30B-A3B at 1 token on the H200 (not yet swept at more tokens or shapes).
 PAIR_GATE_UP_TILE = (64, 256, 8)
 PAIR_DOWN_TILE = (8, 256, 4)
 
