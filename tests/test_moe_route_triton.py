@@ -183,6 +183,8 @@ def test_router_fits_few_tokens_of_one_dtype():
     assert not router_fits(torch.zeros(17, 32, device=DEV), w)
     assert not router_fits(torch.zeros(0, 32, device=DEV), w)
     assert not router_fits(torch.zeros(2, 32, device=DEV, dtype=torch.float16), w)
+    assert not router_fits(torch.zeros(2, 48, device=DEV), w)  # not the router's width
+    assert not router_fits(torch.zeros(2, 16, device=DEV), w[:, ::2])  # strided weight
 
 
 @pytest.mark.parametrize("N", [1, 6, 40])

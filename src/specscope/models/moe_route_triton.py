@@ -176,8 +176,6 @@ def _route_block(tok0, logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_p
     tl.store(w_ptr + out, w, mask=store)
 
 
-
-
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N,
                   stride_l, scale, first, end,
@@ -329,9 +327,10 @@ ROUTER_PROGRAMS = 64
 
 def router_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether router_fused takes x [N, H] with the router weight [E, H]: 1 to 16 tokens,
-    one dtype, a contiguous weight."""
+    one dtype, a contiguous weight of x's width (a mismatch goes to F.linear, which names
+    it)."""
     return (0 < x.shape[0] <= ROUTER_MAX_TOKENS and weight.dtype == x.dtype
-            and weight.is_contiguous())
+            and weight.is_contiguous() and weight.shape[1] == x.shape[1])
 
 
 @torch.compiler.disable
@@ -342,9 +341,9 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, moe: MoEConfig, ticket: 
     tokens of decode and verify (router_fits): x [N, H], weight [E, H] -> ids [N, k] int64,
     weights [N, k] fp32. Each tile of 16 experts is cut into hidden chunks so the launch
     has about ROUTER_PROGRAMS programs; the routing program adds the chunks' partial
-    logits in order (deterministic). ticket: a zeroed int32 [1] the launch counts its finished
-    programs in (the last routes, then zeroes it): one per router, not shared between
-    launches that may run at once."""
+    logits in order (deterministic). ticket: a zeroed int32 [1] the launch counts its
+    finished programs in (the last routes, then zeroes it): one per router, not shared
+    between launches that may run at once."""
     N, H = x.shape
     E = weight.shape[0]
     k = moe.top_k
