@@ -100,7 +100,7 @@ def test_mixed_batch(group: int, bs: int, d: int) -> None:
 def test_head_dims_not_a_power_of_two(d: int) -> None:
     """Head dims such as 48, 80, 192 (DeepSeek's 128 + 64) or 576 (MLA's absorbed latent plus
     rope key) run in a power-of-two range with the padding columns masked; split key ranges
-    and their combine too."""
+    and their merge too."""
     bs, hkv = 16, 2
     W = -(-130 // bs) + 1
     kc, vc = _cache(6 * W + 3, bs, hkv, d, torch.float32, seed=d)
@@ -145,9 +145,14 @@ def test_block_sizes_and_wide_groups(bs: int) -> None:
 @pytest.mark.slow
 def test_long_context_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
     """700 keys: a decode token and a 40-token chunk ending there, with the key range split
-    into chunks (the auto choice, and forced counts) and merged by the combine kernel (4
-    chunks a load here, so it takes several)."""
-    monkeypatch.setattr(triton_attention, "COMBINE_STEP", 4)
+    into chunks (the auto choice, and forced counts) and merged by the last chunk's program
+    (4 chunks a load here, so it takes several)."""
+    monkeypatch.setattr(triton_attention, "MERGE_VALUES", 4 * 16 * 32)
+    # Scratch starts as NaN: a merge that reads a chunk's partial before it is written (or
+    # one never written) shows, rather than finding an earlier call's rows in reused memory.
+    monkeypatch.setattr(triton_attention, "_partials", lambda rows, D, dev: (
+        torch.full((max(rows * D, 1),), float("nan"), device=dev),
+        torch.full((max(rows * 2, 1),), float("nan"), device=dev)))
     bs, W = 16, 45
     kc, vc = _cache(2 * W, bs, 2, 32, torch.float32, seed=3)
     bt = _tables(2, W, 2 * W, seed=3)

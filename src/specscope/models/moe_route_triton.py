@@ -230,6 +230,7 @@ def _router_kernel(x_ptr, rw_ptr, part_ptr, ticket_ptr, bias_ptr, ids_ptr, w_ptr
     release(PDL)
     tl.store(part_ptr + s * N * E + m[:, None] * E + ex[None, :], acc,
              mask=(m < N)[:, None] & (ex < E)[None, :])
+    tl.debug_barrier()  # every thread's stores before the ticket's release
     done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:
         _route_block(0, part_ptr, bias_ptr, ids_ptr, w_ptr, slots_ptr, active_ptr, N, E,
