@@ -225,13 +225,13 @@ def use_pairs(num_pairs: int, num_experts: int) -> bool:
     return num_pairs <= min(PAIR_PATH_MAX_PAIRS, num_experts // 2)
 
 
-# (BN, BK, num_warps) of the pair kernels: bytes in flight per program are what a GEMV of
+# (BN, BK, num_warps, num_stages) of the pair kernels: bytes in flight per program are what a GEMV of
 # one row needs to stream at full bandwidth (benchmarks/moe_experts.py --sweep). gate_up:
 # best on Qwen3-30B-A3B's and DeepSeek-V3's experts at 1 and 4 tokens on the H200
 # (Mixtral's within 5 %). down (a token's k pairs a program, BN columns of each): best of
 # 24 for Qwen3-30B-A3B at 1 token on the H200 (not yet swept at more tokens or shapes).
-PAIR_GATE_UP_TILE = (64, 256, 8)
-PAIR_DOWN_TILE = (8, 256, 4)
+PAIR_GATE_UP_TILE = (64, 256, 8, 3)
+PAIR_DOWN_TILE = (8, 256, 4, 3)
 
 
 @torch.compiler.disable  # as experts_grouped
@@ -248,21 +248,21 @@ def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     ids = ids.contiguous()
     act = torch.empty(N * k, i, dtype=x.dtype, device=x.device)
-    BN, BK, warps = PAIR_GATE_UP_TILE
+    BN, BK, warps, stages = PAIR_GATE_UP_TILE
     _pair_gate_up_kernel[(N * k, triton.cdiv(i, BN))](
         x, gate_up, ids, act, H, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BN=BN, BK=_tile(H, BK), num_warps=warps,
+        act.stride(0), BN=BN, BK=_tile(H, BK), num_warps=warps, num_stages=stages,
         **dependent_launch.options(x, N))
     out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    BN, BK, warps = PAIR_DOWN_TILE
+    BN, BK, warps, stages = PAIR_DOWN_TILE
     _pair_down_kernel[(N, triton.cdiv(H, BN))](
         act, down, ids, weights.float().contiguous(), out if residual is None else residual,
         out, H, i, act.stride(0), down.stride(0), down.stride(1),
         0 if residual is None else residual.stride(0), out.stride(0), K=k,
         K_PAD=triton.next_power_of_2(k), BN=BN, BK=_tile(i, BK), HAS_RES=residual is not None,
-        num_warps=warps, **dependent_launch.options(x, N))
+        num_warps=warps, num_stages=stages, **dependent_launch.options(x, N))
     return out
 
 
