@@ -149,9 +149,12 @@ def _down_kernel(a_ptr, w_ptr, blk_ptr, out_ptr, H, I, E,
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, H, I, K,
                          stride_x, stride_we, stride_wr, stride_o,
-                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                         BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """act[p, c] = silu(x[p // K] . gate[e, c]) * (x[p // K] . up[e, c]), e = ids[p], for
-    pair p = program_id(0) and the columns c of tile program_id(1): a GEMV in fp32."""
+    pair p = program_id(0) and the columns c of tile program_id(1): a GEMV in fp32, on the
+    CUDA cores or (DOT) on the tensor cores with x as row 0 of a 16-row tile, whose
+    operand loads Triton pipelines through shared memory (more bytes in flight)."""
     p, pid_n = tl.program_id(0), tl.program_id(1)
     wait(PDL)  # the routing ids and x come from the kernels before
     release(PDL)
@@ -159,17 +162,31 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, H, I, K,
     x_row = x_ptr + (p // K).to(tl.int64) * stride_x
     cols = pid_n * BN + tl.arange(0, BN)
     w_base = w_ptr + e * stride_we
-    acc_g = tl.zeros((BN,), dtype=tl.float32)
-    acc_u = tl.zeros((BN,), dtype=tl.float32)
+    m = tl.arange(0, 16)
+    if DOT:
+        acc_g = tl.zeros((16, BN), dtype=tl.float32)
+        acc_u = tl.zeros((16, BN), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BN,), dtype=tl.float32)
+        acc_u = tl.zeros((BN,), dtype=tl.float32)
     for k0 in range(0, H, BK):
         ks = k0 + tl.arange(0, BK)
-        a = tl.load(x_row + ks, mask=ks < H, other=0.0).to(tl.float32)  # [BK]
         wmask = (cols[:, None] < I) & (ks[None, :] < H)
         wg = tl.load(w_base + cols[:, None] * stride_wr + ks[None, :], mask=wmask, other=0.0)
         wu = tl.load(w_base + (cols[:, None] + I) * stride_wr + ks[None, :], mask=wmask,
                      other=0.0)  # [BN, BK]: rows contiguous along K
-        acc_g += tl.sum(wg.to(tl.float32) * a[None, :], 1)
-        acc_u += tl.sum(wu.to(tl.float32) * a[None, :], 1)
+        if DOT:
+            a = tl.load(x_row + m[:, None] * 0 + ks[None, :],
+                        mask=(m == 0)[:, None] & (ks < H)[None, :], other=0.0)  # [16, BK]
+            acc_g = _dot(a, tl.trans(wg), acc_g, PRECISION, UPCAST)
+            acc_u = _dot(a, tl.trans(wu), acc_u, PRECISION, UPCAST)
+        else:
+            a = tl.load(x_row + ks, mask=ks < H, other=0.0).to(tl.float32)  # [BK]
+            acc_g += tl.sum(wg.to(tl.float32) * a[None, :], 1)
+            acc_u += tl.sum(wu.to(tl.float32) * a[None, :], 1)
+    if DOT:  # row 0 holds the pair's products; the other rows are zeros
+        acc_g = tl.sum(acc_g, 0)
+        acc_u = tl.sum(acc_u, 0)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(out_ptr + p.to(tl.int64) * stride_o + cols, act.to(out_ptr.dtype.element_ty),
              mask=cols < I)
@@ -225,12 +242,13 @@ def use_pairs(num_pairs: int, num_experts: int) -> bool:
     return num_pairs <= min(PAIR_PATH_MAX_PAIRS, num_experts // 2)
 
 
-# (BN, BK, num_warps, num_stages) of the pair kernels: bytes in flight per program are what a GEMV of
-# one row needs to stream at full bandwidth (benchmarks/moe_experts.py --sweep). gate_up:
-# best on Qwen3-30B-A3B's and DeepSeek-V3's experts at 1 and 4 tokens on the H200
-# (Mixtral's within 5 %). down (a token's k pairs a program, BN columns of each): best of
-# 24 for Qwen3-30B-A3B at 1 token on the H200 (not yet swept at more tokens or shapes).
-PAIR_GATE_UP_TILE = (64, 256, 8, 3)
+# (BN, BK, num_warps, num_stages) of the pair kernels, and for gate_up whether it runs on
+# the tensor cores: bytes in flight per program are what a GEMV of one row needs to stream
+# at full bandwidth (benchmarks/moe_experts.py --sweep). gate_up: best on Qwen3-30B-A3B's
+# and DeepSeek-V3's experts at 1 and 4 tokens on the H200 (Mixtral's within 5 %). down (a
+# token's k pairs a program, BN columns of each): best of 24 for Qwen3-30B-A3B at 1 token
+# on the H200 (not yet swept at more tokens or shapes).
+PAIR_GATE_UP_TILE = (64, 256, 8, 3, False)
 PAIR_DOWN_TILE = (8, 256, 4, 3)
 
 
@@ -248,10 +266,12 @@ def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     ids = ids.contiguous()
     act = torch.empty(N * k, i, dtype=x.dtype, device=x.device)
-    BN, BK, warps, stages = PAIR_GATE_UP_TILE
+    BN, BK, warps, stages, dot = PAIR_GATE_UP_TILE
     _pair_gate_up_kernel[(N * k, triton.cdiv(i, BN))](
         x, gate_up, ids, act, H, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BN=BN, BK=_tile(H, BK), num_warps=warps, num_stages=stages,
+        act.stride(0), BN=BN, BK=_tile(H, BK), DOT=dot,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=_INTERPRET and x.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
         **dependent_launch.options(x, N))
     out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if residual is not None and residual.stride(1) != 1:
