@@ -85,10 +85,10 @@ def shape_rows(name: str, tokens: list[int]) -> dict:
             "router_and_routing_us_bs1": router_us, "rows": rows}
 
 
-TILES = {"PAIR_GATE_UP_TILE": [(bn, bk, w, st, dot) for dot in (False, True)
-                               for bn in (16, 32, 64) for bk in (128, 256, 512)
-                               for w in (4, 8) for st in (1, 2, 3)
-                               if not (dot and bk == 512 and bn == 64)],
+TILES = {"PAIR_GATE_UP_TILE": [(bn, bk, w, st, False) for bn in (16, 32, 64)
+                               for bk in (128, 256) for w in (4, 8) for st in (1, 3)]
+         + [(bn, bk, 4, st, True) for bn in (16, 32, 64) for bk in (64, 128, 256)
+            for st in (2, 3, 4)],
          # a down program holds a token's k pairs: k times the rows of a gate_up tile
          "PAIR_DOWN_TILE": [(bn, bk, w, st) for bn in (2, 4, 8, 16) for bk in (64, 128, 256)
                             for w in (4, 8) for st in (1, 3)]}
