@@ -117,6 +117,7 @@ def sweep(name: str, tokens: list[int], kernels: list[str]) -> dict:
             setattr(moe_triton, which, tile)
             times[tile] = sum(graph_us(lambda a=c: moe_triton.experts_pairs(*a))
                               for c in cases)
+            print(f"  {which} {tile}: {times[tile]:.1f} us", flush=True)
         best = min(times, key=times.get)
         setattr(moe_triton, which, best)
         out[which] = {"best": best, "us": {str(t): v for t, v in times.items()}}
