@@ -73,8 +73,9 @@ TILE_ROWS = (16, 32, 64, 128)
 LONG_TILE_ROWS = 256
 # The shortest key chunk worth a program of its own when splitting a long key range.
 MIN_SPLIT_KEYS = 256
-# Partial values (chunks x rows x head dims) the merge of a split key range loads at once.
-MERGE_VALUES = 8192
+# Partial values (chunks x rows x head dims) the merge of a split key range loads at once:
+# a batch-1 decode tile of Llama-3.1-8B (4 rows of 128) merges 32 chunks in one load.
+MERGE_VALUES = 16384
 # Triton's CPU interpreter multiplies bf16 dot operands as their raw uint16 bits (3.9): under
 # it, bf16 operands are widened to fp32 first (the same products, so tests stay meaningful).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -319,7 +320,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, ticket
                  G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_PAD: tl.constexpr,
                  HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                 MERGE_STEP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 MERGE_ROWS: tl.constexpr, MERGE_STEP: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  PDL: tl.constexpr):
     """One (tile, KV head, key chunk) program: flash attention of the tile's rows over the
     chunk of its key range in three runs of key steps: masked up to the first step every
@@ -377,8 +379,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, ticket
             _store_rows(out_ptr, acc, l_i, tok, head, row_d, d, stride_on, D)
     elif split < n_work:
         _merge_last(out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr, acc, m_i, l_i, tile,
-                    kvh, split, n_work, tok, head, r, row_ok, row_d, d, stride_on, D, DP,
-                    BLOCK_M, MERGE_STEP)
+                    kvh, split, n_work, first, end, r, row_ok, row_d, d, stride_on, G, D, DP,
+                    BLOCK_M, MERGE_ROWS, MERGE_STEP)
 
 
 @triton.jit
@@ -391,14 +393,16 @@ def _store_rows(out_ptr, acc, l_i, tok, head, row_d, d, stride_on, D: tl.constex
 
 @triton.jit
 def _merge_last(out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr, acc, m_i, l_i, tile, kvh,
-                split, n_work, tok, head, r, row_ok, row_d, d, stride_on, D: tl.constexpr,
-                DP: tl.constexpr, BLOCK_M: tl.constexpr, STEP: tl.constexpr):
+                split, n_work, first, end, r, row_ok, row_d, d, stride_on, G: tl.constexpr,
+                D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                ROWS: tl.constexpr, STEP: tl.constexpr):
     """One of n_work chunks of a split key range: store this chunk's partial (max, sum,
     acc) rows, take the (tile, KV head)'s ticket (an acquire-release atomic after every
-    thread's stores), and if this program finished last, merge the n_work partials,
-    STEP chunks a load and past L1, into the output rows and reset the ticket. The merge
-    rides on the last program rather than in a kernel of its own: at batch 1 that
-    kernel was a launch a layer for a few KB of work."""
+    thread's stores), and if this program finished last, merge the n_work partials of the
+    tile's first ROWS rows (those that can hold tokens: a decode tile of G heads has G),
+    STEP chunks a load and past L1, into the output rows, and reset the ticket. The merge
+    rides on the last program rather than in a kernel of its own: at batch 1 that kernel
+    was a launch a layer for a few KB of work."""
     stride_s = tl.num_programs(0) * tl.num_programs(1) * BLOCK_M  # one chunk's rows
     base = (tile * tl.num_programs(1) + kvh) * BLOCK_M
     part = split * stride_s + base + r
@@ -409,28 +413,32 @@ def _merge_last(out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr, acc, m_i, l_i, t
     ticket = ticket_ptr + tile * tl.num_programs(1) + kvh
     if tl.atomic_add(ticket, 1, sem="acq_rel") == n_work - 1:
         tl.atomic_xchg(ticket, 0)
-        m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_run = tl.zeros([BLOCK_M], tl.float32)
-        total = tl.zeros([BLOCK_M, DP], tl.float32)
+        rr = tl.arange(0, ROWS)
+        tok = first + rr // G
+        ok = (tok < end) & (rr < BLOCK_M // G * G)
+        m_run = tl.full([ROWS], float("-inf"), tl.float32)
+        l_run = tl.zeros([ROWS], tl.float32)
+        total = tl.zeros([ROWS, DP], tl.float32)
         for s0 in range(0, n_work, STEP):
             s = s0 + tl.arange(0, STEP)
-            rows = s[:, None] * stride_s + base + r[None, :]  # [STEP, BLOCK_M]
-            ok = (s < n_work)[:, None] & row_ok[None, :]
-            m_s = tl.load(part_ml_ptr + 2 * rows, mask=ok, other=float("-inf"),
+            rows = s[:, None] * stride_s + base + rr[None, :]  # [STEP, ROWS]
+            s_ok = (s < n_work)[:, None] & ok[None, :]
+            m_s = tl.load(part_ml_ptr + 2 * rows, mask=s_ok, other=float("-inf"),
                           cache_modifier=".cg")
-            l_s = tl.load(part_ml_ptr + 2 * rows + 1, mask=ok, other=0.0,
+            l_s = tl.load(part_ml_ptr + 2 * rows + 1, mask=s_ok, other=0.0,
                           cache_modifier=".cg")
             a_s = tl.load(part_acc_ptr + rows[:, :, None].to(tl.int64) * D
-                          + d[None, None, :], mask=ok[:, :, None] & (d < D)[None, None, :],
-                          other=0.0, cache_modifier=".cg")  # [STEP, BLOCK_M, DP]
+                          + d[None, None, :], mask=s_ok[:, :, None] & (d < D)[None, None, :],
+                          other=0.0, cache_modifier=".cg")  # [STEP, ROWS, DP]
             m_new = tl.maximum(m_run, tl.max(m_s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_run - m_safe)
-            w = tl.exp2(m_s - m_safe[None, :])  # [STEP, BLOCK_M]
+            w = tl.exp2(m_s - m_safe[None, :])  # [STEP, ROWS]
             l_run = l_run * alpha + tl.sum(l_s * w, 0)
             total = total * alpha[:, None] + tl.sum(a_s * w[:, :, None], 0)
             m_run = m_new
-        _store_rows(out_ptr, total, l_run, tok, head, row_d, d, stride_on, D)
+        _store_rows(out_ptr, total, l_run, tok, kvh * G + rr % G,
+                    ok[:, None] & (d < D)[None, :], d, stride_on, D)
 
 
 @cache
@@ -543,7 +551,8 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rows = splits * group.num_tiles * Hkv * block_m
     part_acc, part_ml = _partials(rows if splits > 1 else 0, D, q.device)
     tickets = _tickets(q.device, group.num_tiles * Hkv if splits > 1 else 0)
-    merge_step = max(1, min(MERGE_VALUES // (block_m * DP), triton.next_power_of_2(splits)))
+    merge_rows = min(block_m, triton.next_power_of_2(group.tokens_per_tile * G))
+    merge_step = max(1, min(MERGE_VALUES // (merge_rows * DP), triton.next_power_of_2(splits)))
     bt = meta.block_tables
     precision = "ieee" if q.dtype == torch.float32 else None
     _attn_kernel[(group.num_tiles, Hkv, splits)](
@@ -555,7 +564,8 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tm.stride(0) if T else 0,
         G=G, D=D, DP=DP, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         T_PAD=max(16, triton.next_power_of_2(max(T, 1))), HAS_TREE=T > 0, SPLIT=splits > 1,
-        MIN_CHUNK=-(-MIN_SPLIT_KEYS // block_n) * block_n, MERGE_STEP=merge_step,
+        MIN_CHUNK=-(-MIN_SPLIT_KEYS // block_n) * block_n, MERGE_ROWS=merge_rows,
+        MERGE_STEP=merge_step,
         PRECISION=precision, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages, **dependent_launch.options(q, N))
 
