@@ -5,6 +5,7 @@ count as they do in the engine's graphs.
 
     python benchmarks/moe_experts.py --shape qwen3-30b-a3b mixtral-8x7b deepseek-v3
     python benchmarks/moe_experts.py --sweep --tokens 1,4   # the pair kernels' tiles
+    python benchmarks/moe_experts.py --sweep --quick --tokens 1   # defaults + a few
 
 Reports us per call, the bytes of the distinct experts the call's routing touches (the
 floor's bytes) and the bandwidth that makes; then one JSON line. Routing is uniform at
@@ -90,11 +91,20 @@ TILES = {"PAIR_GATE_UP_TILE": [(bn, bk, w, st, False) for bn in (16, 32, 64)
          + [(bn, bk, 4, st, True) for bn in (16, 32, 64) for bk in (64, 128, 256)
             for st in (2, 3, 4)],
          # a down program holds a token's k pairs: k times the rows of a gate_up tile
-         "PAIR_DOWN_TILE": [(bn, bk, w, st) for bn in (2, 4, 8, 16) for bk in (64, 128, 256)
-                            for w in (4, 8) for st in (1, 3)]}
+         "PAIR_DOWN_TILE": [(bn, bk, w, 3, False) for bn in (2, 4, 8, 16)
+                            for bk in (64, 128, 256) for w in (4, 8)]
+         + [(bn, bk, 4, st, True) for bn in (16, 32) for bk in (64, 128, 256)
+            for st in (2, 3, 4)]}
+# --quick: the defaults beside a few tensor-core tiles of each kernel
+QUICK = {"PAIR_GATE_UP_TILE": [(64, 256, 8, 3, False), (16, 128, 4, 3, True),
+                               (32, 128, 4, 3, True), (32, 256, 4, 3, True),
+                               (64, 128, 4, 3, True), (16, 256, 4, 4, True)],
+         "PAIR_DOWN_TILE": [(8, 256, 4, 3, False), (16, 128, 4, 3, True),
+                            (16, 256, 4, 3, True), (32, 128, 4, 3, True),
+                            (16, 64, 4, 4, True)]}
 
 
-def sweep(name: str, tokens: list[int], kernels: list[str]) -> dict:
+def sweep(name: str, tokens: list[int], kernels: list[str], quick: bool = False) -> dict:
     """The pair path's us per call for each gate_up tile (down at its default), then each
     down tile (gate_up at the best found), summed over `tokens`; `kernels`: which of the
     two to sweep (the other stays at its default)."""
@@ -113,7 +123,7 @@ def sweep(name: str, tokens: list[int], kernels: list[str]) -> dict:
         if which.split("_")[1].lower() not in kernels:
             continue
         times = {}
-        for tile in TILES[which]:
+        for tile in (QUICK if quick else TILES)[which]:
             setattr(moe_triton, which, tile)
             times[tile] = sum(graph_us(lambda a=c: moe_triton.experts_pairs(*a))
                               for c in cases)
@@ -149,10 +159,12 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="sweep the pair kernels' tiles")
     ap.add_argument("--sweep-kernels", nargs="+", choices=["gate", "down"],
                     default=["gate", "down"], help="with --sweep: gate (gate_up), down")
+    ap.add_argument("--quick", action="store_true",
+                    help="with --sweep: only the defaults and a few tensor-core tiles")
     args = ap.parse_args()
     out = []
     if args.sweep:
-        print(json.dumps([sweep(name, args.tokens, args.sweep_kernels)
+        print(json.dumps([sweep(name, args.tokens, args.sweep_kernels, args.quick)
                           for name in args.shape]))
         return
     for name in args.shape:

@@ -77,12 +77,13 @@ def test_grouped_equals_looped_fp32(N, E, k, H, i, path):
     assert (out - ref).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("which", ["PAIR_GATE_UP_TILE", "PAIR_DOWN_TILE"])
 @pytest.mark.parametrize("tile", [(16, 32, 4, 1, False), (32, 64, 4, 2, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pair_gate_up_on_either_unit(monkeypatch, tile, dtype):
-    """The pair path's gate_up on the CUDA cores and on the tensor cores (x as row 0 of a
-    16-row tile), widths past one tile and not multiples of it."""
-    monkeypatch.setattr(moe_triton, "PAIR_GATE_UP_TILE", tile)
+def test_pair_kernels_on_either_unit(monkeypatch, which, tile, dtype):
+    """The pair path's gate_up and down on the CUDA cores and on the tensor cores (a
+    pair's row alone in a 16-row tile), widths past one tile and not multiples of it."""
+    monkeypatch.setattr(moe_triton, which, tile)
     x, ids, w, gate_up, down = _case(3, 16, 4, 200, 72, seed=7)
     ref = experts_looped(x, ids, w, gate_up, down)
     out = moe_triton.experts_pairs(x.to(DEV, dtype), ids.to(DEV), w.to(DEV),

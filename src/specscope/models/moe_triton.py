@@ -196,12 +196,15 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, H, I, K,
 def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, r_ptr, out_ptr, H, I,
                       stride_a, stride_we, stride_wr, stride_r, stride_o, K: tl.constexpr,
                       K_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                       HAS_RES: tl.constexpr, PDL: tl.constexpr):
     """out[n, c] = sum_j wt[n, j] * (act[n * K + j] . down[ids[n, j], c]) for token n =
     program_id(0) and the columns c of tile program_id(1): the token's K pairs' down
-    products side by side in fp32 (K_PAD streams of weight rows in flight), summed by their
-    routing weights and rounded once to out's dtype; HAS_RES: plus r[n, c], added in
-    fp32 to the rounded sum and rounded again (the reference's `r + out`)."""
+    products side by side in fp32 (K_PAD streams of weight rows in flight; DOT: on the
+    tensor cores, pair j's activation alone in row j of a 16-row tile, so one accumulator
+    gathers every pair's product in its own row and Triton pipelines the weight loads),
+    summed by their routing weights and rounded once to out's dtype; HAS_RES: plus r[n, c],
+    added in fp32 to the rounded sum and rounded again (the reference's `r + out`)."""
     n, pid_n = tl.program_id(0), tl.program_id(1)
     wait(PDL)  # act, the ids and their weights come from the kernels before
     release(PDL)
@@ -211,23 +214,51 @@ def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, r_ptr, out_ptr, H, I,
     e = tl.load(ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
     wt = tl.load(wt_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
     cols = pid_n * BN + tl.arange(0, BN)
-    w_rows = w_ptr + e[:, None, None] * stride_we + cols[None, :, None] * stride_wr
-    w_ok = j_ok[:, None, None] & (cols < H)[None, :, None]  # [K_PAD, BN, 1]
-    a_rows = a_ptr + pair[:, None] * stride_a  # [K_PAD, 1]
-    acc = tl.zeros((K_PAD, BN), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        ks = k0 + tl.arange(0, BK)
-        a = tl.load(a_rows + ks[None, :], mask=j_ok[:, None] & (ks < I)[None, :],
-                    other=0.0).to(tl.float32)  # [K_PAD, BK]
-        w = tl.load(w_rows + ks[None, None, :], mask=w_ok & (ks < I)[None, None, :],
-                    other=0.0)  # [K_PAD, BN, BK]: rows contiguous along I
-        acc += tl.sum(w.to(tl.float32) * a[:, None, :], 2)
+    if DOT:
+        y = _pair_down_dot(a_ptr, w_ptr, ids_ptr, n, cols, wt, H, I, stride_a, stride_we,
+                           stride_wr, K, K_PAD, BN, BK, PRECISION, UPCAST)
+    else:
+        w_rows = w_ptr + e[:, None, None] * stride_we + cols[None, :, None] * stride_wr
+        w_ok = j_ok[:, None, None] & (cols < H)[None, :, None]  # [K_PAD, BN, 1]
+        a_rows = a_ptr + pair[:, None] * stride_a  # [K_PAD, 1]
+        acc = tl.zeros((K_PAD, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            ks = k0 + tl.arange(0, BK)
+            a = tl.load(a_rows + ks[None, :], mask=j_ok[:, None] & (ks < I)[None, :],
+                        other=0.0).to(tl.float32)  # [K_PAD, BK]
+            w = tl.load(w_rows + ks[None, None, :], mask=w_ok & (ks < I)[None, None, :],
+                        other=0.0)  # [K_PAD, BN, BK]: rows contiguous along I
+            acc += tl.sum(w.to(tl.float32) * a[:, None, :], 2)
+        y = tl.sum(acc * wt[:, None], 0)
     dt = out_ptr.dtype.element_ty
-    y = tl.sum(acc * wt[:, None], 0).to(dt)  # [BN]
+    y = y.to(dt)  # [BN]
     if HAS_RES:
         r = tl.load(r_ptr + n.to(tl.int64) * stride_r + cols, mask=cols < H, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(out_ptr + n.to(tl.int64) * stride_o + cols, y, mask=cols < H)
+
+
+@triton.jit
+def _pair_down_dot(a_ptr, w_ptr, ids_ptr, n, cols, wt, H, I, stride_a, stride_we, stride_wr,
+                   K: tl.constexpr, K_PAD: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """_pair_down_kernel's weighted sum on the tensor cores (K <= 16 pairs): [BN] fp32."""
+    m = tl.arange(0, 16)
+    a_rows = a_ptr + (n.to(tl.int64) * K + m)[:, None] * stride_a  # row j: pair j's act
+    acc = tl.zeros((16, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_rows + ks[None, :], mask=(m < K)[:, None] & (ks < I)[None, :],
+                    other=0.0)  # [16, BK]
+        for jj in tl.static_range(K):
+            e_j = tl.load(ids_ptr + n.to(tl.int64) * K + jj).to(tl.int64)
+            w = tl.load(w_ptr + e_j * stride_we + cols[:, None] * stride_wr + ks[None, :],
+                        mask=(cols < H)[:, None] & (ks < I)[None, :], other=0.0)  # [BN, BK]
+            acc = _dot(tl.where((m == jj)[:, None], a, 0.0).to(a.dtype), tl.trans(w), acc,
+                       PRECISION, UPCAST)
+    wt16 = tl.sum(tl.where(m[:, None] == tl.arange(0, K_PAD)[None, :], wt[None, :], 0.0),
+                  1)  # [16]: pair j's weight in row j
+    return tl.sum(acc * wt16[:, None], 0)
 
 
 # Up to this many token-expert pairs, and no more than half the experts, a forward runs
@@ -242,14 +273,14 @@ def use_pairs(num_pairs: int, num_experts: int) -> bool:
     return num_pairs <= min(PAIR_PATH_MAX_PAIRS, num_experts // 2)
 
 
-# (BN, BK, num_warps, num_stages) of the pair kernels, and for gate_up whether it runs on
-# the tensor cores: bytes in flight per program are what a GEMV of one row needs to stream
-# at full bandwidth (benchmarks/moe_experts.py --sweep). gate_up: best on Qwen3-30B-A3B's
-# and DeepSeek-V3's experts at 1 and 4 tokens on the H200 (Mixtral's within 5 %). down (a
-# token's k pairs a program, BN columns of each): best of 24 for Qwen3-30B-A3B at 1 token
-# on the H200 (not yet swept at more tokens or shapes).
+# (BN, BK, num_warps, num_stages, on the tensor cores) of the pair kernels: bytes in flight
+# per program are what a GEMV of one row needs to stream at full bandwidth
+# (benchmarks/moe_experts.py --sweep). gate_up: best on Qwen3-30B-A3B's and DeepSeek-V3's
+# experts at 1 and 4 tokens on the H200 (Mixtral's within 5 %). down (a token's k pairs a
+# program, BN columns of each): best of 24 for Qwen3-30B-A3B at 1 token on the H200. The
+# tensor-core forms (whose weight loads Triton pipelines) are not yet measured.
 PAIR_GATE_UP_TILE = (64, 256, 8, 3, False)
-PAIR_DOWN_TILE = (8, 256, 4, 3)
+PAIR_DOWN_TILE = (8, 256, 4, 3, False)
 
 
 @torch.compiler.disable  # as experts_grouped
@@ -276,12 +307,15 @@ def experts_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    BN, BK, warps, stages = PAIR_DOWN_TILE
+    BN, BK, warps, stages, dot = PAIR_DOWN_TILE
+    dot = dot and k <= 16
     _pair_down_kernel[(N, triton.cdiv(H, BN))](
         act, down, ids, weights.float().contiguous(), out if residual is None else residual,
         out, H, i, act.stride(0), down.stride(0), down.stride(1),
         0 if residual is None else residual.stride(0), out.stride(0), K=k,
-        K_PAD=triton.next_power_of_2(k), BN=BN, BK=_tile(i, BK), HAS_RES=residual is not None,
+        K_PAD=triton.next_power_of_2(k), BN=BN, BK=_tile(i, BK), DOT=dot,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=_INTERPRET and x.dtype == torch.bfloat16, HAS_RES=residual is not None,
         num_warps=warps, num_stages=stages, **dependent_launch.options(x, N))
     return out
 
