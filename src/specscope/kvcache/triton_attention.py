@@ -578,8 +578,9 @@ def _partials(rows: int, D: int, device: torch.device) -> tuple[torch.Tensor, to
 
 
 # Zeroed int32 tickets per device, one per (tile, KV head) of a split launch; the program
-# that takes a ticket last resets it. Every buffer ever made stays referenced: a captured
-# CUDA graph keeps using the one it was captured with.
+# that takes a ticket last resets it, so launches that follow one another on a device (the
+# engine's one stream) share them. Every buffer ever made stays referenced: a captured CUDA
+# graph keeps using the one it was captured with.
 _TICKETS: dict[torch.device, list[torch.Tensor]] = {}
 
 
