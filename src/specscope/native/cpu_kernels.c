@@ -285,40 +285,6 @@ static int64_t key_slots(const Meta *m, int64_t i, int64_t *slots) {
     return n;
 }
 
-/* Scores of G query heads (q [G, D]) that share one KV head against its first L keys,
- * already in fp32 (kbuf [L, D]), scaled: s [G, L]. Eight keys' products are reduced
- * together (hsum8x8 sums as hsum8 does, so a score does not depend on L). D is a constant
- * where the callers below pass one, so the products unroll. */
-static inline __attribute__((always_inline)) void qk_scores(
-        const float *q, int64_t G, int64_t D, const float *kbuf, int64_t L, float scale,
-        float *s) {
-    int64_t j = 0;
-    for (; j + 8 <= L; j += 8) {
-        for (int64_t h = 0; h < G; h++) {
-            v8f lanes[8];
-            for (int k = 0; k < 8; k++) lanes[k] = dot_lanes(q + h * D, kbuf + (j + k) * D, D);
-            st8(s + h * L + j, hsum8x8(lanes) * scale);
-        }
-    }
-    for (; j < L; j++)
-        for (int64_t h = 0; h < G; h++)
-            s[h * L + j] = hsum8(dot_lanes(q + h * D, kbuf + j * D, D)) * scale;
-}
-
-/* o [DC * 8] = sum over j of p[j] v_j, v_j = vbuf + j * DC * 8 (fp32): the sum in
- * registers, DC a constant at each call site. */
-static inline __attribute__((always_inline)) void pv_head(const float *vbuf, const float *p,
-                                                         int64_t L, float *o, int DC) {
-    v8f a[16];
-    for (int c = 0; c < DC; c++) a[c] = splat(0.0f);
-    for (int64_t j = 0; j < L; j++) {
-        v8f pj = splat(p[j]);
-        const float *v = vbuf + j * DC * 8;
-        for (int c = 0; c < DC; c++) a[c] += pj * ld8(v + 8 * c);
-    }
-    for (int c = 0; c < DC; c++) st8(o + 8 * c, a[c]);
-}
-
 /* KV head g's columns of the cache rows at L slots, in fp32: buf [L, D]. */
 static void load_head(const void *c, const int64_t *slots, int64_t L, int64_t row, int64_t off,
                       int64_t D, float *buf, int bf16) {
@@ -329,34 +295,93 @@ static void load_head(const void *c, const int64_t *slots, int64_t L, int64_t ro
     }
 }
 
-/* Attention of one token's G query heads (q [G, D], fp32) over the first L keys and values
- * of its KV head (kbuf, vbuf [>= L, D] fp32): out [G, D] fp32. Scores in fp32, scaled after
- * the product, softmax, then the weighted sum of the values: the reference's order, head
- * by head. s: [G * L] floats. */
-static void attend_group(const float *q, int64_t G, int64_t D, const float *kbuf,
-                         const float *vbuf, int64_t L, float scale, float *out, float *s) {
-    if (D == 64) qk_scores(q, G, 64, kbuf, L, scale, s);
-    else if (D == 128) qk_scores(q, G, 128, kbuf, L, scale, s);
-    else qk_scores(q, G, D, kbuf, L, scale, s);
-    for (int64_t h = 0; h < G; h++) {
-        float *sh = s + h * L;
-        float inv = 1.0f / exp_shifted(sh, L, row_max(sh, L));
-        for (int64_t j = 0; j < L; j++) sh[j] *= inv;
+/* Keys a block of attend_piece visits before moving on: the block's K or V rows (8 KB at
+ * D = 64 in fp32) stay in L1 while every row of the piece uses them. */
+#define KEY_BLOCK 32
+
+/* Scores of one query row q [D] against keys [j0, j1) of kbuf [L, D], scaled, into s:
+ * keys below `whole` (its row's key count rounded down to 8) eight at a time, the rest one
+ * by one, as a row of L keys takes them (hsum8x8 sums as hsum8 does, so a score does not
+ * depend on which way it was reduced). D is a constant where the callers pass one. */
+static inline __attribute__((always_inline)) void row_scores(
+        const float *q, int64_t D, const float *kbuf, int64_t j0, int64_t j1, int64_t whole,
+        float scale, float *s) {
+    int64_t j = j0;
+    for (; j + 8 <= j1 && j + 8 <= whole; j += 8) {
+        v8f lanes[8];
+        for (int k = 0; k < 8; k++) lanes[k] = dot_lanes(q, kbuf + (j + k) * D, D);
+        st8(s + j, hsum8x8(lanes) * scale);
     }
-    for (int64_t h = 0; h < G; h++) {
-        const float *p = s + h * L;
-        if (D == 64) pv_head(vbuf, p, L, out + h * D, 8);
-        else if (D == 128) pv_head(vbuf, p, L, out + h * D, 16);
-        else {
-            memset(out + h * D, 0, (size_t)D * sizeof(float));
-            for (int64_t j = 0; j < L; j++) {
-                v8f pj = splat(p[j]);
-                const float *v = vbuf + j * D;
-                for (int64_t d = 0; d + 8 <= D; d += 8)
-                    st8(out + h * D + d, ld8(out + h * D + d) + pj * ld8(v + d));
-            }
+    for (; j < j1; j++) s[j] = hsum8(dot_lanes(q, kbuf + j * D, D)) * scale;
+}
+
+/* o [D] += sum over j in [j0, j1) of p[j] v_j (vbuf [L, D]), lane by lane in key order;
+ * o starts from zero at j0 == 0. The sum stays in registers for D = 64 and 128. */
+static inline __attribute__((always_inline)) void row_values(
+        const float *vbuf, const float *p, int64_t j0, int64_t j1, int64_t D, float *o) {
+    if (D == 64 || D == 128) {
+        int DC = (int)(D / 8);
+        v8f a[16];
+        for (int c = 0; c < DC; c++) a[c] = j0 == 0 ? splat(0.0f) : ld8(o + 8 * c);
+        for (int64_t j = j0; j < j1; j++) {
+            v8f pj = splat(p[j]);
+            const float *v = vbuf + j * D;
+            for (int c = 0; c < DC; c++) a[c] += pj * ld8(v + 8 * c);
         }
+        for (int c = 0; c < DC; c++) st8(o + 8 * c, a[c]);
+        return;
     }
+    if (j0 == 0) memset(o, 0, (size_t)D * sizeof(float));
+    for (int64_t j = j0; j < j1; j++) {
+        v8f pj = splat(p[j]);
+        const float *v = vbuf + j * D;
+        for (int64_t d = 0; d + 8 <= D; d += 8) st8(o + d, ld8(o + d) + pj * ld8(v + d));
+    }
+}
+
+/* Attention of a piece of n tokens of one sequence, each over the first lens[t] keys and
+ * values of one KV head (kbuf, vbuf [>= max lens, D] fp32), G query heads a token (token
+ * t's at q + t * q_stride, [G, D] fp32): out [n, G, D] fp32. Scores in fp32, scaled after
+ * the product, softmax, then the weighted sum of the values: the reference's order, row by
+ * row. The keys are visited KEY_BLOCK at a time for every row of the piece, so a verify's
+ * tokens read each key and value once from L1 rather than all of them from L2 once a
+ * token. s: [n * G * lens[n - 1]] floats. */
+static inline __attribute__((always_inline)) void attend_piece(
+        const float *q, int64_t q_stride, int64_t n, const int64_t *lens, int64_t G,
+        int64_t D, const float *kbuf, const float *vbuf, float scale, float *out, float *s) {
+    int64_t L_max = 0;
+    for (int64_t t = 0; t < n; t++) L_max = lens[t] > L_max ? lens[t] : L_max;
+    for (int64_t j0 = 0; j0 < L_max; j0 += KEY_BLOCK)
+        for (int64_t t = 0; t < n; t++) {
+            int64_t j1 = j0 + KEY_BLOCK < lens[t] ? j0 + KEY_BLOCK : lens[t];
+            for (int64_t h = 0; h < G && j0 < j1; h++)
+                row_scores(q + t * q_stride + h * D, D, kbuf, j0, j1, lens[t] - lens[t] % 8,
+                           scale, s + (t * G + h) * L_max);
+        }
+    for (int64_t r = 0; r < n * G; r++) {
+        int64_t L = lens[r / G];
+        float *sr = s + r * L_max;
+        if (L == 0) {
+            memset(out + r * D, 0, (size_t)D * sizeof(float));
+            continue;
+        }
+        float inv = 1.0f / exp_shifted(sr, L, row_max(sr, L));
+        for (int64_t j = 0; j < L; j++) sr[j] *= inv;
+    }
+    for (int64_t j0 = 0; j0 < L_max; j0 += KEY_BLOCK)
+        for (int64_t r = 0; r < n * G; r++) {
+            int64_t L = lens[r / G], j1 = j0 + KEY_BLOCK < L ? j0 + KEY_BLOCK : L;
+            if (j0 < j1) row_values(vbuf, s + r * L_max, j0, j1, D, out + r * D);
+        }
+}
+
+/* attend_piece with the head dims the models use as constants (the products unroll). */
+static void attend_piece_d(const float *q, int64_t q_stride, int64_t n, const int64_t *lens,
+                           int64_t G, int64_t D, const float *kbuf, const float *vbuf,
+                           float scale, float *out, float *s) {
+    if (D == 64) attend_piece(q, q_stride, n, lens, G, 64, kbuf, vbuf, scale, out, s);
+    else if (D == 128) attend_piece(q, q_stride, n, lens, G, 128, kbuf, vbuf, scale, out, s);
+    else attend_piece(q, q_stride, n, lens, G, D, kbuf, vbuf, scale, out, s);
 }
 
 /* *buf grown to at least n elements of `size` bytes (half as much again, so a context that
@@ -463,21 +488,21 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
     for (int64_t it = 0; it < items; it++) {
         int64_t p = it / Hkv, g = it - p * Hkv, a = piece_a[p], b = piece_b[p];
         int64_t L = lens[b - 1];
-        float *kbuf = scratch_floats((size_t)(2 * L_cap * D + G * L_cap + G * D));
+        int64_t n = b - a;
+        float *kbuf = scratch_floats((size_t)(2 * L_cap * D + n * G * (L_cap + D)));
         if (!kbuf) {
 #pragma omp atomic write
             rc = -1;
             continue;
         }
-        float *vbuf = kbuf + L_cap * D, *sc = vbuf + L_cap * D, *acc = sc + G * L_cap;
+        float *vbuf = kbuf + L_cap * D, *sc = vbuf + L_cap * D, *acc = sc + n * G * L_cap;
         load_head(k_cache, lists + (b - 1) * L_cap, L, Hkv * D, g * D, D, kbuf, bf16);
         load_head(v_cache, lists + (b - 1) * L_cap, L, Hkv * D, g * D, D, vbuf, bf16);
-        for (int64_t i = a; i < b; i++) {
-            if (lens[i] == 0) memset(acc, 0, (size_t)(G * D) * sizeof(float));
-            else attend_group(q + (i * H + g * G) * D, G, D, kbuf, vbuf, lens[i], scale, acc,
-                              sc);
-            for (int64_t e = 0; e < G * D; e++) store(out, (i * H + g * G) * D + e, acc[e], bf16);
-        }
+        attend_piece_d(q + (a * H + g * G) * D, H * D, n, lens + a, G, D, kbuf, vbuf, scale,
+                       acc, sc);
+        for (int64_t i = a; i < b; i++)
+            for (int64_t e = 0; e < G * D; e++)
+                store(out, (i * H + g * G) * D + e, acc[(i - a) * G * D + e], bf16);
     }
 done:
     free(q); free(row);
