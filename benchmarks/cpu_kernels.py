@@ -5,6 +5,7 @@ rows, i.e. whether its kernel streams each weight once for a few-token forward.
     python benchmarks/cpu_kernels.py
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --attention    # the attention instead (below)
+    python benchmarks/cpu_kernels.py --native-attention [OLD.so NEW.so]   # the native one
 
 Formats: the native GGUF kernels (`models/quant.py` GgufLinear, Q4_1 and Q8_0 codes with
 8-bit activations made from bf16 or fp32 ones: what `--quantization int4-gguf` runs), dense
@@ -122,9 +123,56 @@ def attention_rows() -> list[dict]:
     return rows
 
 
+def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
+    """The native layer attention (`native/cpu.py` attend_qkv: rotary, the KV write, the
+    attention) of the default model's shape, bf16, 1 and 6 tokens of one sequence at 300
+    and 700 keys: this build's library, or each library file in `libs` (builds of other
+    sources from the cache directory) called alternately in one process, `rounds` rounds
+    of 20 calls, medians; the libraries' outputs are compared with torch.equal."""
+    import ctypes
+    import statistics
+
+    from specscope import native
+    from specscope.kvcache.paged import BatchMeta
+    from specscope.native.cpu import CpuKernels
+
+    kernels = [CpuKernels(ctypes.CDLL(p), p) for p in libs] or [native.cpu_kernels()]
+    H, Hkv, D, bs, blocks, dt = 9, 3, 64, 16, 64, torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(blocks, bs, Hkv, D, generator=g).to(dt) for _ in range(2))
+    table = torch.randperm(blocks, generator=g)[None]
+    rows = []
+    for L in (300, 700):
+        for n in (1, 6):
+            meta = BatchMeta.causal(table, torch.zeros(n, dtype=torch.long),
+                                    torch.arange(L - n, L), bs, max_len=L)
+            qkv = torch.randn(n, (H + 2 * Hkv) * D, generator=g).to(dt)
+            cos, sin = (torch.randn(n, D, generator=g).to(dt) for _ in range(2))
+            times: list[list[float]] = [[] for _ in kernels]
+            outs = []
+            for r in range(rounds):
+                for i, k in enumerate(kernels):
+                    def call(k=k, a=(qkv, cos, sin, kc, vc, meta)):
+                        return k.attend_qkv(*a, 0.125, H, Hkv, None, 0.0)
+                    out = call()
+                    times[i].append(bench(call, reps=20))
+                    if r == 0:
+                        outs.append(out)
+            row = {"keys": L, "tokens": n, "us": [statistics.median(t) for t in times],
+                   "equal": all(torch.equal(outs[0], o) for o in outs[1:])}
+            rows.append(row)
+            print(f"{L:4} keys {n} tokens: " + "  ".join(f"{u:7.1f} us" for u in row["us"])
+                  + ("  (outputs equal)" if row["equal"] else "  (OUTPUTS DIFFER)"),
+                  flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--native-attention", nargs="*", metavar="LIB", default=None,
+                    help="time the native layer attention instead: this build's, or each "
+                         "given library file alternately (A/B of two builds)")
     ap.add_argument("--rows", default="1,6",
                     help="activation rows a product (comma-separated; the first is the unit "
                          "of the ratios)")
@@ -135,6 +183,11 @@ def main() -> None:
     wanted = tuple(args.formats.split(",")) if args.formats else ("",)
     print(json.dumps({"aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                       "threads": torch.get_num_threads()}))
+    if args.native_attention is not None:
+        with torch.inference_mode():
+            rows = native_attention_rows(args.native_attention)
+        print(json.dumps({"benchmark": "native_attention", "rows": rows}))
+        return
     if args.attention:
         with torch.inference_mode():
             rows = attention_rows()
