@@ -215,7 +215,7 @@ def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, r_ptr, out_ptr, H, I,
     wt = tl.load(wt_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
     cols = pid_n * BN + tl.arange(0, BN)
     if DOT:
-        y = _pair_down_dot(a_ptr, w_ptr, ids_ptr, n, cols, wt, H, I, stride_a, stride_we,
+        y = _pair_down_dot(a_ptr, w_ptr, e, n, cols, wt, H, I, stride_a, stride_we,
                            stride_wr, K, K_PAD, BN, BK, PRECISION, UPCAST)
     else:
         w_rows = w_ptr + e[:, None, None] * stride_we + cols[None, :, None] * stride_wr
@@ -239,11 +239,13 @@ def _pair_down_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, r_ptr, out_ptr, H, I,
 
 
 @triton.jit
-def _pair_down_dot(a_ptr, w_ptr, ids_ptr, n, cols, wt, H, I, stride_a, stride_we, stride_wr,
+def _pair_down_dot(a_ptr, w_ptr, e, n, cols, wt, H, I, stride_a, stride_we, stride_wr,
                    K: tl.constexpr, K_PAD: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """_pair_down_kernel's weighted sum on the tensor cores (K <= 16 pairs): [BN] fp32."""
+    """_pair_down_kernel's weighted sum on the tensor cores (K <= 16 pairs; e, wt [K_PAD]:
+    their experts and weights): [BN] fp32."""
     m = tl.arange(0, 16)
+    j = tl.arange(0, K_PAD)
     a_rows = a_ptr + (n.to(tl.int64) * K + m)[:, None] * stride_a  # row j: pair j's act
     acc = tl.zeros((16, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
@@ -251,13 +253,12 @@ def _pair_down_dot(a_ptr, w_ptr, ids_ptr, n, cols, wt, H, I, stride_a, stride_we
         a = tl.load(a_rows + ks[None, :], mask=(m < K)[:, None] & (ks < I)[None, :],
                     other=0.0)  # [16, BK]
         for jj in tl.static_range(K):
-            e_j = tl.load(ids_ptr + n.to(tl.int64) * K + jj).to(tl.int64)
+            e_j = tl.sum(tl.where(j == jj, e, 0))  # loop-invariant: from registers
             w = tl.load(w_ptr + e_j * stride_we + cols[:, None] * stride_wr + ks[None, :],
                         mask=(cols < H)[:, None] & (ks < I)[None, :], other=0.0)  # [BN, BK]
             acc = _dot(tl.where((m == jj)[:, None], a, 0.0).to(a.dtype), tl.trans(w), acc,
                        PRECISION, UPCAST)
-    wt16 = tl.sum(tl.where(m[:, None] == tl.arange(0, K_PAD)[None, :], wt[None, :], 0.0),
-                  1)  # [16]: pair j's weight in row j
+    wt16 = tl.sum(tl.where(m[:, None] == j[None, :], wt[None, :], 0.0), 1)  # row j: wt[j]
     return tl.sum(acc * wt16[:, None], 0)
 
 
