@@ -551,8 +551,11 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rows = splits * group.num_tiles * Hkv * block_m
     part_acc, part_ml = _partials(rows if splits > 1 else 0, D, q.device)
     tickets = _tickets(q.device, group.num_tiles * Hkv if splits > 1 else 0)
-    merge_rows = min(block_m, triton.next_power_of_2(group.tokens_per_tile * G))
-    merge_step = max(1, min(MERGE_VALUES // (merge_rows * DP), triton.next_power_of_2(splits)))
+    merge_rows, merge_step = 1, 1  # unused unsplit: one kernel variant whatever the tile
+    if splits > 1:
+        merge_rows = min(block_m, triton.next_power_of_2(group.tokens_per_tile * G))
+        merge_step = max(1, min(MERGE_VALUES // (merge_rows * DP),
+                                triton.next_power_of_2(splits)))
     bt = meta.block_tables
     precision = "ieee" if q.dtype == torch.float32 else None
     _attn_kernel[(group.num_tiles, Hkv, splits)](
