@@ -145,10 +145,9 @@ def test_block_sizes_and_wide_groups(bs: int) -> None:
 @pytest.mark.slow
 def test_long_context_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
     """700 keys: a decode token and a 40-token chunk ending there, with the key range split
-    into chunks (the auto choice, and forced counts) and merged by the last chunk's program
-    (2 chunks a load for the decode token's 2 rows here, 1 for the chunk's tile, so the
-    merge takes several loads)."""
-    monkeypatch.setattr(triton_attention, "MERGE_VALUES", 2 * 2 * 32)
+    into chunks (the auto choice, and forced counts) and merged by the merge launch (2
+    chunks a load, so the merge takes several loads)."""
+    monkeypatch.setattr(triton_attention, "MERGE_STEP", 2)
     # Scratch starts as NaN: a merge that reads a chunk's partial before it is written (or
     # one never written) shows, rather than finding an earlier call's rows in reused memory.
     monkeypatch.setattr(triton_attention, "_partials", lambda rows, D, dev: (

@@ -22,10 +22,10 @@ Design (why each piece is there):
   those read tree_mask).
 - Split-K (flash-decoding). When a group has too few (tile, KV head) programs to fill the
   GPU (batch-1 decode at 16k), each tile's key range is cut into chunks, one program each,
-  writing partial (max, sum, acc) rows; the program of a (tile, KV head) that finishes
-  last (an acquire-release ticket) merges them, so a split costs no launch of its own,
-  and a chunk past the tile's keys does nothing (at a short context under a long bound,
-  one program does all the work and writes the rows itself). The split count
+  writing partial (max, sum, acc) rows that a second launch merges, one program per row;
+  a chunk past the tile's keys does nothing, and a range that fits one chunk (a short
+  context under a long bound) is written by its program directly, the merge's programs
+  then returning at once. The split count
   is fixed by the host (at most one wave of programs: a 17th split of 8 KV heads on 132 SMs
   would run as a second wave), the chunk length by each program from its tile's actual key
   range: a CUDA graph is captured for the model's length limit, and chunks cut for that
@@ -73,9 +73,12 @@ TILE_ROWS = (16, 32, 64, 128)
 LONG_TILE_ROWS = 256
 # The shortest key chunk worth a program of its own when splitting a long key range.
 MIN_SPLIT_KEYS = 256
-# Partial values (chunks x rows x head dims) the merge of a split key range loads at once:
-# a batch-1 decode tile of Llama-3.1-8B (4 rows of 128) merges 32 chunks in one load.
-MERGE_VALUES = 16384
+# Partial chunks a merge program loads at once (one row of head dims each). Merging in the
+# split launch's last program instead (an acquire-release ticket, no second launch) was
+# slower on the H100 wherever the range was really split: a batch-1 decode at 16k keys took
+# 42 us a layer against 34, at 4k 18.0 against 15.2 (the serial merge on one SM, and the
+# fence every program paid before its ticket).
+MERGE_STEP = 32
 # Triton's CPU interpreter multiplies bf16 dot operands as their raw uint16 bits (3.9): under
 # it, bf16 operands are widened to fp32 first (the same products, so tests stay meaningful).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -312,7 +315,7 @@ def _load_rows(ptr, off, d, d_ok, kv_ok, MASKED: tl.constexpr, D: tl.constexpr,
 # Ints that change from step to step (the key bound, the block-table width, the tree width)
 # are not specialised on (Triton would compile a variant per divisibility pattern).
 @triton.jit(do_not_specialize=["max_len", "T", "W", "stride_bt", "stride_tm"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, n_work_ptr,
                  tiles_ptr, seq_ptr, bt_ptr, vis_ptr, ws_ptr, ts_ptr, tm_ptr,
                  max_len, qk_scale, T, W,
                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -320,7 +323,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, ticket
                  G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_PAD: tl.constexpr,
                  HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                 MERGE_ROWS: tl.constexpr, MERGE_STEP: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  PDL: tl.constexpr):
     """One (tile, KV head, key chunk) program: flash attention of the tile's rows over the
@@ -378,9 +380,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, ticket
         if split == 0:
             _store_rows(out_ptr, acc, l_i, tok, head, row_d, d, stride_on, D)
     elif split < n_work:
-        _merge_last(out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr, acc, m_i, l_i, tile,
-                    kvh, split, n_work, first, end, r, row_ok, row_d, d, stride_on, G, D, DP,
-                    BLOCK_M, MERGE_ROWS, MERGE_STEP)
+        part = (split * tl.num_programs(0) * tl.num_programs(1)
+                + tile * tl.num_programs(1) + kvh) * BLOCK_M + r
+        tl.store(part_acc_ptr + part[:, None].to(tl.int64) * D + d[None, :], acc,
+                 mask=row_d)
+        tl.store(part_ml_ptr + 2 * part, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=row_ok)
+    if SPLIT and split == 0:  # how many chunks the merge reads (1: none, rows written)
+        tl.store(n_work_ptr + tile * tl.num_programs(1) + kvh, n_work)
 
 
 @triton.jit
@@ -391,54 +398,51 @@ def _store_rows(out_ptr, acc, l_i, tok, head, row_d, d, stride_on, D: tl.constex
              + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_d)
 
 
-@triton.jit
-def _merge_last(out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr, acc, m_i, l_i, tile, kvh,
-                split, n_work, first, end, r, row_ok, row_d, d, stride_on, G: tl.constexpr,
-                D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                ROWS: tl.constexpr, STEP: tl.constexpr):
-    """One of n_work chunks of a split key range: store this chunk's partial (max, sum,
-    acc) rows, take the (tile, KV head)'s ticket (an acquire-release atomic after every
-    thread's stores), and if this program finished last, merge the n_work partials of the
-    tile's first ROWS rows (those that can hold tokens: a decode tile of G heads has G),
-    STEP chunks a load and past L1, into the output rows, and reset the ticket. The merge
-    rides on the last program rather than in a kernel of its own: at batch 1 that kernel
-    was a launch a layer for a few KB of work."""
+@triton.jit(do_not_specialize=["splits"])
+def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, n_work_ptr, tiles_ptr, splits,
+                  stride_on, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
+    """Merge one tile row's per-chunk partial (max, sum, acc) into its output row: one
+    program per row that tokens can fill (a decode tile's G heads), STEP chunks a load, so
+    the merge is a few wide loads, not a serial walk over the chunks (latency-bound at
+    batch-1 decode). The loads' addresses do not wait for the chunk count: chunks past it
+    are read and dropped, so a merge of up to STEP chunks is one round trip to memory.
+    Rows the split launch wrote whole (a chunk count of 1) are left as they are."""
+    tile, kvh, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait(PDL)
+    release(PDL)
+    n_work = tl.load(n_work_ptr + tile * tl.num_programs(1) + kvh)
+    first = tl.load(tiles_ptr + 2 * tile)
+    end = tl.load(tiles_ptr + 2 * tile + 1)
+    d = tl.arange(0, DP)
+    m_run = tl.full((), float("-inf"), tl.float32)
+    l_run = tl.zeros((), tl.float32)
+    acc = tl.zeros([DP], tl.float32)
     stride_s = tl.num_programs(0) * tl.num_programs(1) * BLOCK_M  # one chunk's rows
-    base = (tile * tl.num_programs(1) + kvh) * BLOCK_M
-    part = split * stride_s + base + r
-    tl.store(part_acc_ptr + part[:, None].to(tl.int64) * D + d[None, :], acc, mask=row_d)
-    tl.store(part_ml_ptr + 2 * part, m_i, mask=row_ok)
-    tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=row_ok)
-    tl.debug_barrier()
-    ticket = ticket_ptr + tile * tl.num_programs(1) + kvh
-    if tl.atomic_add(ticket, 1, sem="acq_rel") == n_work - 1:
-        tl.atomic_xchg(ticket, 0)
-        rr = tl.arange(0, ROWS)
-        tok = first + rr // G
-        ok = (tok < end) & (rr < BLOCK_M // G * G)
-        m_run = tl.full([ROWS], float("-inf"), tl.float32)
-        l_run = tl.zeros([ROWS], tl.float32)
-        total = tl.zeros([ROWS, DP], tl.float32)
-        for s0 in range(0, n_work, STEP):
-            s = s0 + tl.arange(0, STEP)
-            rows = s[:, None] * stride_s + base + rr[None, :]  # [STEP, ROWS]
-            s_ok = (s < n_work)[:, None] & ok[None, :]
-            m_s = tl.load(part_ml_ptr + 2 * rows, mask=s_ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            l_s = tl.load(part_ml_ptr + 2 * rows + 1, mask=s_ok, other=0.0,
-                          cache_modifier=".cg")
-            a_s = tl.load(part_acc_ptr + rows[:, :, None].to(tl.int64) * D
-                          + d[None, None, :], mask=s_ok[:, :, None] & (d < D)[None, None, :],
-                          other=0.0, cache_modifier=".cg")  # [STEP, ROWS, DP]
-            m_new = tl.maximum(m_run, tl.max(m_s, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_run - m_safe)
-            w = tl.exp2(m_s - m_safe[None, :])  # [STEP, ROWS]
-            l_run = l_run * alpha + tl.sum(l_s * w, 0)
-            total = total * alpha[:, None] + tl.sum(a_s * w[:, :, None], 0)
-            m_run = m_new
-        _store_rows(out_ptr, total, l_run, tok, kvh * G + rr % G,
-                    ok[:, None] & (d < D)[None, :], d, stride_on, D)
+    for s0 in range(0, splits, STEP):
+        s = s0 + tl.arange(0, STEP)
+        s_in = s < splits
+        part = s * stride_s + (tile * tl.num_programs(1) + kvh) * BLOCK_M + r
+        m_s = tl.load(part_ml_ptr + 2 * part, mask=s_in, other=float("-inf"))  # [STEP]
+        l_s = tl.load(part_ml_ptr + 2 * part + 1, mask=s_in, other=0.0)
+        a_s = tl.load(part_acc_ptr + part[:, None].to(tl.int64) * D + d[None, :],
+                      mask=s_in[:, None] & (d < D)[None, :], other=0.0)  # [STEP, DP]
+        s_ok = s < n_work  # chunks past the tile's keys wrote nothing: drop what was read
+        m_s = tl.where(s_ok, m_s, float("-inf"))
+        l_s = tl.where(s_ok, l_s, 0.0)
+        a_s = tl.where(s_ok[:, None], a_s, 0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)
+        w = tl.exp2(m_s - m_safe)
+        l_run = l_run * alpha + tl.sum(l_s * w, 0)
+        acc = acc * alpha + tl.sum(a_s * w[:, None], 0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
+    tok = first + r // G
+    ok = (tok < end) & (r < BLOCK_M // G * G) & (n_work > 1)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_on + (kvh * G + r % G) * D + d,
+             out.to(out_ptr.dtype.element_ty), mask=d < tl.where(ok, D, 0))
 
 
 @cache
@@ -550,16 +554,12 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     splits = _num_splits(group.num_tiles * Hkv, meta.max_len, q.device, num_splits)
     rows = splits * group.num_tiles * Hkv * block_m
     part_acc, part_ml = _partials(rows if splits > 1 else 0, D, q.device)
-    tickets = _tickets(q.device, group.num_tiles * Hkv if splits > 1 else 0)
-    merge_rows, merge_step = 1, 1  # unused unsplit: one kernel variant whatever the tile
-    if splits > 1:
-        merge_rows = min(block_m, triton.next_power_of_2(group.tokens_per_tile * G))
-        merge_step = max(1, min(MERGE_VALUES // (merge_rows * DP),
-                                triton.next_power_of_2(splits)))
+    n_work = torch.empty(group.num_tiles * Hkv if splits > 1 else 1, dtype=torch.int32,
+                         device=q.device)
     bt = meta.block_tables
     precision = "ieee" if q.dtype == torch.float32 else None
     _attn_kernel[(group.num_tiles, Hkv, splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, tickets, group.tiles, meta.seq_index, bt,
+        q, k_cache, v_cache, out, part_acc, part_ml, n_work, group.tiles, meta.seq_index, bt,
         meta.visible, meta.window_start, meta.tree_start, tm,
         meta.max_len, scale * LOG2E, T, bt.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -567,10 +567,16 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tm.stride(0) if T else 0,
         G=G, D=D, DP=DP, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         T_PAD=max(16, triton.next_power_of_2(max(T, 1))), HAS_TREE=T > 0, SPLIT=splits > 1,
-        MIN_CHUNK=-(-MIN_SPLIT_KEYS // block_n) * block_n, MERGE_ROWS=merge_rows,
-        MERGE_STEP=merge_step,
+        MIN_CHUNK=-(-MIN_SPLIT_KEYS // block_n) * block_n,
         PRECISION=precision, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages, **dependent_launch.options(q, N))
+    if splits > 1:
+        merge_rows = min(block_m, triton.next_power_of_2(group.tokens_per_tile * G))
+        _merge_kernel[(group.num_tiles, Hkv, merge_rows)](
+            out, part_acc, part_ml, n_work, group.tiles, splits, out.stride(0), G=G, D=D,
+            DP=DP,
+            BLOCK_M=block_m, STEP=min(MERGE_STEP, triton.next_power_of_2(splits)),
+            num_warps=4, **dependent_launch.options(q, N))
 
 
 def _partials(rows: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -578,26 +584,6 @@ def _partials(rows: int, D: int, device: torch.device) -> tuple[torch.Tensor, to
     fp32 (a 1-element stand-in each when rows is 0)."""
     return (torch.empty(max(rows * D, 1), dtype=torch.float32, device=device),
             torch.empty(max(rows * 2, 1), dtype=torch.float32, device=device))
-
-
-# Zeroed int32 tickets per device, one per (tile, KV head) of a split launch; the program
-# that takes a ticket last resets it, so launches that follow one another on a device (the
-# engine's one stream) share them. Every buffer ever made stays referenced: a captured CUDA
-# graph keeps using the one it was captured with.
-_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed ticket buffer of at least n (>= 1) entries on device. Made outside any
-    CUDA-graph capture (a capture runs a warm-up first, which makes it)."""
-    made = _TICKETS.setdefault(device, [])
-    if not made or made[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("paged_attention: a split launch needs a ticket buffer "
-                               f"of {n} entries, first asked for during a CUDA-graph "
-                               "capture; run the captured function once before capturing")
-        made.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return made[-1]
 
 
 __all__ = ["TileGroup", "TilePlan", "build_tiles", "paged_attention", "plan_tiles",
