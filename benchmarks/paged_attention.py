@@ -222,10 +222,12 @@ def variants(case: Case) -> list[dict[str, object]]:
     """What --sweep tries per case: forced (BLOCK_N, num_warps, num_stages) configs, the
     prefill tile's rows, split counts (each new config costs a compile: a short list)."""
     if case.kind == "decode" and case.batch == 1:
-        # (128-key steps in three stages take 196 KB of shared memory: Hopper's opt-in.)
-        configs = [None, (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)]
+        # (128-key steps in three stages take 196 KB of shared memory: Hopper's opt-in;
+        # the 64- and 32-key configs leave room for two or three programs an SM, so more
+        # chunks than SMs still run in one wave.)
+        configs = [None, (64, 4, 3), (64, 4, 2), (32, 4, 4), (128, 4, 3), (128, 8, 2)]
         return [{"splits": s} | ({"config": c} if c else {})
-                for c in configs for s in (16, 24, 32, 48)]
+                for c in configs for s in (16, 33, 48, 64)]
     if case.kind == "decode":
         return [{"config": c} for c in [(128, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3)]]
     if case.kind in ("verify", "chain"):
