@@ -323,21 +323,29 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, n_work
                  G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T_PAD: tl.constexpr,
                  HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, META_EARLY: tl.constexpr,
                  PDL: tl.constexpr):
     """One (tile, KV head, key chunk) program: flash attention of the tile's rows over the
     chunk of its key range in three runs of key steps: masked up to the first step every
     row sees whole, unmasked while all rows see every key, masked again to the end (the
     causal diagonal, the tree); the two masked runs go first, in one loop. Tiles run last
     first: in a prefill chunk the later tiles have the longer key ranges, so the tail of
-    the launch is short."""
+    the launch is short. META_EARLY: the batch's layout (tiles, visible lengths, windows,
+    tree starts and masks, sequence rows) is read before the dependent launch's wait, its
+    round trips overlapping the kernel before; only where no kernel right before this one
+    writes it (the caller's own tile plan and tree mask, built before the forward's first
+    layer)."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh, split = tl.program_id(1), tl.program_id(2)
-    wait(PDL)
-    release(PDL)
+    if not META_EARLY:
+        wait(PDL)
     first, end, tok, g, row_ok, r = _tile_rows(tiles_ptr, tile, G, BLOCK_M)
     vis, ws, ts, lo, hi = _key_range(tok, row_ok, vis_ptr, ws_ptr, ts_ptr, tm_ptr, stride_tm,
                                      T, max_len, W, BS, HAS_TREE, T_PAD)
+    seq = tl.load(seq_ptr + first, mask=first < end, other=0)
+    if META_EARLY:  # the batch's layout read while the kernel before finishes
+        wait(PDL)
+    release(PDL)
     k_begin = (lo // BLOCK_N * BLOCK_N).to(tl.int32)
     k_end = hi.to(tl.int32)
     n_work = 1  # the chunks that hold keys (programs past them have nothing to do)
@@ -352,7 +360,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, n_work
     vis_min = tl.min(tl.where(row_ok, vis, max_len), 0)
     a = tl.minimum(tl.maximum((ws_max + BLOCK_N - 1) // BLOCK_N * BLOCK_N, k_begin), k_end)
     b = tl.minimum(tl.maximum(vis_min // BLOCK_N * BLOCK_N, a), k_end)
-    seq = tl.load(seq_ptr + first, mask=first < end, other=0)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     d = tl.arange(0, DP)
     row_d = row_ok[:, None] & (d < D)[None, :]
@@ -409,11 +416,11 @@ def _merge_kernel(out_ptr, part_acc_ptr, part_ml_ptr, n_work_ptr, tiles_ptr, spl
     are read and dropped, so a merge of up to STEP chunks is one round trip to memory.
     Rows the split launch wrote whole (a chunk count of 1) are left as they are."""
     tile, kvh, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first = tl.load(tiles_ptr + 2 * tile)  # (the split launch right before wrote no tile)
+    end = tl.load(tiles_ptr + 2 * tile + 1)
     wait(PDL)
     release(PDL)
     n_work = tl.load(n_work_ptr + tile * tl.num_programs(1) + kvh)
-    first = tl.load(tiles_ptr + 2 * tile)
-    end = tl.load(tiles_ptr + 2 * tile + 1)
     d = tl.arange(0, DP)
     m_run = tl.full((), float("-inf"), tl.float32)
     l_run = tl.zeros((), tl.float32)
@@ -529,22 +536,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
+    # The layout may be read before the wait unless this call just wrote part of it.
+    early = tiles is not None
     if tiles is None:
         tiles = plan_tiles(meta, H, k_cache.shape[2])
     T = meta.tree_mask.shape[1]
     tm = meta.tree_mask.view(torch.uint8) if T else meta.visible  # a dummy pointer when T = 0
     if T and tm.stride(1) != 1:
-        tm = tm.contiguous()
+        tm, early = tm.contiguous(), False
     for group in tiles.groups:
         if group.num_tiles:
-            _launch_group(q, k_cache, v_cache, out, meta, tm, T, scale, group, num_splits)
+            _launch_group(q, k_cache, v_cache, out, meta, tm, T, scale, group, num_splits,
+                          early)
     return out
 
 
 def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor, meta: BatchMeta, tm: torch.Tensor, T: int, scale: float,
-                  group: TileGroup, num_splits: int | None) -> None:
-    """One group's attention launch."""
+                  group: TileGroup, num_splits: int | None, early: bool) -> None:
+    """One group's attention launch (early: the kernel's META_EARLY)."""
     N, H, D = q.shape
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hkv
@@ -569,7 +579,7 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         T_PAD=max(16, triton.next_power_of_2(max(T, 1))), HAS_TREE=T > 0, SPLIT=splits > 1,
         MIN_CHUNK=-(-MIN_SPLIT_KEYS // block_n) * block_n,
         PRECISION=precision, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
-        num_warps=warps, num_stages=stages, **dependent_launch.options(q, N))
+        META_EARLY=early, num_warps=warps, num_stages=stages, **dependent_launch.options(q, N))
     if splits > 1:
         merge_rows = min(block_m, triton.next_power_of_2(group.tokens_per_tile * G))
         _merge_kernel[(group.num_tiles, Hkv, merge_rows)](

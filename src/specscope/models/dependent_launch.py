@@ -14,7 +14,10 @@ The rules every kernel launched with `options` keeps, which make it safe:
   store (a kernel still running may be reading what we would overwrite);
 - `release` only after `wait`, so at most one kernel runs ahead of the one that is
   finishing, and the chain back to the step's first kernel is complete;
-- before `wait`, only weights are read (no kernel of a step writes them).
+- before `wait`, only what the kernel right before cannot be writing is read: weights (no
+  kernel of a step writes them), and, in the attention kernels, the batch's layout (tile
+  plan, visible lengths, block tables), built before the forward's first layer; a kernel
+  whose launch wrapper has just built part of it reads that after its `wait`.
 Kernels launched without the attribute (torch's, cuBLAS, the CPU) are ordered by the
 stream as always. SPECSCOPE_PDL=0 turns the attribute off (the kernels then run as before:
 `wait` and `release` are no-ops without it); SPECSCOPE_PDL_PREFETCH sets how many columns
