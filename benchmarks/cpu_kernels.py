@@ -167,12 +167,60 @@ def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     return rows
 
 
+def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
+    """The native GGUF products (`native/quant_kernels.c`) of the default model's shapes
+    (its Q4_1 linears, its tied Q8_0 head), bf16 activations, 1 and 6 rows, random codes:
+    this build's library, or each library file in `libs` called alternately in one process,
+    `rounds` rounds of 20 calls, medians; outputs compared with torch.equal."""
+    import ctypes
+    import statistics
+
+    import numpy as np
+
+    from specscope import native
+    from specscope.models.quant import GgufLinear
+    from specscope.native.cpu import CpuKernels
+
+    kernels = [CpuKernels(ctypes.CDLL(p), p) for p in libs] or [native.cpu_kernels()]
+    rng = np.random.default_rng(0)
+    shapes = {"qkv Q4_1": (960, 576, 4), "gate_up Q4_1": (3072, 576, 4),
+              "down Q4_1": (576, 1536, 4), "head Q8_0": (49152, 576, 8)}
+    rows = []
+    for name, (N, K, bits) in shapes.items():
+        q = (rng.integers(0, 16, (N, K)) if bits == 4 else rng.integers(-127, 128, (N, K)))
+        d = rng.random((N, K // 32), dtype=np.float32) * 0.01
+        m = -8 * d if bits == 4 else None
+        lin = GgufLinear.from_codes(q, d, m, bits, None)
+        for M in (1, 6):
+            x = torch.randn(M, K).to(torch.bfloat16)
+            times: list[list[float]] = [[] for _ in kernels]
+            outs = []
+            for r in range(rounds):
+                for i, k in enumerate(kernels):
+                    def call(k=k, a=(x, lin.codes, lin.scales, lin.offsets, N, bits)):
+                        return k.quant_linear(*a)
+                    out = call()
+                    times[i].append(bench(call, reps=20))
+                    if r == 0:
+                        outs.append(out)
+            row = {"shape": name, "rows": M, "us": [statistics.median(t) for t in times],
+                   "equal": all(torch.equal(outs[0], o) for o in outs[1:])}
+            rows.append(row)
+            print(f"{name:13} {M} rows: " + "  ".join(f"{u:8.1f} us" for u in row["us"])
+                  + ("  (outputs equal)" if row["equal"] else "  (OUTPUTS DIFFER)"),
+                  flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--native-attention", nargs="*", metavar="LIB", default=None,
                     help="time the native layer attention instead: this build's, or each "
                          "given library file alternately (A/B of two builds)")
+    ap.add_argument("--native-quant", nargs="*", metavar="LIB", default=None,
+                    help="time the native GGUF products instead: this build's, or each given "
+                         "library file alternately (A/B of two builds)")
     ap.add_argument("--rows", default="1,6",
                     help="activation rows a product (comma-separated; the first is the unit "
                          "of the ratios)")
@@ -187,6 +235,11 @@ def main() -> None:
         with torch.inference_mode():
             rows = native_attention_rows(args.native_attention)
         print(json.dumps({"benchmark": "native_attention", "rows": rows}))
+        return
+    if args.native_quant is not None:
+        with torch.inference_mode():
+            rows = native_quant_rows(args.native_quant)
+        print(json.dumps({"benchmark": "native_quant", "rows": rows}))
         return
     if args.attention:
         with torch.inference_mode():

@@ -218,27 +218,6 @@ static inline __attribute__((always_inline)) __m256i block_isum(const __m256i *w
 #endif
 }
 
-/* Rows m0 .. m0 + R - 1 against one tile: acc[j] lanes = the tile's 8 outputs of row m0 + j.
- * Each block's codes are unpacked once for the R rows. */
-static inline __attribute__((always_inline)) void tile_rows(
-        const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
-        const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t K,
-        int64_t m0, int R, __m256 *acc) {
-    for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i codes[8];
-        block_codes(w + b * tile_block_bytes(bits), bits, codes);
-        __m256 d = _mm256_loadu_ps(wd + b * TILE);
-        for (int j = 0; j < R; j++) {
-            int64_t m = m0 + j;
-            __m256i isum = block_isum(codes, bits, a + m * K + b * QK, c[m * nb + b]);
-            __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(e[m * nb + b]));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), de, acc[j]);
-            if (wm) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * TILE),
-                                             _mm256_set1_ps(s[m * nb + b]), acc[j]);
-        }
-    }
-}
 #endif
 
 static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
@@ -247,6 +226,49 @@ static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
         else ((float *)y)[i + r] = v[r];
     }
 }
+
+#if defined(__AVX2__)
+/* Rows m0 .. m0 + R - 1 against one tile, written to y: acc[j] lanes = the tile's 8 outputs
+ * of row m0 + j. Each block's codes are unpacked once for the R rows. R, bits and whether
+ * the blocks have offsets are constants at every call (the dispatch below), and the
+ * accumulators are this function's own: with an array indexed by a runtime row count, the
+ * compiler kept them in memory, a store and a reload on every block's chain. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
+        const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t K,
+        int64_t m0, int R, void *y, int64_t N, int64_t n0, int cols, int bf16) {
+    __m256 acc[8];
+    for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i codes[8];
+        block_codes(w + b * tile_block_bytes(bits), bits, codes);
+        __m256 d = _mm256_loadu_ps(wd + b * TILE);
+        __m256 mo = wm ? _mm256_loadu_ps(wm + b * TILE) : d;
+        for (int j = 0; j < R; j++) {
+            int64_t m = m0 + j;
+            __m256i isum = block_isum(codes, bits, a + m * K + b * QK, c[m * nb + b]);
+            __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(e[m * nb + b]));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), de, acc[j]);
+            if (wm) acc[j] = _mm256_fmadd_ps(mo, _mm256_set1_ps(s[m * nb + b]), acc[j]);
+        }
+    }
+    float out[TILE];
+    for (int j = 0; j < R; j++) {
+        _mm256_storeu_ps(out, acc[j]);
+        store_row(y, (m0 + j) * N + n0, out, cols, bf16);
+    }
+}
+
+/* tile_rows with R, bits and the offsets' presence as constants. */
+#define TILE_ROWS_R(R_) do {                                                                \
+        if (bits == 4 && wm)                                                               \
+            tile_rows(w, wd, wm, nb, 4, a, e, s, c, K, m0, R_, y, N, n0, cols, bf16);      \
+        else if (bits == 4)                                                                \
+            tile_rows(w, wd, NULL, nb, 4, a, e, s, c, K, m0, R_, y, N, n0, cols, bf16);    \
+        else                                                                               \
+            tile_rows(w, wd, wm, nb, 8, a, e, s, c, K, m0, R_, y, N, n0, cols, bf16);      \
+    } while (0)
+#endif
 
 #if defined(__AVX512VL__)
 #define MAX_R 8  /* 32 vector registers: up to 8 rows' accumulators beside a block's codes */
@@ -264,23 +286,18 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
 #if defined(__AVX2__)
     if (!reference) {
         for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
-            __m256 acc[MAX_R];
             int R = (int)(M - m0 < MAX_R ? M - m0 : MAX_R);
-            switch (R) {  /* constant row counts, so the accumulators stay in registers */
+            switch (R) {
 #if MAX_R == 8
-            case 8: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 8, acc); break;
-            case 7: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 7, acc); break;
-            case 6: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 6, acc); break;
-            case 5: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 5, acc); break;
+            case 8: TILE_ROWS_R(8); break;
+            case 7: TILE_ROWS_R(7); break;
+            case 6: TILE_ROWS_R(6); break;
+            case 5: TILE_ROWS_R(5); break;
 #endif
-            case 4: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 4, acc); break;
-            case 3: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 3, acc); break;
-            case 2: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 2, acc); break;
-            default: tile_rows(w, wd, wm, nb, bits, a, e, s, c, K, m0, 1, acc); break;
-            }
-            for (int j = 0; j < R; j++) {
-                _mm256_storeu_ps(out, acc[j]);
-                store_row(y, (m0 + j) * N + n0, out, cols, bf16);
+            case 4: TILE_ROWS_R(4); break;
+            case 3: TILE_ROWS_R(3); break;
+            case 2: TILE_ROWS_R(2); break;
+            default: TILE_ROWS_R(1); break;
             }
         }
         return;
