@@ -185,11 +185,20 @@ static inline __attribute__((always_inline)) void block_codes(const uint8_t *blk
 /* The block's integer sums for one activation row ab: lane r = sum_i q[r, i] a[i]; c128 =
  * 128 * sum_i a[i] (the 8-bit codes' offset). */
 static inline __attribute__((always_inline)) __m256i block_isum(const __m256i *w, int bits,
-                                                                const int8_t *ab, int32_t c128) {
+                                                                const int8_t *ab, int32_t c128,
+                                                                int rows) {
     if (bits == 4) {
 #ifdef DPBUSD
-        /* Four chains, not one: vpdpbusd's latency would otherwise bound the loop. */
+        /* Four chains at one row, not one: vpdpbusd's latency would otherwise bound the
+         * loop; with four rows or more their chains interleave, and two a row save the
+         * adds (integer sums: the same result however they are grouped). */
         __m256i c[4];
+        if (rows >= 4) {
+            c[0] = DPBUSD(_mm256_setzero_si256(), w[0], bcast4(ab));
+            c[1] = DPBUSD(_mm256_setzero_si256(), w[1], bcast4(ab + 4));
+            for (int g = 2; g < 8; g++) c[g & 1] = DPBUSD(c[g & 1], w[g], bcast4(ab + 4 * g));
+            return _mm256_add_epi32(c[0], c[1]);
+        }
         for (int g = 0; g < 4; g++) c[g] = DPBUSD(_mm256_setzero_si256(), w[g], bcast4(ab + 4 * g));
         for (int g = 4; g < 8; g++) c[g - 4] = DPBUSD(c[g - 4], w[g], bcast4(ab + 4 * g));
         return _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
@@ -246,7 +255,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         __m256 mo = wm ? _mm256_loadu_ps(wm + b * TILE) : d;
         for (int j = 0; j < R; j++) {
             int64_t m = m0 + j;
-            __m256i isum = block_isum(codes, bits, a + m * K + b * QK, c[m * nb + b]);
+            __m256i isum = block_isum(codes, bits, a + m * K + b * QK, c[m * nb + b], R);
             __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(e[m * nb + b]));
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), de, acc[j]);
             if (wm) acc[j] = _mm256_fmadd_ps(mo, _mm256_set1_ps(s[m * nb + b]), acc[j]);
