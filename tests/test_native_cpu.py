@@ -199,6 +199,32 @@ def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatc
         native.cpu_kernels.cache_clear()
 
 
+def test_an_optional_flag_the_compiler_rejects_is_dropped(tmp_path, monkeypatch):
+    """A CPU with AVX-VNNI under a compiler that does not know -mavxvnni: the build retries
+    without it, and the next process finds that library rather than failing again."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("SPECSCOPE_CACHE_DIR", str(tmp_path))
+    bogus = "-mno-such-specscope-flag"
+    base = native.build_flags()
+    monkeypatch.setattr(native, "OPTIONAL_FLAGS", [bogus])
+    monkeypatch.setattr(native, "build_flags", lambda: base + [bogus])
+    built = []
+    real_build = native._build
+    monkeypatch.setattr(native, "_build", lambda *a: (built.append(a[1]), real_build(*a)))
+    native.cpu_kernels.cache_clear()
+    try:
+        kernels = native.cpu_kernels()
+        plain = native._library_path(native._compiler(), base, native._sources())
+        assert kernels is not None and kernels.path == plain
+        assert built == [base + [bogus], base]
+        native.cpu_kernels.cache_clear()
+        built.clear()
+        assert native.cpu_kernels().path == plain and built == []
+    finally:
+        native.cpu_kernels.cache_clear()
+
+
 def test_without_a_compiler_the_reference_runs(monkeypatch, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("SPECSCOPE_CACHE_DIR", "/nonexistent-specscope-cache")

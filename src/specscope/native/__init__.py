@@ -43,6 +43,8 @@ DECODER_VERSION = 2  # decoder.c's sc_decoder_version()
 SOURCES = ("bf16.h", "kernels.h", "cpu_kernels.c", "quant_kernels.c",
            "decoder.c")  # .c: compiled
 _DTYPES = (torch.float32, torch.bfloat16)
+# Flags a build may drop when the compiler does not know them.
+OPTIONAL_FLAGS = ["-mavxvnni"]
 __all__ = ["CpuKernels", "cpu_kernels", "cpu_kernels_for", "build_flags"]
 
 
@@ -55,8 +57,23 @@ def build_flags() -> list[str]:
     if cap.startswith("AVX512"):
         return flags + ["-march=native"]
     if cap == "AVX2":
-        return flags + ["-mavx2", "-mfma", "-mf16c"]
+        # AVX-VNNI (Intel client chips since Alder Lake: no AVX-512, but vpdpbusd on ymm)
+        # gives the 8-bit products their VNNI path; a compiler without it builds without.
+        vnni = OPTIONAL_FLAGS if "avx_vnni" in _cpu_flags() else []
+        return flags + ["-mavx2", "-mfma", "-mf16c"] + vnni
     return flags  # DEFAULT: the x86-64 baseline
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere or unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def _compiler() -> str | None:
@@ -146,21 +163,32 @@ def cpu_kernels() -> CpuKernels | None:
                     "reference; install gcc or clang for specscope's native CPU kernels")
         return None
     sources = _sources()
+    # Flags to try in order: with an optional instruction set first, then without it (a
+    # compiler too old for it); a library already built for either is used as it is.
     flags = build_flags()
-    path = _library_path(cc, flags, sources)
-    lib = _load(path) if path.exists() else None
-    if lib is None:
+    tries = [flags] + ([[f for f in flags if f not in OPTIONAL_FLAGS]]
+                       if any(f in OPTIONAL_FLAGS for f in flags) else [])
+    paths = [_library_path(cc, f, sources) for f in tries]
+    for path in paths:
+        lib = _load(path) if path.exists() else None
+        if lib is not None:
+            return CpuKernels(lib, path)
+    error: Exception | None = None
+    for f, path in zip(tries, paths, strict=True):
         try:
-            _build(cc, flags, sources, path)
+            _build(cc, f, sources, path)
+            break
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("specscope's native CPU kernels did not build (%s); the CPU layers "
-                        "run their slower torch reference", e)
-            return None
-        lib = _load(path)
-        if lib is None:
-            log.warning("specscope's native CPU kernels built at %s but did not load; the "
-                        "CPU layers run their torch reference", path)
-            return None
+            error = e
+    else:
+        log.warning("specscope's native CPU kernels did not build (%s); the CPU layers "
+                    "run their slower torch reference", error)
+        return None
+    lib = _load(path)
+    if lib is None:
+        log.warning("specscope's native CPU kernels built at %s but did not load; the "
+                    "CPU layers run their torch reference", path)
+        return None
     return CpuKernels(lib, path)
 
 
