@@ -123,6 +123,20 @@ def attention_rows() -> list[dict]:
     return rows
 
 
+def alternate(kernels: list, call: Callable, rounds: int) -> tuple[list[float], bool]:
+    """call(kernels[i]) timed for each library in turn, `rounds` rounds of 20 calls: each
+    library's median microseconds, and whether their first outputs are equal."""
+    import statistics
+
+    times: list[list[float]] = [[] for _ in kernels]
+    outs = [call(k) for k in kernels]
+    for _ in range(rounds):
+        for i, k in enumerate(kernels):
+            times[i].append(bench(lambda k=k: call(k), reps=20))
+    return ([statistics.median(t) for t in times],
+            all(torch.equal(outs[0], o) for o in outs[1:]))
+
+
 def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     """The native layer attention (`native/cpu.py` attend_qkv: rotary, the KV write, the
     attention) of the default model's shape, bf16, 1 and 6 tokens of one sequence at 300
@@ -130,7 +144,6 @@ def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     sources from the cache directory) called alternately in one process, `rounds` rounds
     of 20 calls, medians; the libraries' outputs are compared with torch.equal."""
     import ctypes
-    import statistics
 
     from specscope import native
     from specscope.kvcache.paged import BatchMeta
@@ -148,18 +161,9 @@ def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
                                     torch.arange(L - n, L), bs, max_len=L)
             qkv = torch.randn(n, (H + 2 * Hkv) * D, generator=g).to(dt)
             cos, sin = (torch.randn(n, D, generator=g).to(dt) for _ in range(2))
-            times: list[list[float]] = [[] for _ in kernels]
-            outs = []
-            for r in range(rounds):
-                for i, k in enumerate(kernels):
-                    def call(k=k, a=(qkv, cos, sin, kc, vc, meta)):
-                        return k.attend_qkv(*a, 0.125, H, Hkv, None, 0.0)
-                    out = call()
-                    times[i].append(bench(call, reps=20))
-                    if r == 0:
-                        outs.append(out)
-            row = {"keys": L, "tokens": n, "us": [statistics.median(t) for t in times],
-                   "equal": all(torch.equal(outs[0], o) for o in outs[1:])}
+            us, equal = alternate(kernels, lambda k, a=(qkv, cos, sin, kc, vc, meta):
+                                  k.attend_qkv(*a, 0.125, H, Hkv, None, 0.0), rounds)
+            row = {"keys": L, "tokens": n, "us": us, "equal": equal}
             rows.append(row)
             print(f"{L:4} keys {n} tokens: " + "  ".join(f"{u:7.1f} us" for u in row["us"])
                   + ("  (outputs equal)" if row["equal"] else "  (OUTPUTS DIFFER)"),
@@ -173,7 +177,6 @@ def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     this build's library, or each library file in `libs` called alternately in one process,
     `rounds` rounds of 20 calls, medians; outputs compared with torch.equal."""
     import ctypes
-    import statistics
 
     import numpy as np
 
@@ -193,18 +196,9 @@ def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
         lin = GgufLinear.from_codes(q, d, m, bits, None)
         for M in (1, 6):
             x = torch.randn(M, K).to(torch.bfloat16)
-            times: list[list[float]] = [[] for _ in kernels]
-            outs = []
-            for r in range(rounds):
-                for i, k in enumerate(kernels):
-                    def call(k=k, a=(x, lin.codes, lin.scales, lin.offsets, N, bits)):
-                        return k.quant_linear(*a)
-                    out = call()
-                    times[i].append(bench(call, reps=20))
-                    if r == 0:
-                        outs.append(out)
-            row = {"shape": name, "rows": M, "us": [statistics.median(t) for t in times],
-                   "equal": all(torch.equal(outs[0], o) for o in outs[1:])}
+            us, equal = alternate(kernels, lambda k, a=(x, lin.codes, lin.scales, lin.offsets,
+                                                     N, bits): k.quant_linear(*a), rounds)
+            row = {"shape": name, "rows": M, "us": us, "equal": equal}
             rows.append(row)
             print(f"{name:13} {M} rows: " + "  ".join(f"{u:8.1f} us" for u in row["us"])
                   + ("  (outputs equal)" if row["equal"] else "  (OUTPUTS DIFFER)"),
