@@ -123,9 +123,22 @@ def attention_rows() -> list[dict]:
     return rows
 
 
-def alternate(kernels: list, call: Callable, rounds: int) -> tuple[list[float], bool]:
-    """call(kernels[i]) timed for each library in turn, `rounds` rounds of 20 calls: each
-    library's median microseconds, and whether their first outputs are equal."""
+def libraries(libs: list[str]) -> list:
+    """Each given native library file (builds of other sources from the cache directory),
+    or this build's library when none is given."""
+    import ctypes
+
+    from specscope import native
+    from specscope.native.cpu import CpuKernels
+
+    return [CpuKernels(ctypes.CDLL(p), p) for p in libs] or [native.cpu_kernels()]
+
+
+def alternate(kernels: list, call: Callable, rounds: int, label: str,
+              **row: object) -> dict:
+    """call(kernels[i]) timed for each library in turn, `rounds` rounds of 20 calls: the
+    row (each library's median microseconds "us", whether their first outputs are equal),
+    printed after `label`."""
     import statistics
 
     times: list[list[float]] = [[] for _ in kernels]
@@ -133,8 +146,11 @@ def alternate(kernels: list, call: Callable, rounds: int) -> tuple[list[float], 
     for _ in range(rounds):
         for i, k in enumerate(kernels):
             times[i].append(bench(lambda k=k: call(k), reps=20))
-    return ([statistics.median(t) for t in times],
-            all(torch.equal(outs[0], o) for o in outs[1:]))
+    row |= {"us": [statistics.median(t) for t in times],
+            "equal": all(torch.equal(outs[0], o) for o in outs[1:])}
+    print(label + "  ".join(f"{u:8.1f} us" for u in row["us"])
+          + ("  (outputs equal)" if row["equal"] else "  (OUTPUTS DIFFER)"), flush=True)
+    return row
 
 
 def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
@@ -143,13 +159,9 @@ def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     and 700 keys: this build's library, or each library file in `libs` (builds of other
     sources from the cache directory) called alternately in one process, `rounds` rounds
     of 20 calls, medians; the libraries' outputs are compared with torch.equal."""
-    import ctypes
-
-    from specscope import native
     from specscope.kvcache.paged import BatchMeta
-    from specscope.native.cpu import CpuKernels
 
-    kernels = [CpuKernels(ctypes.CDLL(p), p) for p in libs] or [native.cpu_kernels()]
+    kernels = libraries(libs)
     H, Hkv, D, bs, blocks, dt = 9, 3, 64, 16, 64, torch.bfloat16
     g = torch.Generator().manual_seed(0)
     kc, vc = (torch.randn(blocks, bs, Hkv, D, generator=g).to(dt) for _ in range(2))
@@ -161,13 +173,9 @@ def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
                                     torch.arange(L - n, L), bs, max_len=L)
             qkv = torch.randn(n, (H + 2 * Hkv) * D, generator=g).to(dt)
             cos, sin = (torch.randn(n, D, generator=g).to(dt) for _ in range(2))
-            us, equal = alternate(kernels, lambda k, a=(qkv, cos, sin, kc, vc, meta):
-                                  k.attend_qkv(*a, 0.125, H, Hkv, None, 0.0), rounds)
-            row = {"keys": L, "tokens": n, "us": us, "equal": equal}
-            rows.append(row)
-            print(f"{L:4} keys {n} tokens: " + "  ".join(f"{u:7.1f} us" for u in row["us"])
-                  + ("  (outputs equal)" if row["equal"] else "  (OUTPUTS DIFFER)"),
-                  flush=True)
+            rows.append(alternate(kernels, lambda k, a=(qkv, cos, sin, kc, vc, meta):
+                                  k.attend_qkv(*a, 0.125, H, Hkv, None, 0.0), rounds,
+                                  f"{L:4} keys {n} tokens: ", keys=L, tokens=n))
     return rows
 
 
@@ -176,15 +184,11 @@ def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     (its Q4_1 linears, its tied Q8_0 head), bf16 activations, 1 and 6 rows, random codes:
     this build's library, or each library file in `libs` called alternately in one process,
     `rounds` rounds of 20 calls, medians; outputs compared with torch.equal."""
-    import ctypes
-
     import numpy as np
 
-    from specscope import native
     from specscope.models.quant import GgufLinear
-    from specscope.native.cpu import CpuKernels
 
-    kernels = [CpuKernels(ctypes.CDLL(p), p) for p in libs] or [native.cpu_kernels()]
+    kernels = libraries(libs)
     rng = np.random.default_rng(0)
     shapes = {"qkv Q4_1": (960, 576, 4), "gate_up Q4_1": (3072, 576, 4),
               "down Q4_1": (576, 1536, 4), "head Q8_0": (49152, 576, 8)}
@@ -196,13 +200,10 @@ def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
         lin = GgufLinear.from_codes(q, d, m, bits, None)
         for M in (1, 6):
             x = torch.randn(M, K).to(torch.bfloat16)
-            us, equal = alternate(kernels, lambda k, a=(x, lin.codes, lin.scales, lin.offsets,
-                                                     N, bits): k.quant_linear(*a), rounds)
-            row = {"shape": name, "rows": M, "us": us, "equal": equal}
-            rows.append(row)
-            print(f"{name:13} {M} rows: " + "  ".join(f"{u:8.1f} us" for u in row["us"])
-                  + ("  (outputs equal)" if row["equal"] else "  (OUTPUTS DIFFER)"),
-                  flush=True)
+            rows.append(alternate(kernels, lambda k, a=(x, lin.codes, lin.scales,
+                                                        lin.offsets, N, bits):
+                                  k.quant_linear(*a), rounds, f"{name:13} {M} rows: ",
+                                  shape=name, rows=M))
     return rows
 
 
