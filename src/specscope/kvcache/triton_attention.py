@@ -73,11 +73,10 @@ TILE_ROWS = (16, 32, 64, 128)
 LONG_TILE_ROWS = 256
 # The shortest key chunk worth a program of its own when splitting a long key range.
 MIN_SPLIT_KEYS = 256
-# Partial chunks a merge program loads at once (one row of head dims each). Merging in the
-# split launch's last program instead (an acquire-release ticket, no second launch) was
-# slower on the H100 wherever the range was really split: a batch-1 decode at 16k keys took
-# 42 us a layer against 34, at 4k 18.0 against 15.2 (the serial merge on one SM, and the
-# fence every program paid before its ticket).
+# Partial chunks a merge program loads at once (one row of head dims each). The merge is a
+# launch of its own: folded into the split launch's last program (an acquire-release
+# ticket) it was slower wherever the range was really split, its serial merge on one SM and
+# every program's fence on the critical path (docs/gpu-floor.md).
 MERGE_STEP = 32
 # Triton's CPU interpreter multiplies bf16 dot operands as their raw uint16 bits (3.9): under
 # it, bf16 operands are widened to fp32 first (the same products, so tests stay meaningful).
