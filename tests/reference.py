@@ -59,7 +59,7 @@ def patch_oracle_drafts(monkeypatch, engine, truth: dict, noise: float, seed: in
             depth.append(1)
         return tokens, parents, depth
 
-    def fake(seqs, h0, logits0, adjust=None):
+    def fake(seqs, h0, normed0, adjust=None):
         rows = [one(s) for s in seqs]
         t = torch.tensor
         return DraftTree(tokens=t([r[0] for r in rows]), parents=t([r[1] for r in rows]),

@@ -140,3 +140,53 @@ def test_dependent_launch_options(monkeypatch):
         assert dl.options(x, dl.MAX_ROWS + 1) == {"PDL": False}
         monkeypatch.setenv(dl.ENV, "0")
         assert dl.options(x, 1) == {"PDL": False}
+
+
+@pytest.mark.parametrize(("m", "n", "k", "bias"), [(1, 48, 64, False), (5, 200, 96, True),
+                                                  (16, 130, 64, False), (3, 33, 80, True)])
+@pytest.mark.parametrize("tile", [None, (16, 32, 4, 2)])
+def test_linear_argmax_equals_the_products_argmax(m, n, k, bias, tile):
+    """The head's argmax folded into the product picks what argmax over `linear`'s output
+    picks, the first column on ties (some placed across programs here), mapped through a
+    vocabulary map, and a row's pick does not depend on the rows beside it."""
+    torch.manual_seed(m + n)
+    x = torch.randn(m, k, device=DEV)
+    w = torch.randn(n, k, device=DEV)
+    w[n - 1] = w[0]  # a tie between the first and the last program's columns
+    w[17] = w[3]  # and inside the first program
+    x[0] = w[0] * 4  # row 0's best is column 0 and its copy at n - 1
+    b = torch.randn(n, device=DEV) if bias else None
+    if b is not None:
+        b[n - 1] = b[0]
+    ref = lt.linear(x, w, b, tile=tile).float().argmax(-1)
+    out = lt.linear_argmax(x, w, b, tile=tile)
+    assert out.dtype == torch.long and torch.equal(out, ref)
+    assert int(out[0]) == 0
+    d2t = torch.randint(0, 1000, (n,), device=DEV)
+    assert torch.equal(lt.linear_argmax(x, w, b, d2t, tile=tile), ref + d2t[ref])
+    assert torch.equal(lt.linear_argmax(x[-1:], w, b, tile=tile), out[-1:])
+    lead = lt.linear_argmax(x.view(1, m, k), w, b, tile=tile)
+    assert lead.shape == (1, m) and torch.equal(lead[0], out)
+
+
+def test_model_linear_argmax_off_the_fast_path():
+    """Off CUDA, linear_argmax is the reference: the product's argmax, then the map."""
+    from specscope.models.linear import linear_argmax
+
+    torch.manual_seed(3)
+    x, w = torch.randn(4, 64), torch.randn(40, 64)
+    d2t = torch.arange(40) * 2
+    ids = F.linear(x, w).argmax(-1)
+    assert torch.equal(linear_argmax(x, w), ids)
+    assert torch.equal(linear_argmax(x, w, token_map=d2t), ids + d2t[ids])
+
+
+@pytest.mark.skipif(not CUDA, reason="the bf16 kernel is the GPU's")
+@pytest.mark.parametrize(("n", "k"), [(32000, 4096), (128256, 4096), (49152, 576)])
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_linear_argmax_bf16_on_cuda(n, k, m):
+    """bf16 heads of real shapes: the fused pick equals argmax over the kernel's logits."""
+    torch.manual_seed(n + m)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
+    assert torch.equal(lt.linear_argmax(x, w), lt.linear(x, w).float().argmax(-1))

@@ -302,7 +302,9 @@ def test_draft_chain_is_adjusted_along_its_path():
     # The next logits depend on the token fed only, and favour it: unpenalised, a chain
     # would repeat one token, so the path's own counts decide.
     table = torch.randn(V, V) + 2.5 * torch.eye(V)
-    stub = SimpleNamespace(to_target=lambda d: d, config=SimpleNamespace(vocab_size=V))
+    # The step's 'normed' output is the logits themselves: the head is the identity.
+    stub = SimpleNamespace(to_target=lambda d: d, compute_logits=lambda x: x,
+                           config=SimpleNamespace(vocab_size=V))
 
     def step(tokens, hidden, rope, slots, anc):
         return hidden, table[tokens]

@@ -93,7 +93,7 @@ def _oracle(monkeypatch, llm: LLM, reference, noise: float, seed: int = 0) -> No
             depth.append(1)
         return tokens, parents, depth
 
-    def fake(seqs, h0, logits0, adjust=None) -> DraftTree:
+    def fake(seqs, h0, normed0, adjust=None) -> DraftTree:
         rows = [fake_tree(s.num_computed) for s in seqs]
         t = torch.tensor
         return DraftTree(tokens=t([r[0] for r in rows]), parents=t([r[1] for r in rows]),

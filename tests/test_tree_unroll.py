@@ -38,9 +38,9 @@ def _engine_tree(draft, ids, taps, t, topk, steps):
         mask = (k_pos < n)[None, :] | (anc[0][:, rel.clamp(0, T - 1)] & in_tree[None, :])
         hh, nn = draft(tokens, hidden, rope, cache, kv_len=96, slots=(n + query_slots)[None],
                        attn_mask=mask[None])
-        return hh, draft.compute_logits(nn)
+        return hh, nn
 
-    tree = draft_tree(step, draft, h[:, t], draft.compute_logits(normed[:, t]),
+    tree = draft_tree(step, draft, h[:, t], normed[:, t],
                       ids[0, t + 1:t + 2], torch.tensor([n]), steps, topk, n_all + 1,
                       [SamplingParams(max_tokens=1)])
     return tree.tokens[0, 1:], tree.parents[0, 1:]

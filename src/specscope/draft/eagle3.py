@@ -36,7 +36,7 @@ from specscope.config import ModelConfig
 from specscope.draft.vocab import vocab_maps
 from specscope.kvcache import KVCache
 from specscope.kvcache.paged import BatchMeta, PagedKV
-from specscope.models.linear import Linear, linear
+from specscope.models.linear import Linear, linear, linear_argmax
 from specscope.models.llama import (
     MLP,
     Attention,
@@ -357,6 +357,18 @@ class Eagle3Draft(nn.Module):
         if self._target_head is None:
             raise RuntimeError("Eagle3Draft: call attach_target(target) before compute_logits")
         return linear(normed, self._target_head).float()
+
+    def greedy_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [..., H] -> the target-vocab id of each row's most likely draft token [...]:
+        to_target(compute_logits(normed).argmax(-1)), the same ids; with the draft's own
+        (or the borrowed whole) 16-bit head on CUDA, one pass of the head over its rows with
+        the argmax and the vocabulary map folded in (models/linear.py linear_argmax)."""
+        head = self.lm_head if self.lm_head is not None else self._target_head_module
+        weight = head.weight if type(head) is Linear else \
+            self._target_head if head is None else None
+        if weight is None:  # a sharded or quantised head: its own forward
+            return self.to_target(self.compute_logits(normed).argmax(-1))
+        return linear_argmax(normed, weight, getattr(head, "bias", None), self.d2t)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids (target = draft + d2t[draft]); any shape."""

@@ -63,8 +63,8 @@ class DraftRunner:
                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
         """One draft forward over every scheduled sequence's pending pairs: pair p is the
         target's taps at position p and the token at p + 1. Returns the draft's output at
-        the last pair of each speculating sequence (h0 [S, Hd], logits0 [S, Vd]), which
-        predicts its first draft token."""
+        the last pair of each speculating sequence (h0, normed0 [S, Hd]: the pre-norm and
+        normed hidden), whose logits predict its first draft token."""
         work = [it.seq for it in items if it.seq.spec is not None and
                 it.seq.spec.taps is not None]
         if not work:
@@ -95,7 +95,7 @@ class DraftRunner:
         if not spec_idx:
             return ()
         sel = upload([last[items[i].seq.seq_id] for i in spec_idx], torch.long, dev)
-        return h[0, sel], self.draft.compute_logits(normed[0, sel])
+        return h[0, sel], normed[0, sel]
 
     def extend_static(self, ids: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
                       taps: torch.Tensor, tables: torch.Tensor, max_len: int,
@@ -105,7 +105,7 @@ class DraftRunner:
         holds count[s] pending pairs, then padding. ids, pos [b, W] (the tokens after the
         pairs' positions, and the positions); taps [b * W, n_taps * H]; tables [b, blocks].
         Padding rows write their K/V into the scratch block, so only real pairs land in
-        the cache. Returns h0 [b, Hd] and logits0 [b, Vd] at each row's last pair (heads;
+        the cache. Returns h0 and normed0 [b, Hd] at each row's last pair (heads;
         else None: a plain step only keeps the draft's K/V current)."""
         b, W = ids.shape
         dev = ids.device
@@ -120,9 +120,9 @@ class DraftRunner:
         if not heads:
             return None
         last = torch.arange(b, device=dev) * W + count - 1  # [b]
-        return h[0, last], self.draft.compute_logits(normed[0, last])
+        return h[0, last], normed[0, last]
 
-    def trees(self, seqs: list[Sequence], h0: torch.Tensor, logits0: torch.Tensor,
+    def trees(self, seqs: list[Sequence], h0: torch.Tensor, normed0: torch.Tensor,
               spec: SpecConfig, timer: Profiler | None = None,
               adjust: LogitsAdjustment | None = None, mask: DraftMask | None = None
               ) -> DraftTree:
@@ -137,7 +137,7 @@ class DraftRunner:
             adjust = adjust.in_vocab(self.target_ids)
         return self.steps(block_tables([s.block_tables[1] for s in seqs], dev),
                           upload(n_host, torch.long, dev),
-                          upload([s.last_token for s in seqs], torch.long, dev), h0, logits0,
+                          upload([s.last_token for s in seqs], torch.long, dev), h0, normed0,
                           spec, [s.params for s in seqs], [s.generator for s in seqs],
                           [x + slots for x in n_host], timer, adjust=adjust, mask=mask)
 
@@ -150,7 +150,7 @@ class DraftRunner:
         return self._target_ids
 
     def steps(self, tables: torch.Tensor, n: torch.Tensor, root: torch.Tensor,
-              h0: torch.Tensor, logits0: torch.Tensor, spec: SpecConfig, params: list,
+              h0: torch.Tensor, normed0: torch.Tensor, spec: SpecConfig, params: list,
               generators: list, keys: list[int], timer: Profiler | None = None,
               plans: dict | None = None, adjust: LogitsAdjustment | None = None,
               mask: DraftMask | None = None) -> DraftTree:
@@ -174,10 +174,10 @@ class DraftRunner:
             meta = self._pieces(meta, [(Q, s, keys[s]) for s in range(S)], plans)
             h, normed = self.draft(tokens.reshape(1, -1), hidden.reshape(1, S * Q, -1),
                                    rope.reshape(1, -1), self.kv, batch=meta)
-            return h.view(S, Q, -1), self.draft.compute_logits(normed[0]).view(S, Q, -1)
+            return h.view(S, Q, -1), normed.view(S, Q, -1)
 
         if spec.topk == 1:
-            return draft_chain(step, self.draft, h0, logits0, root, n, spec.num_steps, params,
+            return draft_chain(step, self.draft, h0, normed0, root, n, spec.num_steps, params,
                                generators, timer, adjust, mask)
-        return draft_tree(step, self.draft, h0, logits0, root, n, spec.num_steps, spec.topk,
+        return draft_tree(step, self.draft, h0, normed0, root, n, spec.num_steps, spec.topk,
                           spec.num_draft_tokens, params, timer, adjust, mask)

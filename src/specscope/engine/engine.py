@@ -76,7 +76,12 @@ from specscope.sampling import (
 )
 from specscope.spec.simulate import simulated_paths
 from specscope.spec.tree import DraftTree
-from specscope.spec.verify import emitted_tokens_batch, verify_greedy_batch, verify_sampling
+from specscope.spec.verify import (
+    emitted_tokens_batch,
+    verify_greedy_batch,
+    verify_greedy_ids,
+    verify_sampling,
+)
 
 
 @dataclass
@@ -489,8 +494,8 @@ class Engine:
         """The draft segment of the CUDA-graph step at static shapes (b rows, pending pairs
         padded to num_steps + 1): the extend, then the draft steps of every row."""
         L, b = self.config.max_model_len, n.shape[0]
-        h0, logits0 = self.drafter.extend_static(ids, pos, count, taps, tables, L, plans)
-        return self.drafter.steps(tables, n, root, h0, logits0, self.spec,
+        h0, normed0 = self.drafter.extend_static(ids, pos, count, taps, tables, L, plans)
+        return self.drafter.steps(tables, n, root, h0, normed0, self.spec,
                                   [SamplingParams()] * b, [None] * b, [L] * b, None, plans)
 
     def _verify_static(self, tree: DraftTree, n: torch.Tensor, tables: torch.Tensor,
@@ -505,12 +510,12 @@ class Engine:
                            self.device, plans)
         hidden, taps = self._target(tree.tokens.reshape(1, -1), rope.reshape(1, -1), self.kv,
                                     batch=meta, return_taps=True)
-        logits = self.model.compute_logits(hidden[0]).view(b, N, -1)
+        y = self.model.greedy_ids(hidden[0]).view(b, N)  # the target's pick after each node
         if u is None:
-            path, a, bonus = verify_greedy_batch(tree.tokens, tree.parents, tree.depth, logits,
-                                                 self.spec.num_steps, tree.chain)
+            path, a, bonus = verify_greedy_ids(tree.tokens, tree.parents, tree.depth, y,
+                                               self.spec.num_steps, tree.chain)
         else:
-            path, a, bonus = self._simulate(tree, logits, u)
+            path, a, bonus = self._simulate(tree, y, u)
         return self._commit_paths(tree, path, a, bonus, taps[0], tables, n)
 
     def _verify_meta(self, tree: DraftTree, tables: torch.Tensor, n: torch.Tensor,
@@ -537,13 +542,13 @@ class Engine:
         path_taps = taps.view(S, N, -1).gather(1, node)
         return _Verdicts(a, emitted_tokens_batch(tree.tokens, path, a, bonus), path_taps)
 
-    def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor, logits0: torch.Tensor,
+    def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor, normed0: torch.Tensor,
                      adjust: LogitsAdjustment | None) -> DraftTree:
         """Every speculating sequence's chain or tree (the seam tests replace), its draft
         distributions adjusted as the target's will be at each node, and constrained
         sequences' draft steps masked by their grammars."""
         mask = draft_constraint([s.grammar for s in seqs], self.drafter.target_ids)
-        return self.drafter.trees(seqs, h0, logits0, self.spec, self.timer, adjust, mask)
+        return self.drafter.trees(seqs, h0, normed0, self.spec, self.timer, adjust, mask)
 
     # -- 3. the target forward ----------------------------------------------------------------
 
@@ -690,7 +695,8 @@ class Engine:
         spec, k = self.spec, self.spec.num_steps
         greedy = all(s.params.greedy for s in seqs)
         if self.sim_rates is not None:
-            path, a, bonus = self._simulate(tree, logits, self._sim_uniforms(len(seqs)))
+            path, a, bonus = self._simulate(tree, logits.argmax(-1),
+                                            self._sim_uniforms(len(seqs)))
             end = path.gather(1, a[:, None])[:, 0]
             for r, seq in enumerate(seqs):
                 if not seq.params.greedy:
@@ -724,16 +730,15 @@ class Engine:
         cols = spec.topk if spec.simulate_sibling > 0 and spec.topk > 1 else 1
         return torch.rand(S, spec.num_steps, cols, generator=self.sim_gen, device=self.device)
 
-    def _simulate(self, tree: DraftTree, logits: torch.Tensor, u: torch.Tensor
+    def _simulate(self, tree: DraftTree, y: torch.Tensor, u: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Simulated verdicts of every tree with greedy bonus tokens: path [S, k + 1],
-        accepted [S], bonus [S] (device ops only: the CUDA-graph step runs it too)."""
+        """Simulated verdicts of every tree with greedy bonus tokens from y [S, N], the
+        target's greedy token after each node: path [S, k + 1], accepted [S], bonus [S]
+        (device ops only: the CUDA-graph step runs it too)."""
         spec = self.spec
         path, a = simulated_paths(tree.parents, self.sim_rates, u, spec.num_steps, spec.topk,
                                   spec.simulate_sibling)
-        end = path.gather(1, a[:, None])  # [S, 1]
-        rows = logits.gather(1, end[..., None].expand(-1, 1, logits.shape[-1]))[:, 0]
-        return path, a, rows.argmax(-1)
+        return path, a, y.gather(1, path.gather(1, a[:, None]))[:, 0]
 
     def _read(self, sampled: torch.Tensor, verdicts: _Verdicts | None,
               lps: LogprobRows | None, prompt_lps: LogprobRows | None = None

@@ -41,6 +41,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  token_map: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(x, weight, bias).float().argmax(-1) -> int64 [...], plus token_map[id] where
+    given (a draft's d2t): where the few-row kernel applies, in one pass over the weight
+    with no [rows, N] logits written (linear_triton.linear_argmax); else that reference."""
+    fast = few_row_kernel(x)
+    if fast is not None and fast.applies(x, weight):
+        return fast.linear_argmax(x, weight, bias, token_map)
+    ids = linear(x, weight, bias).float().argmax(-1)
+    return ids if token_map is None else ids + token_map[ids]
+
+
 def few_row_kernel(x: torch.Tensor):
     """models/linear_triton where its few-row product may take x (hand kernels apply, at
     most 16 rows on CUDA); the caller checks the weight (`applies`, `weight_fits`). Else

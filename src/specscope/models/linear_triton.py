@@ -44,13 +44,16 @@ MAX_ROWS = 16
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, idx_ptr, M, N, K,
                    stride_xm, stride_wn, stride_rm, stride_om,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_RES: tl.constexpr,
+                   ARGMAX: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                    PREFETCH: tl.constexpr):
-    """Output columns n of y [M, N]; GATED: the weight has 2N rows, gate then up."""
+    """Output columns n of y [M, N]; GATED: the weight has 2N rows, gate then up. ARGMAX:
+    instead of y, each row's largest rounded output among the program's columns and its
+    column (the first on ties), at [program, row] of out (fp32) and idx (int32)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     n_ok, m_ok = n < N, m < M
@@ -82,7 +85,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
             u = tl.load(u_rows + k[None, :], mask=w_ok, other=0.0)
             acc_u += tl.dot(x, tl.trans(u), input_precision=PRECISION)
     release(PDL)
-    dt = out_ptr.dtype.element_ty
+    dt = x_ptr.dtype.element_ty  # y's dtype: the products are rounded as F.linear's output
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -93,10 +96,38 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         y = (s * acc_u.to(dt).to(tl.float32)).to(dt)
     ok = m_ok[:, None] & n_ok[None, :]
+    if ARGMAX:
+        yf = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
+        best = tl.max(yf, axis=1)  # [BLOCK_M]
+        col = tl.argmax(yf, axis=1, tie_break_left=True) + tl.program_id(0) * BLOCK_N
+        part = tl.program_id(0) * BLOCK_M + m
+        tl.store(out_ptr + part, best, mask=m_ok)
+        tl.store(idx_ptr + part, col.to(tl.int32), mask=m_ok)
+        return
     if HAS_RES:  # the residual stream's add, in the output dtype as the reference's
         r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=ok)
+
+
+@triton.jit
+def _argmax_finish_kernel(best_ptr, col_ptr, map_ptr, out_ptr, P,
+                          HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Row m's column of its largest value over the P programs' [P, BLOCK_M] partials, the
+    first on ties (the programs cover the columns in order); mapped by map[col] + col."""
+    m = tl.program_id(0)
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < P
+    wait(PDL)
+    release(PDL)
+    v = tl.load(best_ptr + p * BLOCK_M + m, mask=p_ok, other=float("-inf"))
+    c = tl.load(col_ptr + p * BLOCK_M + m, mask=p_ok, other=0)
+    top = tl.max(v, axis=0)
+    col = tl.min(tl.where(p_ok & (v == top), c, 2147483647), axis=0).to(tl.int64)
+    if HAS_MAP:
+        col += tl.load(map_ptr + col).to(tl.int64)
+    tl.store(out_ptr + m, col)
 
 
 def config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -160,9 +191,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     launch = dependent_launch.options(x, M)
     _linear_kernel[(triton.cdiv(N, bn),)](
         x2, weight, bias if bias is not None else weight, res if res is not None else out,
-        out, M, N, K, x2.stride(0), weight.stride(0),
+        out, out, M, N, K, x2.stride(0), weight.stride(0),
         res.stride(0) if res is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, HAS_RES=res is not None,
+        HAS_BIAS=bias is not None, GATED=gated, HAS_RES=res is not None, ARGMAX=False,
         BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else None,
         PREFETCH=dependent_launch.prefetch_columns(K) if launch["PDL"] else 0,
@@ -170,4 +201,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], N)
 
 
-__all__ = ["MAX_ROWS", "applies", "config", "linear", "rows_fit", "weight_fits"]
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  token_map: torch.Tensor | None = None,
+                  tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """(x [..., K] @ weight [N, K].T (+ bias)).argmax(-1) -> int64 [...] for at most MAX_ROWS
+    rows (check `applies`): the products rounded to x's dtype as `linear` rounds them, the
+    first column on ties as torch.argmax; with token_map [N] (a draft's d2t), col +
+    token_map[col]. A greedy draft step's lm_head and argmax in one pass over the weight:
+    each program reduces its own columns, and a second launch of one program a row picks
+    among the programs' [programs, 16] partials; the [rows, N] logits are never written."""
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    bn, bk, warps, stages = tile or config(N, K)
+    bk = min(bk, triton.next_power_of_2(K))
+    P = triton.cdiv(N, bn)
+    best = torch.empty(P, MAX_ROWS, dtype=torch.float32, device=x.device)
+    col = torch.empty(P, MAX_ROWS, dtype=torch.int32, device=x.device)
+    launch = dependent_launch.options(x, M)
+    _linear_kernel[(P,)](
+        x2, weight, bias if bias is not None else weight, best, best, col, M, N, K,
+        x2.stride(0), weight.stride(0), 0, 0,
+        HAS_BIAS=bias is not None, GATED=False, HAS_RES=False, ARGMAX=True,
+        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else None,
+        PREFETCH=dependent_launch.prefetch_columns(K) if launch["PDL"] else 0,
+        num_warps=warps, num_stages=stages, **launch)
+    out = torch.empty(M, dtype=torch.long, device=x.device)
+    block_p = triton.next_power_of_2(P)
+    _argmax_finish_kernel[(M,)](best, col, token_map if token_map is not None else col, out, P,
+                                HAS_MAP=token_map is not None, BLOCK_M=MAX_ROWS,
+                                BLOCK_P=block_p, num_warps=4 if block_p <= 2048 else 8,
+                                **launch)
+    return out.view(x.shape[:-1])
+
+
+__all__ = ["MAX_ROWS", "applies", "config", "linear", "linear_argmax", "rows_fit",
+           "weight_fits"]

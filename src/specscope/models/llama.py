@@ -25,7 +25,13 @@ from specscope.kvcache import KVCache, attention, causal_mask, write_kv
 from specscope.kvcache.attention import fold_mask
 from specscope.kvcache.budget import KVLayout
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, paged_attend_qkv
-from specscope.models.linear import Linear, few_row_kernel, hand_kernels_apply, linear
+from specscope.models.linear import (
+    Linear,
+    few_row_kernel,
+    hand_kernels_apply,
+    linear,
+    linear_argmax,
+)
 from specscope.models.registry import Family
 from specscope.models.rope import apply_rope_rolled, rope_tables, signed_sin
 from specscope.native import cpu_kernels_for
@@ -557,6 +563,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in fp32 (sampling wants fp32)."""
         return self.lm_head(hidden).float()
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1) -> int64 [...]: with a 16-bit head on CUDA, the
+        head and the argmax in one pass, no logits written (models/linear.py)."""
+        if type(self.lm_head) is Linear:
+            return linear_argmax(hidden, self.lm_head.weight, self.lm_head.bias)
+        return self.compute_logits(hidden).argmax(-1)
 
     # -- checkpoint mapping ---------------------------------------------------------------
 

@@ -1,8 +1,11 @@
 """Drafting: grow a chain (topk = 1) or an EAGLE-2 dynamic tree (topk > 1) with the draft head.
 
 Input is the output of the draft extend at the last accepted position: its pre-norm hidden
-h0 and its logits, which predict the first draft token. Each further draft step feeds the
-tokens just chosen together with the draft's own pre-norm output of their parent.
+h0 and its normed output, whose logits predict the first draft token. Each further draft
+step feeds the tokens just chosen together with the draft's own pre-norm output of their
+parent. A greedy chain without adjustments or a constraint takes each step's token from
+the head's rows directly (Eagle3Draft.greedy_ids: on CUDA the lm_head, argmax and
+vocabulary map in one pass); everything else computes the logits.
 
 Tree expansion (EAGLE-2, as SGLang's `topk`): every beam proposes its topk children scored by
 cumulative log-probability (parent score + log q(child)); the topk best of those topk^2
@@ -53,10 +56,10 @@ def _to_target_probs(draft: Eagle3Draft, q: torch.Tensor) -> torch.Tensor:
 
 # One draft forward for S sequences, Q query tokens each: (tokens [S, Q], hidden [S, Q, Hd],
 # rope [S, Q], query_slots [Q] or None, ancestors [S, Q, T] or None) -> (next hidden
-# [S, Q, Hd], logits [S, Q, Vd]). query_slots None: a chain step (causal; each token writes
-# at its rope position). Otherwise a tree step: query q writes at the sequence's committed
-# length + query_slots[q] and sees the committed prefix plus the tree slots its ancestors row
-# marks. The engine implements it over its paged draft KV.
+# [S, Q, Hd], normed output [S, Q, Hd], the head's input). query_slots None: a chain step
+# (causal; each token writes at its rope position). Otherwise a tree step: query q writes
+# at the sequence's committed length + query_slots[q] and sees the committed prefix plus
+# the tree slots its ancestors row marks. The engine implements it over its paged draft KV.
 DraftStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
                       torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
@@ -91,14 +94,14 @@ def _one_hot_add(counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
-                      logits0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
+                      normed0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
                       num_steps: int, params: list[SamplingParams],
                       generators: list[torch.Generator | None],
                       prof: Profiler | None = None,
                       adjust: LogitsAdjustment | None = None,
                       mask: DraftMask | None = None) -> DraftTree:
     """S chains of num_steps draft tokens, chain s after root[s] (the token at position
-    n[s]). h0 [S, Hd], logits0 [S, Vd]: the extend's output at position n - 1. Draft step
+    n[s]). h0, normed0 [S, Hd]: the extend's outputs at position n - 1. Draft step
     j (1-based, j < num_steps) runs at draft position n + j - 1. Sampled rows draw their
     tokens from their processed draft distribution, returned (in target vocabulary) as
     draft_probs [S, k + 1, V] (zero rows for greedy sequences, which never read them).
@@ -107,33 +110,38 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
     the chain's draft tokens so far (after the adjustment)."""
     S, dev, k = root.shape[0], root.device, num_steps
     tokens, qs = [root], []
-    logits, h = logits0, h0
+    normed, h = normed0, h0
     counts = None  # [R, Vd] int32: the adjusted rows' draft tokens so far
+    argmax_only = adjust is None and mask is None and all(p.greedy for p in params)
     for j in range(1, k + 1):
         if prof:
             prof.mark(Phase.DRAFT_STEP, step=j)
-        if adjust is not None:
-            if counts is None:
-                counts = torch.zeros(adjust.num_rows, logits.shape[-1], dtype=torch.int32,
-                                     device=dev)
-            depth = torch.full((counts.shape[0], 1), j - 1, dtype=torch.long, device=dev)
-            logits = adjust.apply(logits[:, None], counts[:, None], depth)[:, 0]
-        if mask is not None:
-            path = torch.stack(tokens[1:], 1) if j > 1 else root.new_empty(S, 0)
-            logits = mask(logits[:, None], path[:, None])[:, 0]
-        d, q = _choose(logits, params, generators)
-        if adjust is not None:
-            counts = _one_hot_add(counts, adjust.take(d))
-        qs.append(q)
-        t = draft.to_target(d)  # [S]
+        if argmax_only:
+            t = draft.greedy_ids(normed)  # [S], target vocabulary
+        else:
+            logits = draft.compute_logits(normed)
+            if adjust is not None:
+                if counts is None:
+                    counts = torch.zeros(adjust.num_rows, logits.shape[-1], dtype=torch.int32,
+                                         device=dev)
+                depth = torch.full((counts.shape[0], 1), j - 1, dtype=torch.long, device=dev)
+                logits = adjust.apply(logits[:, None], counts[:, None], depth)[:, 0]
+            if mask is not None:
+                path = torch.stack(tokens[1:], 1) if j > 1 else root.new_empty(S, 0)
+                logits = mask(logits[:, None], path[:, None])[:, 0]
+            d, q = _choose(logits, params, generators)
+            if adjust is not None:
+                counts = _one_hot_add(counts, adjust.take(d))
+            qs.append(q)
+            t = draft.to_target(d)  # [S]
         tokens.append(t)
         if j < k:
-            h, lg = step(t[:, None], h[:, None], (n + (j - 1))[:, None], None, None)
-            h, logits = h[:, 0], lg[:, 0]
+            h, normed = (x[:, 0] for x in step(t[:, None], h[:, None], (n + (j - 1))[:, None],
+                                                None, None))
     if prof:
         prof.mark(Phase.TREE_BUILD)
     draft_probs = None
-    if any(not p.greedy for p in params):
+    if not argmax_only and any(not p.greedy for p in params):
         V = draft.config.vocab_size
         draft_probs = torch.zeros(S, k + 1, V, device=dev)
         for j, per_row in enumerate(qs):
@@ -154,18 +162,19 @@ def _scores_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
-                     logits0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
+                     normed0: torch.Tensor, root: torch.Tensor, n: torch.Tensor,
                      num_steps: int, topk: int, num_draft_tokens: int,
                      params: list[SamplingParams], prof: Profiler | None = None,
                      adjust: LogitsAdjustment | None = None,
                      mask: DraftMask | None = None) -> DraftTree:
     """S EAGLE-2 dynamic trees of num_draft_tokens nodes each (root included), children
     chosen deterministically (top-k of each sequence's processed draft distribution).
-    h0 [S, Hd], logits0 [S, Vd], root [S], n [S] as draft_chain. adjust: over the draft
+    h0, normed0 [S, Hd], root [S], n [S] as draft_chain. adjust: over the draft
     vocabulary; a beam's children are scored after the beam's own path (its depth). mask:
     constrains each beam's children given the beam's path of draft tokens."""
     S, dev, k = root.shape[0], root.device, topk
     Hd = h0.shape[-1]
+    logits0 = draft.compute_logits(normed0)  # [S, Vd]
     if adjust is not None:
         logits0 = adjust.apply(logits0[:, None])[:, 0]
     if mask is not None:
@@ -192,7 +201,8 @@ def draft_tree(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
             prof.mark(Phase.DRAFT_STEP, step=j)
         own = (j - 1) * k + torch.arange(k, device=dev)  # this step's tree slots [k]
         anc = beam_anc | (own[:, None] == torch.arange(T, device=dev))  # [S, k, T]
-        h_out, lg = step(beam_tok, beam_h, (n + (j - 1))[:, None].expand(S, k), own, anc)
+        h_out, normed = step(beam_tok, beam_h, (n + (j - 1))[:, None].expand(S, k), own, anc)
+        lg = draft.compute_logits(normed)  # [S, k, Vd]
         if adjust is not None:  # every beam sits at depth j
             depth = torch.full(beam_counts.shape[:2], j, dtype=torch.long, device=dev)
             lg = adjust.apply(lg, beam_counts, depth)

@@ -120,7 +120,14 @@ def verify_greedy_batch(tokens: torch.Tensor, parents: torch.Tensor, depth: torc
     [B, N, V]. chain: every tree is a chain (parents[i] = i - 1), a host-known fact that
     takes the few-op path. Returns path [B, max_depth + 1] (-1 padded), num_accepted [B],
     bonus [B], all int64 on the device."""
-    y = target_logits.argmax(-1)  # [B, N]: the target's greedy token after each node
+    return verify_greedy_ids(tokens, parents, depth, target_logits.argmax(-1), max_depth, chain)
+
+
+def verify_greedy_ids(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                      y: torch.Tensor, max_depth: int, chain: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verify_greedy_batch from y [B, N], the target's greedy token after each node (its
+    logits' argmax), which a fused head computes without writing the logits."""
     N = tokens.shape[1]
     if chain:
         assert tokens.shape[1] - 1 == max_depth, (N, max_depth)
