@@ -22,7 +22,11 @@ cost one operation an output (each was a launch of ~2 us at batch 1):
   [I]: each program multiplies x by its gate rows and by the matching up rows and combines
   them, rounded as F.linear then models/fused_triton.py's silu_mul round them (bit for bit);
 - `residual`: the rounded product is added to the residual stream in the output dtype, the
-  reference's `residual + y` (bit for bit).
+  reference's `residual + y` (bit for bit);
+- `linear_argmax`: a greedy pick over a head's rows (a draft step's token, a verify's target
+  tokens): each program keeps its columns' largest rounded output per row, a second small
+  launch picks among the programs, and the logits are never written (torch's argmax over
+  one 32k-128k row ran as a single thread block, ~12 us a call on the H200).
 On Hopper the kernel launches dependently (models/dependent_launch.py): its programs are
 scheduled while the kernel before finishes and pull the first lines of their weight rows
 into L2 before waiting for it.
