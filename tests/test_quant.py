@@ -85,15 +85,17 @@ def test_gguf_linear_computes_the_quantised_product(qtype, dtype):
 @pytest.mark.skipif(native.cpu_kernels() is None, reason="no C compiler here")
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("K", [64, 576])
-def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K):
-    """The vector path (AVX2 / VNNI, whichever this build has) equals the C scalar loop bit
-    for bit, and a row's result does not depend on the rows beside it (decode = verify)."""
-    lin, _, _ = _linear(qtype, 72, K, 2)
+@pytest.mark.parametrize("N", [72, 76])
+def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N):
+    """The vector path (AVX2 / VNNI, whichever this build has; N = 76 ends in a partial
+    tile) equals the C scalar loop bit for bit, and a row's result does not depend on the
+    rows beside it (decode = verify)."""
+    lin, _, _ = _linear(qtype, N, K, 2)
     kernels = native.cpu_kernels()
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(16, K) * torch.linspace(0.01, 10, K)).to(dtype)
         x[3, :32] = 0  # an all-zero block: scale 0
-        args = (lin.codes, lin.scales, lin.offsets, 72, lin.bits)
+        args = (lin.codes, lin.scales, lin.offsets, N, lin.bits)
         fast = kernels.quant_linear(x, *args)
         assert torch.equal(fast, kernels.quant_linear(x, *args, reference=True))
         for rows in ([5], [0, 1, 2], list(range(6)), list(range(9))):
