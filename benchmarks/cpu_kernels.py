@@ -6,6 +6,7 @@ rows, i.e. whether its kernel streams each weight once for a few-token forward.
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --attention    # the attention instead (below)
     python benchmarks/cpu_kernels.py --native-attention [OLD.so NEW.so]   # the native one
+    python benchmarks/cpu_kernels.py --native-quant [OLD.so NEW.so]   # the GGUF products, A/B
 
 Formats: the native GGUF kernels (`models/quant.py` GgufLinear, Q4_1 and Q8_0 codes with
 8-bit activations made from bf16 or fp32 ones: what `--quantization int4-gguf` runs), dense
@@ -207,6 +208,47 @@ def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     return rows
 
 
+def native_streamed_rows(libs: list[str], rounds: int = 15) -> list[dict]:
+    """The default model's 120 Q4_1 products (30 layers of qkv, o, gate_up, down: 66 MB of
+    codes and scales, random, each weight its own, so they stream from memory as a decode
+    step's do) at 1 and 6 bf16 rows: each library in `libs` (or this build's) in turn,
+    `rounds` rounds of all 120, medians in ms. A weight held in cache (native_quant_rows)
+    shows the kernels' arithmetic; this shows what a step pays."""
+    import statistics
+
+    import numpy as np
+
+    from specscope.models.quant import GgufLinear
+
+    kernels = libraries(libs)
+    rng = np.random.default_rng(0)
+    lins = []
+    for _ in range(30):
+        for N, K in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+            d = rng.random((N, K // 32), dtype=np.float32) * 0.01
+            lins.append(GgufLinear.from_codes(rng.integers(0, 16, (N, K)), d, -8 * d, 4, None))
+    rows = []
+    for M in (1, 6):
+        xs = {K: torch.randn(M, K).to(torch.bfloat16) for K in (576, 1536)}
+
+        def run(k, xs: dict = xs) -> None:
+            for lin in lins:
+                k.quant_linear(xs[lin.in_features], lin.codes, lin.scales, lin.offsets,
+                               lin.out_features, 4)
+
+        times: list[list[float]] = [[] for _ in kernels]
+        for _ in range(rounds):
+            for i, k in enumerate(kernels):
+                t = time.perf_counter()
+                run(k)
+                times[i].append((time.perf_counter() - t) * 1e3)
+        ms = [statistics.median(t) for t in times]
+        print(f"120 products streamed, {M} rows: " + "  ".join(f"{m:7.3f} ms" for m in ms),
+              flush=True)
+        rows.append({"rows": M, "ms": ms})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attention", action="store_true")
@@ -234,7 +276,8 @@ def main() -> None:
     if args.native_quant is not None:
         with torch.inference_mode():
             rows = native_quant_rows(args.native_quant)
-        print(json.dumps({"benchmark": "native_quant", "rows": rows}))
+            streamed = native_streamed_rows(args.native_quant)
+        print(json.dumps({"benchmark": "native_quant", "rows": rows, "streamed": streamed}))
         return
     if args.attention:
         with torch.inference_mode():

@@ -42,6 +42,9 @@
 
 #define QK 32
 #define TILE 8
+#ifndef PF_BYTES
+#define PF_BYTES 2048
+#endif
 
 
 #if defined(__AVX2__)
@@ -250,6 +253,12 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i codes[8];
+        /* The weights a block ahead by PF_BYTES: a thread's tiles lie one after another, so
+         * this runs on into its next tile; past the weight's end a prefetch is harmless. */
+        const char *ahead = (const char *)(w + b * tile_block_bytes(bits)) + PF_BYTES;
+        for (int l = 0; l < tile_block_bytes(bits); l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+        _mm_prefetch((const char *)(wd + b * TILE) + PF_BYTES / 4, _MM_HINT_T0);
+        if (wm) _mm_prefetch((const char *)(wm + b * TILE) + PF_BYTES / 4, _MM_HINT_T0);
         block_codes(w + b * tile_block_bytes(bits), bits, codes);
         __m256 d = _mm256_loadu_ps(wd + b * TILE);
         __m256 mo = wm ? _mm256_loadu_ps(wm + b * TILE) : d;
