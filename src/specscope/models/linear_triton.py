@@ -107,11 +107,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, idx_ptr, M, N, K,
         part = tl.program_id(0) * BLOCK_M + m
         tl.store(out_ptr + part, best, mask=m_ok)
         tl.store(idx_ptr + part, col.to(tl.int32), mask=m_ok)
-        return
-    if HAS_RES:  # the residual stream's add, in the output dtype as the reference's
-        r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=ok)
+    else:
+        if HAS_RES:  # the residual stream's add, in the output dtype as the reference's
+            r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :], mask=ok, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=ok)
 
 
 @triton.jit
