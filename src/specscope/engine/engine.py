@@ -515,7 +515,8 @@ class Engine:
             path, a, bonus = verify_greedy_ids(tree.tokens, tree.parents, tree.depth, y,
                                                self.spec.num_steps, tree.chain)
         else:
-            path, a, bonus = self._simulate(tree, y, u)
+            path, a = self._simulate(tree, u)
+            bonus = y.gather(1, path.gather(1, a[:, None]))[:, 0]
         return self._commit_paths(tree, path, a, bonus, taps[0], tables, n)
 
     def _verify_meta(self, tree: DraftTree, tables: torch.Tensor, n: torch.Tensor,
@@ -695,9 +696,11 @@ class Engine:
         spec, k = self.spec, self.spec.num_steps
         greedy = all(s.params.greedy for s in seqs)
         if self.sim_rates is not None:
-            path, a, bonus = self._simulate(tree, logits.argmax(-1),
-                                            self._sim_uniforms(len(seqs)))
-            end = path.gather(1, a[:, None])[:, 0]
+            path, a = self._simulate(tree, self._sim_uniforms(len(seqs)))
+            end = path.gather(1, a[:, None])  # [S, 1]
+            bonus = logits.gather(1, end[..., None].expand(-1, 1, logits.shape[-1]))[:, 0] \
+                .argmax(-1)
+            end = end[:, 0]
             for r, seq in enumerate(seqs):
                 if not seq.params.greedy:
                     # index_select: indexing by a 0-d device tensor reads it to the host
@@ -730,15 +733,14 @@ class Engine:
         cols = spec.topk if spec.simulate_sibling > 0 and spec.topk > 1 else 1
         return torch.rand(S, spec.num_steps, cols, generator=self.sim_gen, device=self.device)
 
-    def _simulate(self, tree: DraftTree, y: torch.Tensor, u: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Simulated verdicts of every tree with greedy bonus tokens from y [S, N], the
-        target's greedy token after each node: path [S, k + 1], accepted [S], bonus [S]
-        (device ops only: the CUDA-graph step runs it too)."""
+    def _simulate(self, tree: DraftTree, u: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Simulated verdicts of every tree: path [S, k + 1], accepted [S]; the caller takes
+        the bonus token at the path's end (device ops only: the CUDA-graph step runs it
+        too)."""
         spec = self.spec
-        path, a = simulated_paths(tree.parents, self.sim_rates, u, spec.num_steps, spec.topk,
-                                  spec.simulate_sibling)
-        return path, a, y.gather(1, path.gather(1, a[:, None]))[:, 0]
+        return simulated_paths(tree.parents, self.sim_rates, u, spec.num_steps, spec.topk,
+                               spec.simulate_sibling)
 
     def _read(self, sampled: torch.Tensor, verdicts: _Verdicts | None,
               lps: LogprobRows | None, prompt_lps: LogprobRows | None = None
