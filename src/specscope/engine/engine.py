@@ -397,9 +397,12 @@ class Engine:
                                     batch=batch.meta, return_taps=self.draft is not None)
         if spec_idx:
             self._mark(Phase.ACCEPT)
-        logits = self.model.compute_logits(hidden[0, batch.last_rows])
         seqs = [items[i].seq for i in batch.sampling]
-        sampled, lps = self._sample_processed(logits, seqs)
+        if seqs:
+            sampled, lps = self._sample_processed(
+                self.model.compute_logits(hidden[0, batch.last_rows]), seqs)
+        else:  # only verifies: no row samples, and a head over no rows still costs a call
+            sampled, lps = batch.last_rows, None
         prompt_lps = self._prompt_logprobs(hidden[0], batch)
         verdicts = None
         if spec_idx:
