@@ -363,12 +363,15 @@ class Eagle3Draft(nn.Module):
         to_target(compute_logits(normed).argmax(-1)), the same ids; with the draft's own
         (or the borrowed whole) 16-bit head on CUDA, one pass of the head over its rows with
         the argmax and the vocabulary map folded in (models/linear.py linear_argmax)."""
-        head = self.lm_head if self.lm_head is not None else self._target_head_module
-        weight = head.weight if type(head) is Linear else \
-            self._target_head if head is None else None
-        if weight is None:  # a sharded or quantised head: its own forward
+        if self.lm_head is None:  # the borrowed whole head (None: the sharded module's)
+            weight, bias = self._target_head, None
+        elif type(self.lm_head) is Linear:
+            weight, bias = self.lm_head.weight, self.lm_head.bias
+        else:  # a sharded or quantised head of its own
+            weight = bias = None
+        if weight is None:
             return self.to_target(self.compute_logits(normed).argmax(-1))
-        return linear_argmax(normed, weight, getattr(head, "bias", None), self.d2t)
+        return linear_argmax(normed, weight, bias, self.d2t)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids (target = draft + d2t[draft]); any shape."""

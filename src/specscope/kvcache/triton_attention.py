@@ -583,8 +583,7 @@ def _launch_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         merge_rows = min(block_m, triton.next_power_of_2(group.tokens_per_tile * G))
         _merge_kernel[(group.num_tiles, Hkv, merge_rows)](
             out, part_acc, part_ml, n_work, group.tiles, splits, out.stride(0), G=G, D=D,
-            DP=DP,
-            BLOCK_M=block_m, STEP=min(MERGE_STEP, triton.next_power_of_2(splits)),
+            DP=DP, BLOCK_M=block_m, STEP=min(MERGE_STEP, triton.next_power_of_2(splits)),
             num_warps=4, **dependent_launch.options(q, N))
 
 

@@ -178,30 +178,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     gated: weight (and bias) are [gate | up], 2I rows, and the result is silu(gate) * up
     [..., I]. residual [..., N]: returns residual + the rounded product."""
-    K = x.shape[-1]
-    N = weight.shape[0] // 2 if gated else weight.shape[0]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
+    x2 = _rows(x)
+    M, N = x2.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     res = None if residual is None else residual.reshape(M, N)
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
-    bn, bk, warps, stages = tile or config(weight.shape[0], K)
-    if gated:  # a program streams as many weight rows as the plain product's: half each
-        bn = max(16, bn // 2)
-    bk = min(bk, triton.next_power_of_2(K))
-    launch = dependent_launch.options(x, M)
-    _linear_kernel[(triton.cdiv(N, bn),)](
-        x2, weight, bias if bias is not None else weight, res if res is not None else out,
-        out, out, M, N, K, x2.stride(0), weight.stride(0),
-        res.stride(0) if res is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, HAS_RES=res is not None, ARGMAX=False,
-        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else None,
-        PREFETCH=dependent_launch.prefetch_columns(K) if launch["PDL"] else 0,
-        num_warps=warps, num_stages=stages, **launch)
+    _launch(x2, weight, bias, res, out, out, N, _tile(weight, x2.shape[1], tile, gated),
+            gated=gated)
     return out.view(*x.shape[:-1], N)
 
 
@@ -214,25 +198,13 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     token_map[col]. A greedy draft step's lm_head and argmax in one pass over the weight:
     each program reduces its own columns, and a second launch of one program a row picks
     among the programs' [programs, 16] partials; the [rows, N] logits are never written."""
-    K, N = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    bn, bk, warps, stages = tile or config(N, K)
-    bk = min(bk, triton.next_power_of_2(K))
-    P = triton.cdiv(N, bn)
+    x2 = _rows(x)
+    M, N = x2.shape[0], weight.shape[0]
+    cfg = _tile(weight, x2.shape[1], tile, False)
+    P = triton.cdiv(N, cfg[0])
     best = torch.empty(P, MAX_ROWS, dtype=torch.float32, device=x.device)
     col = torch.empty(P, MAX_ROWS, dtype=torch.int32, device=x.device)
-    launch = dependent_launch.options(x, M)
-    _linear_kernel[(P,)](
-        x2, weight, bias if bias is not None else weight, best, best, col, M, N, K,
-        x2.stride(0), weight.stride(0), 0, 0,
-        HAS_BIAS=bias is not None, GATED=False, HAS_RES=False, ARGMAX=True,
-        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else None,
-        PREFETCH=dependent_launch.prefetch_columns(K) if launch["PDL"] else 0,
-        num_warps=warps, num_stages=stages, **launch)
+    launch = _launch(x2, weight, bias, None, best, col, N, cfg, argmax=True)
     out = torch.empty(M, dtype=torch.long, device=x.device)
     block_p = triton.next_power_of_2(P)
     _argmax_finish_kernel[(M,)](best, col, token_map if token_map is not None else col, out, P,
@@ -240,6 +212,42 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                 BLOCK_P=block_p, num_warps=4 if block_p <= 2048 else 8,
                                 **launch)
     return out.view(x.shape[:-1])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as [M, K] rows with a unit stride along K."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _tile(weight: torch.Tensor, K: int, tile: tuple[int, int, int, int] | None,
+          gated: bool) -> tuple[int, int, int, int]:
+    """The launch's (BLOCK_N, BLOCK_K, num_warps, num_stages): `tile` or config()'s; a gated
+    product's programs take half the columns (each streams gate and up rows)."""
+    bn, bk, warps, stages = tile or config(weight.shape[0], K)
+    if gated:
+        bn = max(16, bn // 2)
+    return bn, min(bk, triton.next_power_of_2(K)), warps, stages
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            res: torch.Tensor | None, out: torch.Tensor, idx: torch.Tensor, N: int,
+            tile: tuple[int, int, int, int], *, gated: bool = False,
+            argmax: bool = False) -> dict:
+    """_linear_kernel over N output columns of x2 [M, K]; returns the launch's dependent-
+    launch options (a launch right after it takes the same)."""
+    (M, K), (bn, bk, warps, stages) = x2.shape, tile
+    launch = dependent_launch.options(x2, M)
+    _linear_kernel[(triton.cdiv(N, bn),)](
+        x2, weight, bias if bias is not None else weight, res if res is not None else out,
+        out, idx, M, N, K, x2.stride(0), weight.stride(0),
+        res.stride(0) if res is not None else 0, out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, HAS_RES=res is not None, ARGMAX=argmax,
+        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
+        PRECISION="ieee" if x2.dtype == torch.float32 else None,
+        PREFETCH=dependent_launch.prefetch_columns(K) if launch["PDL"] else 0,
+        num_warps=warps, num_stages=stages, **launch)
+    return launch
 
 
 __all__ = ["MAX_ROWS", "applies", "config", "linear", "linear_argmax", "rows_fit",
