@@ -429,3 +429,84 @@ def test_the_native_decoder_follows_a_new_kv_cache(kernels):
             out[on] = (h, second.k + second.v)
     assert torch.equal(out[True][0], out[False][0])
     assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1], strict=True))
+
+
+def _chain_runner(dtype, norm_output: bool):
+    """A DraftRunner over an EAGLE-3 draft wholly on Q8_0 codes (its head included) with a
+    draft vocabulary smaller than the target's, its cache filled with a prefix."""
+    from specscope.draft.eagle3 import random_draft
+    from specscope.engine.draft_runner import DraftRunner
+    from specscope.models.quant import quantize_q8_0
+
+    target, cfg = _gguf_model(dtype, False, None)
+    draft = random_draft(cfg, dtype, "cpu", seed=13, std=0.1, draft_vocab_size=64,
+                         norm_output=norm_output)
+    draft.attach_target(target)
+    quantize_q8_0(draft)
+    runner = DraftRunner(draft, 15, 4, False, 64, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(14)
+    for t in runner.kv.k + runner.kv.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    return runner, cfg
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_the_native_draft_chain_equals_the_draft_steps_one_by_one(kernels, monkeypatch, dtype,
+                                                                  norm_output):
+    """Greedy chains of three sequences through decoder.c's chain step against
+    draft_chain's steps through the draft's forward: the same tokens and the same draft
+    cache, bit for bit; a sampled sequence among them takes the reference path."""
+    from specscope.config import SamplingParams, SpecConfig
+    from specscope.native.decoder import NativeDraftChain
+
+    runner, cfg = _chain_runner(dtype, norm_output)
+    steps = []
+    monkeypatch.setattr(NativeDraftChain, "step", lambda self, j, _f=NativeDraftChain.step:
+                        (steps.append(j), _f(self, j))[1])
+    g = torch.Generator().manual_seed(15)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    n = torch.tensor([5, 9, 2])
+    root = torch.tensor([3, 40, 77])
+    h0 = torch.randn(3, cfg.hidden_size, generator=g).to(dtype)
+    normed0 = runner.draft.norm(h0)
+    spec = SpecConfig(num_steps=5, topk=1)
+    base = [t.clone() for t in runner.kv.k + runner.kv.v]
+    out = {}
+    for on, temperature in ((True, 0.0), (False, 0.0), (True, 0.7)):
+        runner.draft.native_decoder_enabled = on
+        for a, b in zip(runner.kv.k + runner.kv.v, base, strict=True):
+            a.copy_(b)
+        before = len(steps)
+        params = [SamplingParams(temperature=temperature)] * 3
+        gens = [torch.Generator().manual_seed(1) for _ in range(3)]
+        with torch.inference_mode():
+            tree = runner.steps(tables, n, root, h0, normed0, spec, params, gens,
+                                [int(x) + 4 for x in n])
+        assert len(steps) - before == (5 if on and temperature == 0 else 0)
+        out[on, temperature] = (tree, [t.clone() for t in runner.kv.k + runner.kv.v])
+    (t1, c1), (t0, c0) = out[True, 0.0], out[False, 0.0]
+    assert torch.equal(t1.tokens, t0.tokens) and t1.chain and t1.draft_probs is None
+    assert torch.equal(t1.parents, t0.parents) and torch.equal(t1.depth, t0.depth)
+    assert t1.tokens[:, 1:].unique().numel() > 3  # the chains chose varied tokens
+    assert all(torch.equal(x, y) for x, y in zip(c1, c0, strict=True))
+    assert not torch.equal(c1[0], base[0])  # the steps wrote the cache
+
+
+@torch.inference_mode()
+def test_the_native_draft_chain_declines_what_it_does_not_run(kernels):
+    """A borrowed or dense head, a context past the rope tables and more chains than the
+    native attention takes go the reference way."""
+    from specscope.native.decoder import native_draft_chain
+
+    runner, cfg = _chain_runner(torch.float32, False)
+    draft, kv = runner.draft, runner.kv
+    h0 = torch.zeros(2, cfg.hidden_size)
+    assert native_draft_chain(draft, h0, kv, 40) is not None
+    with torch.enable_grad():
+        assert native_draft_chain(draft, h0, kv, 40) is None
+    assert native_draft_chain(draft, h0, kv, draft.rope_len + 1) is None
+    assert native_draft_chain(draft, torch.zeros(17, cfg.hidden_size), kv, 40) is None
+    assert native_draft_chain(draft, h0.bfloat16(), kv, 40) is None
+    draft.lm_head = torch.nn.Linear(cfg.hidden_size, 64, bias=False)
+    assert native_draft_chain(draft, h0, kv, 40) is None

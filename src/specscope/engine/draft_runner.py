@@ -26,9 +26,10 @@ from specscope.kvcache.paged import (
     upload,
     with_pieces,
 )
-from specscope.profiler import Profiler
+from specscope.native.decoder import NativeDraftChain, native_draft_chain
+from specscope.profiler import Phase, Profiler
 from specscope.sampling import LogitsAdjustment
-from specscope.spec.drafter import DraftMask, draft_chain, draft_tree
+from specscope.spec.drafter import DraftMask, chain_tree, draft_chain, draft_tree, greedy_only
 from specscope.spec.tree import DraftTree
 
 
@@ -177,7 +178,25 @@ class DraftRunner:
             return h.view(S, Q, -1), normed.view(S, Q, -1)
 
         if spec.topk == 1:
+            nd = native_draft_chain(self.draft, h0, self.kv, reach) \
+                if greedy_only(params, adjust, mask) else None
+            if nd is not None:
+                chain = NativeDraftChain(nd, self.draft, self.kv, tables, n, reach, h0,
+                                         normed0, root, spec.num_steps)
+                return self._native_chain(chain, timer)
             return draft_chain(step, self.draft, h0, normed0, root, n, spec.num_steps, params,
                                generators, timer, adjust, mask)
         return draft_tree(step, self.draft, h0, normed0, root, n, spec.num_steps, spec.topk,
                           spec.num_draft_tokens, params, timer, adjust, mask)
+
+    @staticmethod
+    def _native_chain(chain: NativeDraftChain, timer: Profiler | None) -> DraftTree:
+        """Greedy chains' draft steps in one native call each (draft_chain's greedy path,
+        bit-equal), marked per step as draft_chain marks them."""
+        for j in range(1, chain.num_steps + 1):
+            if timer:
+                timer.mark(Phase.DRAFT_STEP, step=j)
+            chain.step(j)
+        if timer:
+            timer.mark(Phase.TREE_BUILD)
+        return chain_tree(chain.tokens)

@@ -15,6 +15,7 @@
  *     h   = h2 + down(silu(gate) * up) with gate, up = x Wgate_up^T
  * and after each tapped layer h is copied into its columns of taps [N, n_taps * D].
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -53,7 +54,7 @@ typedef struct {
     float norm_eps, qk_eps, scale;
 } sc_dims;
 
-int sc_decoder_version(void) { return 2; }
+int sc_decoder_version(void) { return 3; }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     int64_t m = a > b ? a : b;
@@ -171,4 +172,90 @@ int sc_eagle3_layer(const sc_layer *y, const sc_dims *m, const void *emb, const 
     }
     return layer_from(y, m, w.xin, 2 * D, norm_before_residual ? w.g : hidden, out, N, cos,
                       sin, b, &w, bf16);
+}
+
+
+/* What a greedy EAGLE-3 chain's draft steps read besides the layer: the token embedding
+ * [V, D], the final norm, the draft's head [Vd, D] on codes and its vocabulary map
+ * (target = draft + d2t[draft]), the rope tables [max_pos, Dh], the first layer's
+ * hidden_norm and residual choice, whether a step feeds its normed output on (EAGLE-3.1
+ * norm_output), and the S sequences' draft block tables [S, max_blocks] and root
+ * positions n [S]. max_len: a bound on every position a step sees. */
+typedef struct {
+    const void *embed, *norm;
+    sc_qlinear head;
+    const int64_t *d2t;
+    const void *cos, *sin, *hidden_norm;
+    int64_t norm_before_residual, norm_output;
+    const int64_t *block_tables;
+    int64_t max_blocks, block_size;
+    const int64_t *n;
+    int64_t max_len;
+} sc_chain;
+
+/* Bytes of sc_eagle3_chain_step's work area for S sequences: the layer's, then the head's
+ * logits [S, Vd], the embeddings [S, D], rope rows [S, Dh] twice and the batch's indices. */
+int64_t sc_eagle3_chain_work_bytes(const sc_dims *m, int64_t S, int64_t Vd, int bf16) {
+    int64_t es = bf16 ? 2 : 4;
+    return sc_decoder_work_bytes(m, S, bf16) + S * (Vd + m->D + 2 * m->Dh) * es +
+        5 * S * 8 + 64;
+}
+
+/* The first column holding a row's largest value, NaN counting as the largest (torch's
+ * argmax over the fp32 logits). */
+static int64_t argmax_row(const void *x, int64_t row, int64_t n, int bf16) {
+    int64_t best = 0;
+    float top = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t k = row * n + i;
+        float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        if (isnan(v)) return i;
+        if (v > top || i == 0) { top = v; best = i; }
+    }
+    return best;
+}
+
+/* Draft step j (1-based) of S greedy chains, as spec/drafter.py draft_chain's greedy path
+ * takes it: token j of each chain is the argmax of the head over normed [S, D], mapped to
+ * the target's vocabulary (tokens[s * stride + j]); then, unless `last`, the draft's
+ * forward of those tokens at positions n + j - 1 beside the hidden h [S, D]: its K/V
+ * written to the cache, h and normed replaced by the step's outputs. The same kernels in
+ * the same order as the layer-by-layer path, so bit-equal to it. Returns 0, or the
+ * attention's error. */
+int sc_eagle3_chain_step(const sc_layer *y, const sc_dims *m, const sc_chain *c, int64_t S,
+                         int64_t j, int last, void *h, void *normed, int64_t *tokens,
+                         int64_t stride, void *work, int bf16) {
+    const int64_t es = bf16 ? 2 : 4, D = m->D, Dh = m->Dh, Vd = c->head.out_features;
+    Work w = work_of(work, m, S, bf16);
+    char *p = (char *)work + sc_decoder_work_bytes(m, S, bf16);
+    void *logits = p, *emb = p + S * Vd * es, *cos = (char *)emb + S * D * es;
+    void *sin = (char *)cos + S * Dh * es;
+    int64_t *idx = (int64_t *)(((uintptr_t)((char *)sin + S * Dh * es) + 7) & ~(uintptr_t)7);
+    int64_t *slots = idx, *seq = idx + S, *visible = idx + 2 * S, *start = idx + 3 * S;
+    sc_quant_linear(normed, S, D, c->head.codes, c->head.scales, c->head.offsets, Vd,
+                    (int)c->head.bits, logits, bf16, w.scratch, 0);
+    for (int64_t s = 0; s < S; s++) {
+        int64_t d = argmax_row(logits, s, Vd, bf16);
+        tokens[s * stride + j] = d + c->d2t[d];
+    }
+    if (last) return 0;
+    for (int64_t s = 0; s < S; s++) {
+        int64_t t = tokens[s * stride + j], pos = c->n[s] + j - 1;
+        memcpy((char *)emb + s * D * es, (const char *)c->embed + t * D * es, (size_t)(D * es));
+        memcpy((char *)cos + s * Dh * es, (const char *)c->cos + pos * Dh * es, (size_t)(Dh * es));
+        memcpy((char *)sin + s * Dh * es, (const char *)c->sin + pos * Dh * es, (size_t)(Dh * es));
+        slots[s] = c->block_tables[s * c->max_blocks + pos / c->block_size] * c->block_size +
+            pos % c->block_size;
+        seq[s] = s;
+        visible[s] = pos + 1;
+        start[s] = 0;
+    }
+    sc_batch b = {slots, seq, c->block_tables, c->max_blocks, c->block_size, visible, start,
+                  visible, (const uint8_t *)start, 0, c->max_len};
+    int rc = sc_eagle3_layer(y, m, emb, h, c->hidden_norm, (int)c->norm_before_residual, h, S,
+                             cos, sin, &b, work, bf16);
+    if (rc != 0) return rc;
+    sc_rms_norm(h, NULL, c->norm, normed, NULL, S, D, m->norm_eps, bf16);
+    if (c->norm_output) memcpy(h, normed, (size_t)(S * D * es));
+    return 0;
 }

@@ -62,6 +62,27 @@ class _Dims(ctypes.Structure):
                 ("qk_eps", _F), ("scale", _F)]
 
 
+class _Chain(ctypes.Structure):
+    _fields_ = [("embed", _P), ("norm", _P), ("head", _QLinear), ("d2t", _P), ("cos", _P),
+                ("sin", _P), ("hidden_norm", _P), ("norm_before_residual", _I),
+                ("norm_output", _I), ("block_tables", _P), ("max_blocks", _I),
+                ("block_size", _I), ("n", _P), ("max_len", _I)]
+
+
+@cache
+def _chain_calls(lib: ctypes.CDLL) -> tuple[Any, Any]:
+    """The library's sc_eagle3_chain_step and sc_eagle3_chain_work_bytes with their
+    prototypes."""
+    step = lib.sc_eagle3_chain_step
+    step.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Dims), ctypes.POINTER(_Chain), _I,
+                     _I, ctypes.c_int, _P, _P, _P, _I, _P, ctypes.c_int]
+    step.restype = ctypes.c_int
+    work = lib.sc_eagle3_chain_work_bytes
+    work.argtypes = [ctypes.POINTER(_Dims), _I, _I, ctypes.c_int]
+    work.restype = _I
+    return step, work
+
+
 @cache
 def _calls(lib: ctypes.CDLL) -> tuple[Any, Any, Any]:
     """The library's sc_decoder, sc_decoder_work_bytes and sc_eagle3_layer with their
@@ -151,6 +172,7 @@ class NativeDecoder:
 
     def __init__(self, kernels: Any, container: Any, hidden_size: int, eps: float) -> None:
         """container: the ModuleList of the layers (checked with layers_apply)."""
+        self.lib = kernels.lib
         self._run, self._work_bytes, self._first = _calls(kernels.lib)
         layers = list(container)
         a0 = layers[0].self_attn
@@ -330,13 +352,101 @@ def native_draft_layer(draft: Any, emb: torch.Tensor, cache: Any, ctx: Any
     """An EAGLE-3 draft's first (and only) layer in decoder.c, where it runs this forward
     (emb [N, D] token-major rows; as native_decoder); None for a draft of more layers, a
     sharded one, or other products."""
+    kernels = _native_forward(emb, cache, ctx)
+    return _serving(_draft_decoder(draft, kernels), emb, cache, ctx)
+
+
+def _draft_decoder(draft: Any, kernels: Any) -> NativeDecoder | None:
+    """The draft's NativeDecoder (held, or built): None without the kernels, for a draft
+    of more layers, a sharded one, or other products."""
     from specscope.draft.eagle3 import FirstLayer
 
-    kernels = _native_forward(emb, cache, ctx)
     if kernels is None or len(draft.layers) != 1 or draft.tp is not None or \
             not getattr(draft, "native_decoder_enabled", True):
         return None
     cfg = draft.config
-    return _serving(_held_or_built(draft, draft.layers, kernels, lambda: NativeDecoder(
+    return _held_or_built(draft, draft.layers, kernels, lambda: NativeDecoder(
         kernels, draft.layers, cfg.hidden_size, cfg.rms_norm_eps)
-        if layers_apply(list(draft.layers), FirstLayer) else None), emb, cache, ctx)
+        if layers_apply(list(draft.layers), FirstLayer) else None)
+
+
+def _embedding_weight(draft: Any) -> torch.Tensor | None:
+    """The draft's token embedding as one dense [V, D] tensor (its own, or the target's
+    borrowed whole); None for a sharded one."""
+    if draft.embed_tokens is not None:
+        return draft.embed_tokens.weight
+    return None if draft._target_embed_module is not None else draft._target_embed
+
+
+def native_draft_chain(draft: Any, h0: torch.Tensor, cache: Any, reach: int
+                       ) -> NativeDecoder | None:
+    """The draft's NativeDecoder where a greedy chain's steps for h0 [S, D] may run in
+    decoder.c (NativeDraftChain): as native_draft_layer, and besides a head of its own on
+    GGUF codes without a bias, a dense embedding, final norm and rope tables of the
+    activations' dtype, at most ATTENTION_MAX_TOKENS chains, and rope rows for every
+    position below `reach`; else None."""
+    from specscope.models.quant import GgufLinear
+
+    if h0.is_cuda or not isinstance(cache, PagedKV):
+        return None
+    head, embed, rope = draft.lm_head, _embedding_weight(draft), draft._rope
+    dtype = h0.dtype
+    if type(head) is not GgufLinear or head.bias is not None or embed is None or \
+            rope is None or rope[0].shape[0] < reach or draft.d2t.dtype != torch.int64:
+        return None
+    if any(t.dtype != dtype or not t.is_contiguous()
+           for t in (embed, draft.norm.weight, *rope)) or draft.norm.eps != \
+            draft.config.rms_norm_eps:
+        return None
+    nd = _draft_decoder(draft, cpu_kernels_for(h0))
+    return nd if nd is not None and nd.serves(h0, cache, rope[0]) else None
+
+
+class NativeDraftChain:
+    """One cycle's greedy draft chains in decoder.c, a call a draft step
+    (sc_eagle3_chain_step): the head over the step's normed rows, the argmax and the
+    vocabulary map, then the draft's forward of the chosen tokens (embedding, first
+    layer, final norm), with no Python between them. spec/drafter.py draft_chain's greedy
+    path is its reference, bit-equal. nd: from native_draft_chain for h0."""
+
+    def __init__(self, nd: NativeDecoder, draft: Any, cache: Any, tables: torch.Tensor,
+                 n: torch.Tensor, reach: int, h0: torch.Tensor, normed0: torch.Tensor,
+                 root: torch.Tensor, num_steps: int) -> None:
+        """tables [S, blocks] the chains' draft block tables, n [S] their roots' positions,
+        root [S] the roots, reach a bound on every position a step sees; h0, normed0 [S, D]
+        the extend's outputs (not modified)."""
+        from specscope.native.cpu import _i64
+
+        self._nd = nd
+        self._step_call, work_bytes = _chain_calls(nd.lib)
+        S = h0.shape[0]
+        self.S, self.num_steps = S, num_steps
+        self.bf16 = h0.dtype == torch.bfloat16
+        nd._bind_cache(cache)
+        self.h, self.normed = h0.contiguous().clone(), normed0.contiguous().clone()
+        self.tokens = torch.empty(S, num_steps + 1, dtype=torch.long)
+        self.tokens[:, 0] = root
+        self._held = (_i64(tables), _i64(n))
+        cos, sin = draft._rope
+        head = draft.lm_head
+        self._chain = _Chain(_embedding_weight(draft).data_ptr(), draft.norm.weight.data_ptr(),
+                             _qlinear(head), draft.d2t.data_ptr(), cos.data_ptr(),
+                             sin.data_ptr(), nd._hidden_norm, nd._norm_before_residual,
+                             int(draft.config.norm_output), self._held[0].data_ptr(),
+                             self._held[0].shape[1], cache.k[0].shape[1],
+                             self._held[1].data_ptr(), reach)
+        need = work_bytes(nd.dims, S, head.out_features, self.bf16)
+        if nd._work.numel() < need:
+            nd._work = torch.empty(need, dtype=torch.uint8)
+
+    def step(self, j: int) -> None:
+        """Draft step j (1-based): token j of every chain into tokens[:, j], then (before
+        the last) the draft's forward of it at position n + j - 1."""
+        nd = self._nd
+        rc = self._step_call(nd.layers, nd.dims, self._chain, self.S, j,
+                             int(j == self.num_steps), self.h.data_ptr(),
+                             self.normed.data_ptr(), self.tokens.data_ptr(),
+                             self.num_steps + 1, nd._work.data_ptr(), self.bf16)
+        if rc != 0:
+            raise MemoryError(f"native CPU attention could not allocate its scratch for "
+                              f"{self.S} draft tokens")

@@ -112,7 +112,7 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
     tokens, qs = [root], []
     normed, h = normed0, h0
     counts = None  # [R, Vd] int32: the adjusted rows' draft tokens so far
-    argmax_only = adjust is None and mask is None and all(p.greedy for p in params)
+    argmax_only = greedy_only(params, adjust, mask)
     for j in range(1, k + 1):
         if prof:
             prof.mark(Phase.DRAFT_STEP, step=j)
@@ -148,10 +148,23 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
             for r, q in enumerate(per_row):
                 if q is not None:
                     draft_probs[r, j] = _to_target_probs(draft, q)
-    return DraftTree(tokens=torch.stack(tokens, 1),
-                     parents=torch.arange(-1, k, device=dev).expand(S, k + 1),
-                     depth=torch.arange(k + 1, device=dev).expand(S, k + 1),
+    return chain_tree(torch.stack(tokens, 1), draft_probs)
+
+
+def chain_tree(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+    """S chains as DraftTrees: tokens [S, k + 1] (each root, then its k draft tokens)."""
+    S, k1 = tokens.shape
+    dev = tokens.device
+    return DraftTree(tokens=tokens, parents=torch.arange(-1, k1 - 1, device=dev).expand(S, k1),
+                     depth=torch.arange(k1, device=dev).expand(S, k1),
                      draft_probs=draft_probs, chain=True)
+
+
+def greedy_only(params: list[SamplingParams], adjust: LogitsAdjustment | None,
+                mask: DraftMask | None) -> bool:
+    """Whether every draft token is the argmax of the draft's logits as they are: greedy
+    sequences, no logits adjustments, no constraint."""
+    return adjust is None and mask is None and all(p.greedy for p in params)
 
 
 def _scores_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
