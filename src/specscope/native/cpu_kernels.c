@@ -285,47 +285,66 @@ static int64_t key_slots(const Meta *m, int64_t i, int64_t *slots) {
     return n;
 }
 
-/* KV head g's columns of the cache rows at L slots, in fp32: buf [L, D]. */
-static void load_head(const void *c, const int64_t *slots, int64_t L, int64_t row, int64_t off,
-                      int64_t D, float *buf, int bf16) {
-    size_t es = bf16 ? 2 : 4;
-    for (int64_t j = 0; j < L; j++) {
-        if (j + 1 < L) __builtin_prefetch((const char *)c + (slots[j + 1] * row + off) * es);
-        load_row(buf + j * D, c, slots[j] * row + off, D, bf16);
+/* One KV head's keys or values in the paged cache: rows at `slots` (in position order),
+ * each `row` elements apart, the head's D columns from `off`. */
+typedef struct {
+    const void *c;
+    const int64_t *slots;
+    int64_t row, off;
+    int bf16;
+} Head;
+
+/* Keys a block of attend_piece visits before moving on: the block's K or V rows (8 KB at
+ * D = 64) are converted to fp32 into an L1-sized buffer that every row of the piece then
+ * uses, so no key is converted or read from the cache twice and no context-sized fp32 copy
+ * passes through the caches. A multiple of 8 (row_scores' groups). */
+#define KEY_BLOCK 32
+
+/* Rows [j0, j1) of a head into buf [j1 - j0, D] as fp32, the next block's rows fetched
+ * ahead meanwhile (the cache's rows of one head are strided: the hardware's prefetch
+ * does not see them coming). */
+static inline void load_block(const Head *h, int64_t j0, int64_t j1, int64_t L, int64_t D,
+                              float *buf) {
+    size_t es = h->bf16 ? 2 : 4;
+    for (int64_t j = j0; j < j1; j++) {
+        int64_t ahead = j + KEY_BLOCK;
+        if (ahead < L) {
+            const char *p = (const char *)h->c + (h->slots[ahead] * h->row + h->off) * es;
+            for (size_t b = 0; b < D * es; b += 64) __builtin_prefetch(p + b);
+        }
+        load_row(buf + (j - j0) * D, h->c, h->slots[j] * h->row + h->off, D, h->bf16);
     }
 }
 
-/* Keys a block of attend_piece visits before moving on: the block's K or V rows (8 KB at
- * D = 64 in fp32) stay in L1 while every row of the piece uses them. */
-#define KEY_BLOCK 32
-
-/* Scores of one query row q [D] against keys [j0, j1) of kbuf [L, D], scaled, into s:
- * keys below `whole` (its row's key count rounded down to 8) eight at a time, the rest one
- * by one, as a row of L keys takes them (hsum8x8 sums as hsum8 does, so a score does not
- * depend on which way it was reduced). D is a constant where the callers pass one. */
+/* Scores of one query row q [D] against keys [j0, j1) (kb: key j0's row of a block, [.., D]),
+ * scaled, into s (indexed by key): keys below `whole` (its row's key count rounded down to
+ * 8) eight at a time, the rest one by one, as a row of L keys takes them (hsum8x8 sums as
+ * hsum8 does, so a score does not depend on which way it was reduced). D is a constant
+ * where the callers pass one. */
 static inline __attribute__((always_inline)) void row_scores(
-        const float *q, int64_t D, const float *kbuf, int64_t j0, int64_t j1, int64_t whole,
+        const float *q, int64_t D, const float *kb, int64_t j0, int64_t j1, int64_t whole,
         float scale, float *s) {
     int64_t j = j0;
     for (; j + 8 <= j1 && j + 8 <= whole; j += 8) {
         v8f lanes[8];
-        for (int k = 0; k < 8; k++) lanes[k] = dot_lanes(q, kbuf + (j + k) * D, D);
+        for (int k = 0; k < 8; k++) lanes[k] = dot_lanes(q, kb + (j - j0 + k) * D, D);
         st8(s + j, hsum8x8(lanes) * scale);
     }
-    for (; j < j1; j++) s[j] = hsum8(dot_lanes(q, kbuf + j * D, D)) * scale;
+    for (; j < j1; j++) s[j] = hsum8(dot_lanes(q, kb + (j - j0) * D, D)) * scale;
 }
 
-/* o [D] += sum over j in [j0, j1) of p[j] v_j (vbuf [L, D]), lane by lane in key order;
- * o starts from zero at j0 == 0. The sum stays in registers for D = 64 and 128. */
+/* o [D] += sum over j in [j0, j1) of p[j] v_j (vb: value j0's row of a block), lane by
+ * lane in key order; o starts from zero at j0 == 0. The sum stays in registers for D = 64
+ * and 128. */
 static inline __attribute__((always_inline)) void row_values(
-        const float *vbuf, const float *p, int64_t j0, int64_t j1, int64_t D, float *o) {
+        const float *vb, const float *p, int64_t j0, int64_t j1, int64_t D, float *o) {
     if (D == 64 || D == 128) {
         int DC = (int)(D / 8);
         v8f a[16];
         for (int c = 0; c < DC; c++) a[c] = j0 == 0 ? splat(0.0f) : ld8(o + 8 * c);
         for (int64_t j = j0; j < j1; j++) {
             v8f pj = splat(p[j]);
-            const float *v = vbuf + j * D;
+            const float *v = vb + (j - j0) * D;
             for (int c = 0; c < DC; c++) a[c] += pj * ld8(v + 8 * c);
         }
         for (int c = 0; c < DC; c++) st8(o + 8 * c, a[c]);
@@ -334,30 +353,32 @@ static inline __attribute__((always_inline)) void row_values(
     if (j0 == 0) memset(o, 0, (size_t)D * sizeof(float));
     for (int64_t j = j0; j < j1; j++) {
         v8f pj = splat(p[j]);
-        const float *v = vbuf + j * D;
+        const float *v = vb + (j - j0) * D;
         for (int64_t d = 0; d + 8 <= D; d += 8) st8(o + d, ld8(o + d) + pj * ld8(v + d));
     }
 }
 
 /* Attention of a piece of n tokens of one sequence, each over the first lens[t] keys and
- * values of one KV head (kbuf, vbuf [>= max lens, D] fp32), G query heads a token (token
- * t's at q + t * q_stride, [G, D] fp32): out [n, G, D] fp32. Scores in fp32, scaled after
- * the product, softmax, then the weighted sum of the values: the reference's order, row by
- * row. The keys are visited KEY_BLOCK at a time for every row of the piece, so a verify's
- * tokens read each key and value once from L1 rather than all of them from L2 once a
- * token. s: [n * G * lens[n - 1]] floats. */
+ * values of one KV head (k, v: the cache's rows in position order), G query heads a token
+ * (token t's at q + t * q_stride, [G, D] fp32): out [n, G, D] fp32. Scores in fp32, scaled
+ * after the product, softmax, then the weighted sum of the values: the reference's order,
+ * row by row. The keys, then the values, are visited KEY_BLOCK at a time for every row of
+ * the piece (load_block). s: [n * G * lens[n - 1]] floats; blk: [KEY_BLOCK * D]. */
 static inline __attribute__((always_inline)) void attend_piece(
         const float *q, int64_t q_stride, int64_t n, const int64_t *lens, int64_t G,
-        int64_t D, const float *kbuf, const float *vbuf, float scale, float *out, float *s) {
+        int64_t D, const Head *k, const Head *v, float scale, float *out, float *s,
+        float *blk) {
     int64_t L_max = 0;
     for (int64_t t = 0; t < n; t++) L_max = lens[t] > L_max ? lens[t] : L_max;
-    for (int64_t j0 = 0; j0 < L_max; j0 += KEY_BLOCK)
+    for (int64_t j0 = 0; j0 < L_max; j0 += KEY_BLOCK) {
+        load_block(k, j0, j0 + KEY_BLOCK < L_max ? j0 + KEY_BLOCK : L_max, L_max, D, blk);
         for (int64_t t = 0; t < n; t++) {
             int64_t j1 = j0 + KEY_BLOCK < lens[t] ? j0 + KEY_BLOCK : lens[t];
             for (int64_t h = 0; h < G && j0 < j1; h++)
-                row_scores(q + t * q_stride + h * D, D, kbuf, j0, j1, lens[t] - lens[t] % 8,
+                row_scores(q + t * q_stride + h * D, D, blk, j0, j1, lens[t] - lens[t] % 8,
                            scale, s + (t * G + h) * L_max);
         }
+    }
     for (int64_t r = 0; r < n * G; r++) {
         int64_t L = lens[r / G];
         float *sr = s + r * L_max;
@@ -368,20 +389,22 @@ static inline __attribute__((always_inline)) void attend_piece(
         float inv = 1.0f / exp_shifted(sr, L, row_max(sr, L));
         for (int64_t j = 0; j < L; j++) sr[j] *= inv;
     }
-    for (int64_t j0 = 0; j0 < L_max; j0 += KEY_BLOCK)
+    for (int64_t j0 = 0; j0 < L_max; j0 += KEY_BLOCK) {
+        load_block(v, j0, j0 + KEY_BLOCK < L_max ? j0 + KEY_BLOCK : L_max, L_max, D, blk);
         for (int64_t r = 0; r < n * G; r++) {
             int64_t L = lens[r / G], j1 = j0 + KEY_BLOCK < L ? j0 + KEY_BLOCK : L;
-            if (j0 < j1) row_values(vbuf, s + r * L_max, j0, j1, D, out + r * D);
+            if (j0 < j1) row_values(blk, s + r * L_max, j0, j1, D, out + r * D);
         }
+    }
 }
 
 /* attend_piece with the head dims the models use as constants (the products unroll). */
 static void attend_piece_d(const float *q, int64_t q_stride, int64_t n, const int64_t *lens,
-                           int64_t G, int64_t D, const float *kbuf, const float *vbuf,
-                           float scale, float *out, float *s) {
-    if (D == 64) attend_piece(q, q_stride, n, lens, G, 64, kbuf, vbuf, scale, out, s);
-    else if (D == 128) attend_piece(q, q_stride, n, lens, G, 128, kbuf, vbuf, scale, out, s);
-    else attend_piece(q, q_stride, n, lens, G, D, kbuf, vbuf, scale, out, s);
+                           int64_t G, int64_t D, const Head *k, const Head *v, float scale,
+                           float *out, float *s, float *blk) {
+    if (D == 64) attend_piece(q, q_stride, n, lens, G, 64, k, v, scale, out, s, blk);
+    else if (D == 128) attend_piece(q, q_stride, n, lens, G, 128, k, v, scale, out, s, blk);
+    else attend_piece(q, q_stride, n, lens, G, D, k, v, scale, out, s, blk);
 }
 
 /* *buf grown to at least n elements of `size` bytes (half as much again, so a context that
@@ -487,19 +510,18 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
 #pragma omp parallel for schedule(static) if (items > 1)
     for (int64_t it = 0; it < items; it++) {
         int64_t p = it / Hkv, g = it - p * Hkv, a = piece_a[p], b = piece_b[p];
-        int64_t L = lens[b - 1];
         int64_t n = b - a;
-        float *kbuf = scratch_floats((size_t)(2 * L_cap * D + n * G * (L_cap + D)));
-        if (!kbuf) {
+        float *sc = scratch_floats((size_t)(n * G * (L_cap + D) + KEY_BLOCK * D));
+        if (!sc) {
 #pragma omp atomic write
             rc = -1;
             continue;
         }
-        float *vbuf = kbuf + L_cap * D, *sc = vbuf + L_cap * D, *acc = sc + n * G * L_cap;
-        load_head(k_cache, lists + (b - 1) * L_cap, L, Hkv * D, g * D, D, kbuf, bf16);
-        load_head(v_cache, lists + (b - 1) * L_cap, L, Hkv * D, g * D, D, vbuf, bf16);
-        attend_piece_d(q + (a * H + g * G) * D, H * D, n, lens + a, G, D, kbuf, vbuf, scale,
-                       acc, sc);
+        float *acc = sc + n * G * L_cap, *blk = acc + n * G * D;
+        const int64_t *keys = lists + (b - 1) * L_cap;
+        Head kh = {k_cache, keys, Hkv * D, g * D, bf16}, vh = {v_cache, keys, Hkv * D, g * D, bf16};
+        attend_piece_d(q + (a * H + g * G) * D, H * D, n, lens + a, G, D, &kh, &vh, scale,
+                       acc, sc, blk);
         for (int64_t i = a; i < b; i++)
             for (int64_t e = 0; e < G * D; e++)
                 store(out, (i * H + g * G) * D + e, acc[(i - a) * G * D + e], bf16);
