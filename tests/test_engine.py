@@ -93,7 +93,9 @@ def test_greedy_matches_uncached_reference(llm: LLM, greedy_ref) -> None:
 
 
 def test_prefill_logits_match_uncached_forward(llm: LLM, monkeypatch) -> None:
-    """The engine's prefill step samples from the logits an uncached forward gives."""
+    """The engine's prefill step samples from the logits an uncached forward gives (a
+    request asking for logprobs processes them); a plain greedy request takes their argmax
+    from the head directly, not through the sampler."""
     ids = llm.encode_prompt(PROMPT_30)
     seen = []
     real = llm.engine._sample
@@ -103,8 +105,11 @@ def test_prefill_logits_match_uncached_forward(llm: LLM, monkeypatch) -> None:
         return real(logits, seqs)
 
     monkeypatch.setattr(llm.engine, "_sample", spy)
-    llm.generate(PROMPT_30, greedy(1))
-    torch.testing.assert_close(seen[0][0], reference_logits(llm, ids), rtol=1e-4, atol=1e-4)
+    llm.generate(PROMPT_30, greedy(1, logprobs=1))
+    ref = reference_logits(llm, ids)
+    torch.testing.assert_close(seen[0][0], ref, rtol=1e-4, atol=1e-4)
+    plain = llm.generate(PROMPT_30, greedy(1))[0]
+    assert len(seen) == 1 and plain.token_ids == [int(seen[0][0].argmax())]
 
 
 @pytest.mark.parametrize(

@@ -510,3 +510,23 @@ def test_the_native_draft_chain_declines_what_it_does_not_run(kernels):
     assert native_draft_chain(draft, h0.bfloat16(), kv, 40) is None
     draft.lm_head = torch.nn.Linear(cfg.hidden_size, 64, bias=False)
     assert native_draft_chain(draft, h0, kv, 40) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_picks_as_torch_does(kernels, dtype):
+    """The C argmax against torch's over the fp32 logits: ties to the first column, a NaN
+    taken as the largest, -inf rows, leading dimensions; and a GGUF head's greedy_ids."""
+    from specscope.models.quant import GgufLinear, q8_0_codes
+
+    g = torch.Generator().manual_seed(16)
+    x = torch.randn(4, 3, 1000, generator=g).to(dtype)
+    x[0, 0, 10] = x[0, 0, 700] = 50.0  # a tie
+    x[1, 1, 5] = float("nan")
+    x[2, 2] = float("-inf")
+    want = x.float().argmax(-1)
+    assert torch.equal(kernels.argmax_rows(x), want)
+    w = torch.randn(100, 64, generator=g)
+    head = GgufLinear.from_codes(*q8_0_codes(w), None, 8, None)
+    h = torch.randn(5, 64, generator=g).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(head.greedy_ids(h), head(h).float().argmax(-1))

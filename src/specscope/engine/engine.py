@@ -42,7 +42,7 @@ from specscope.config import SamplingParams, SpecConfig, SpecPolicy
 from specscope.draft.eagle3 import Eagle3Draft
 from specscope.engine.draft_runner import DraftRunner, draft_slots
 from specscope.engine.grammar import constrain_rows, constrain_trees, draft_constraint
-from specscope.engine.logits import adjustment, count_emitted, token_state
+from specscope.engine.logits import adjustment, count_emitted, plain_greedy, token_state
 from specscope.engine.logprobs import (
     LogprobRows,
     TokenLogprobs,
@@ -398,7 +398,10 @@ class Engine:
         if spec_idx:
             self._mark(Phase.ACCEPT)
         seqs = [items[i].seq for i in batch.sampling]
-        if seqs:
+        if seqs and plain_greedy(seqs):  # the head's argmax, no logits to process
+            sampled, lps = self.model.greedy_ids(hidden[0, batch.last_rows]), None
+            count_emitted(seqs, sampled[:, None])
+        elif seqs:
             sampled, lps = self._sample_processed(
                 self.model.compute_logits(hidden[0, batch.last_rows]), seqs)
         else:  # only verifies: no row samples, and a head over no rows still costs a call
@@ -672,12 +675,17 @@ class Engine:
         """Verify every tree, commit the accepted paths, gather their taps."""
         seqs = [items[i].seq for i in spec_idx]
         S, N = len(seqs), tree.size
-        raw = self.model.compute_logits(hidden).view(S, N, -1)
-        # Adjusted per node by its own prefix, then masked by its path's grammar state.
-        logits = constrain_trees(self._process(raw, seqs, tree, adjust), tree.tokens,
-                                 tree.parents,
-                                 [s.grammar for s in seqs])
-        path, a, bonus = self._accept(seqs, tree, logits)
+        raw = None
+        if adjust is None and self.sim_rates is None and plain_greedy(seqs):
+            y = self.model.greedy_ids(hidden).view(S, N)  # the target's pick after each node
+            path, a, bonus = verify_greedy_ids(tree.tokens, tree.parents, tree.depth, y,
+                                               self.spec.num_steps, tree.chain)
+        else:
+            raw = self.model.compute_logits(hidden).view(S, N, -1)
+            # Adjusted per node by its own prefix, then masked by its path's grammar state.
+            logits = constrain_trees(self._process(raw, seqs, tree, adjust), tree.tokens,
+                                     tree.parents, [s.grammar for s in seqs])
+            path, a, bonus = self._accept(seqs, tree, logits)
         self._mark(Phase.KV_COMMIT)
         tables = n = None  # a chain's accepted nodes already sit in place: nothing to upload
         if not tree.chain:
@@ -685,7 +693,7 @@ class Engine:
             n = upload([s.num_computed for s in seqs], torch.long, self.device)
         v = self._commit_paths(tree, path, a, bonus, taps, tables, n)
         count_emitted(seqs, v.emitted)
-        if any(s.params.logprobs is not None for s in seqs):
+        if raw is not None and any(s.params.logprobs is not None for s in seqs):
             # Emitted token j comes after path node j: its row of the target's raw logits.
             node = path.clamp_min(0)[..., None].expand(-1, -1, raw.shape[-1])  # [S, k+1, V]
             v.logprobs = self._logprobs(raw.gather(1, node), v.emitted, seqs)

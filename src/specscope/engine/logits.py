@@ -82,6 +82,13 @@ def _needs(seq: Sequence) -> bool:
             or (st.stop is not None and len(seq.output_ids) < p.min_tokens))
 
 
+def plain_greedy(seqs: list[Sequence]) -> bool:
+    """Whether each sequence's next token is just the argmax of the target's raw logits:
+    greedy, no adjustments, no grammar, no logprobs asked (the head's greedy_ids serves)."""
+    return all(s.params.greedy and s.grammar is None and s.params.logprobs is None
+               and not _needs(s) for s in seqs)
+
+
 def adjustment(seqs: list[Sequence], device: torch.device) -> LogitsAdjustment | None:
     """The batch's adjustment over the rows of `seqs` (one row each) that have any; None
     when none has (the batch's logits then go to sampling and verification untouched)."""

@@ -566,9 +566,13 @@ class CausalLM(nn.Module):
 
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits(hidden).argmax(-1) -> int64 [...]: with a 16-bit head on CUDA, the
-        head and the argmax in one pass, no logits written (models/linear.py)."""
+        head and the argmax in one pass, no logits written (models/linear.py); a head on
+        GGUF codes picks in C (GgufLinear.greedy_ids)."""
         if type(self.lm_head) is Linear:
             return linear_argmax(hidden, self.lm_head.weight, self.lm_head.bias)
+        pick = getattr(self.lm_head, "greedy_ids", None)
+        if pick is not None:
+            return pick(hidden)
         return self.compute_logits(hidden).argmax(-1)
 
     # -- checkpoint mapping ---------------------------------------------------------------

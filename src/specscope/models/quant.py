@@ -109,6 +109,15 @@ class GgufLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def greedy_ids(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x).float().argmax(-1) -> int64 [...], the same ids: with the native kernels,
+        the product's rows picked in C."""
+        from specscope.native import cpu_kernels_for
+
+        y = self(x)
+        kernels = cpu_kernels_for(y)
+        return y.float().argmax(-1) if kernels is None else kernels.argmax_rows(y)
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic in torch: x [M, K] -> [M, N] in x's dtype (the integer block
         sums exact, the per-block scaling summed in another order than the C loop)."""

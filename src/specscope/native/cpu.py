@@ -65,6 +65,9 @@ class CpuKernels:
         self._quant = lib.sc_quant_linear
         self._quant.argtypes = [_P, _I, _I, _P, _P, _P, _I, _INT, _P, _INT, _P, _INT]
         self._quant.restype = None
+        self._argmax = lib.sc_argmax_rows
+        self._argmax.argtypes = [_P, _I, _I, _INT, _P]
+        self._argmax.restype = None
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -146,3 +149,13 @@ class CpuKernels:
                     out_features, bits, y.data_ptr(), x.dtype == torch.bfloat16,
                     self._scratch.data_ptr(), reference)
         return y
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., N] (fp32 or bf16) -> int64 [...]: each row's first largest column, NaN
+        counting as the largest: x.float().argmax(-1), the same ids."""
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows if rows.is_contiguous() else rows.contiguous()
+        out = torch.empty(rows.shape[0], dtype=torch.long)
+        self._argmax(rows.data_ptr(), rows.shape[0], rows.shape[1],
+                     rows.dtype == torch.bfloat16, out.data_ptr())
+        return out.view(x.shape[:-1])

@@ -215,6 +215,12 @@ static int64_t argmax_row(const void *x, int64_t row, int64_t n, int bf16) {
     return best;
 }
 
+/* out[r] = the argmax of row r of x [M, N] (argmax_row's), for r < M: a greedy pick over a
+ * head's logits without torch's single-threaded reduction and fp32 copy. */
+void sc_argmax_rows(const void *x, int64_t M, int64_t N, int bf16, int64_t *out) {
+    for (int64_t r = 0; r < M; r++) out[r] = argmax_row(x, r, N, bf16);
+}
+
 /* Draft step j (1-based) of S greedy chains, as spec/drafter.py draft_chain's greedy path
  * takes it: token j of each chain is the argmax of the head over normed [S, D], mapped to
  * the target's vocabulary (tokens[s * stride + j]); then, unless `last`, the draft's
