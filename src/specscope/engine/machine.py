@@ -103,13 +103,15 @@ def default_draft_skipped(device: torch.device, dtype: str, quantization: str,
     """Why the default model's machine-chosen path decodes plainly instead of speculating
     with its shipped draft on this machine, or "" where it speculates. On a CPU where the
     native kernels build, `auto` runs the GGUF's 4-bit codes through the native decoder
-    (native/decoder.c), and there plain decoding measured faster than speculating with the
-    Q8_0 draft on both CPU classes: 142.1 against 99.6 tok/s at 128 new tokens and 133.0
-    against 121.2 at 256 with AVX-512 and bf16, 157.8 against 103.7 and 153.6 against 94.0
-    held to AVX2 (8 MT-Bench first turns, a 2-core Xeon; docs/cpu.md): the 6-token verify
-    costs 1.7-2.9x a decode step. Without the native kernels (no C compiler) the weights
-    are dense and speculation wins. The choice is the machine's only where the caller left
-    dtype and quantization to it."""
+    (native/decoder.c). There plain decoding is the surer choice on both CPU classes: with
+    the draft chain in C and greedy picks in C (2-core Zen 4, 8 MT-Bench first turns,
+    benchmarks/llamacpp.py, 2026-12-07), speculating with the Q8_0 draft read 192.2
+    against 224.9 tok/s plain at 128 new tokens and 262.3 against 214.1 at 256 with
+    AVX-512 and bf16, 163.5 against 202.2 and 197.8 against 189.0 held to AVX2: it loses
+    where the draft's accept length is low (2.2-2.3 at 128 tokens) because the 6-token
+    verify still costs 1.9-2.4x a decode step (docs/cpu.md). Without the native kernels
+    (no C compiler) the weights are dense and speculation wins. The choice is the
+    machine's only where the caller left dtype and quantization to it."""
     if device.type != "cpu" or dtype != "auto" or quantization != "auto" \
             or tensor_parallel_size != 1:
         return ""
