@@ -85,21 +85,24 @@ static inline int quantize_block(const void *x, int64_t k, int bf16, int8_t *a, 
 }
 #endif
 
-/* One activation row [K] (fp32 or bf16) -> codes a [K], scales e [K/32], e * (the block's
- * code sum) s [K/32] (the offset term's factor) and 128 * the code sum c [K/32] (the 8-bit
- * codes' offset). */
-static void quantize_row(const void *x, int64_t row, int64_t K, int bf16, int8_t *a, float *e,
-                         float *s, int32_t *c, int reference) {
+/* Activation row `row` of M [K] (fp32 or bf16) -> its codes, scales e, e * (the block's code
+ * sum) s (the offset term's factor) and 128 * the code sum c (the 8-bit codes' offset), in
+ * block-major layouts: a [K/32, M, 32], e, s, c [K/32, M]. A block's rows then lie at fixed
+ * distances from one address, so the products need one pointer for all their rows, not
+ * three a row (which ran out of general registers at six rows). */
+static void quantize_row(const void *x, int64_t row, int64_t M, int64_t K, int bf16, int8_t *a,
+                         float *e, float *s, int32_t *c, int reference) {
     float buf[QK];
     for (int64_t b = 0; b < K / QK; b++) {
         float amax = 0.0f;
         int sum = 0;
+        int64_t at = b * M + row;
 #if defined(__AVX2__)
         if (!reference) {
-            sum = quantize_block(x, row * K + b * QK, bf16, a + b * QK, &amax);
-            e[b] = amax / 127.0f;
-            s[b] = e[b] * (float)sum;
-            c[b] = 128 * sum;
+            sum = quantize_block(x, row * K + b * QK, bf16, a + at * QK, &amax);
+            e[at] = amax / 127.0f;
+            s[at] = e[at] * (float)sum;
+            c[at] = 128 * sum;
             continue;
         }
 #endif
@@ -113,12 +116,12 @@ static void quantize_row(const void *x, int64_t row, int64_t K, int bf16, int8_t
         for (int i = 0; i < QK; i++) {
             int q = (int)rintf(buf[i] * id);
             q = q > 127 ? 127 : (q < -127 ? -127 : q);
-            a[b * QK + i] = (int8_t)q;
+            a[at * QK + i] = (int8_t)q;
             sum += q;
         }
-        e[b] = amax / 127.0f;
-        s[b] = e[b] * (float)sum;
-        c[b] = 128 * sum;
+        e[at] = amax / 127.0f;
+        s[at] = e[at] * (float)sum;
+        c[at] = 128 * sum;
     }
 }
 
@@ -135,17 +138,17 @@ static inline int code_at(const uint8_t *blk, int r, int i, int bits) {
 
 /* The reference: every path's order, one lane at a time. */
 static void tile_scalar(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
-                        int bits, const int8_t *a, const float *e, const float *s, int64_t K,
+                        int bits, const int8_t *a, const float *e, const float *s, int64_t M,
                         int64_t m, float *acc) {
     for (int r = 0; r < TILE; r++) acc[r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * tile_block_bytes(bits);
-        const int8_t *ab = a + m * K + b * QK;
+        const int8_t *ab = a + (b * M + m) * QK;
         for (int r = 0; r < TILE; r++) {
             int32_t t = 0;
             for (int i = 0; i < QK; i++) t += code_at(blk, r, i, bits) * ab[i];
-            acc[r] = fmaf((float)t, wd[b * TILE + r] * e[m * (K / QK) + b], acc[r]);
-            if (wm) acc[r] = fmaf(wm[b * TILE + r], s[m * (K / QK) + b], acc[r]);
+            acc[r] = fmaf((float)t, wd[b * TILE + r] * e[b * M + m], acc[r]);
+            if (wm) acc[r] = fmaf(wm[b * TILE + r], s[b * M + m], acc[r]);
         }
     }
 }
@@ -247,7 +250,7 @@ static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
  * compiler kept them in memory, a store and a reload on every block's chain. */
 static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
-        const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t K,
+        const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t M,
         int64_t m0, int R, void *y, int64_t N, int64_t n0, int cols, int bf16) {
     __m256 acc[8];
     for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
@@ -264,10 +267,10 @@ static inline __attribute__((always_inline)) void tile_rows(
         __m256 mo = wm ? _mm256_loadu_ps(wm + b * TILE) : d;
         for (int j = 0; j < R; j++) {
             int64_t m = m0 + j;
-            __m256i isum = block_isum(codes, bits, a + m * K + b * QK, c[m * nb + b], R);
-            __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(e[m * nb + b]));
+            __m256i isum = block_isum(codes, bits, a + (b * M + m) * QK, c[b * M + m], R);
+            __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(e[b * M + m]));
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), de, acc[j]);
-            if (wm) acc[j] = _mm256_fmadd_ps(mo, _mm256_set1_ps(s[m * nb + b]), acc[j]);
+            if (wm) acc[j] = _mm256_fmadd_ps(mo, _mm256_set1_ps(s[b * M + m]), acc[j]);
         }
     }
     float out[TILE];
@@ -280,11 +283,11 @@ static inline __attribute__((always_inline)) void tile_rows(
 /* tile_rows with R, bits and the offsets' presence as constants. */
 #define TILE_ROWS_R(R_) do {                                                                \
         if (bits == 4 && wm)                                                               \
-            tile_rows(w, wd, wm, nb, 4, a, e, s, c, K, m0, R_, y, N, n0, cols, bf16);      \
+            tile_rows(w, wd, wm, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);      \
         else if (bits == 4)                                                                \
-            tile_rows(w, wd, NULL, nb, 4, a, e, s, c, K, m0, R_, y, N, n0, cols, bf16);    \
+            tile_rows(w, wd, NULL, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);    \
         else                                                                               \
-            tile_rows(w, wd, wm, nb, 8, a, e, s, c, K, m0, R_, y, N, n0, cols, bf16);      \
+            tile_rows(w, wd, wm, nb, 8, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);      \
     } while (0)
 #endif
 
@@ -324,12 +327,12 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
     (void)reference;
     (void)c;
     for (int64_t m = 0; m < M; m++) {
-        tile_scalar(w, wd, wm, nb, bits, a, e, s, K, m, out);
+        tile_scalar(w, wd, wm, nb, bits, a, e, s, M, m, out);
         store_row(y, m * N + n0, out, cols, bf16);
     }
 }
 
-int sc_quant_version(void) { return 2; }
+int sc_quant_version(void) { return 3; }
 
 /* y [M, N] = x [M, K] W^T, W in the tiled layout above (`bits` 4 or 8; wm NULL where the
  * blocks have no offset), x and y fp32 or bf16 (`bf16`). scratch: at least
@@ -343,7 +346,7 @@ void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, cons
     float *s = e + M * nb;
     int32_t *c = (int32_t *)(s + M * nb);
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x, m, K, bf16, a + m * K, e + m * nb, s + m * nb, c + m * nb, reference);
+        quantize_row(x, m, M, K, bf16, a, e, s, c, reference);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
         tile(w + t * nb * tile_block_bytes(bits), wd + t * nb * TILE,
