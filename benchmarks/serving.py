@@ -8,8 +8,10 @@ random draft with SIMULATED acceptance (default tau 3.9, a chain of 7), labelled
     python benchmarks/serving.py --device cuda
     python benchmarks/serving.py --device cuda --long-context 16384
 
-CPU: the default model (SmolLM2-135M GGUF); `--sequential` also runs the same requests one
-after another and reports how much faster they finish batched.
+CPU: the default model (SmolLM2-135M GGUF) as `specscope generate` runs it (dtype and
+quantization auto: the GGUF's 4-bit codes on the native kernels where they build;
+`--dtype fp32 --quantization none` for dense weights); `--sequential` also runs the same
+requests one after another and reports how much faster they finish batched.
 
     python benchmarks/serving.py --device cpu --concurrency 8 --output-len 64 --sequential
 
@@ -48,11 +50,14 @@ from specscope.models.registry import config_from_hf  # noqa: E402
 
 def build_model(args):
     if args.device == "cpu" and args.shape == "default":
+        from specscope.engine.machine import resolve_dtype, resolve_quantization
         from specscope.models.loader import load_model
 
-        loaded = load_model(None, torch.float32 if args.dtype == "fp32" else torch.bfloat16,
-                            torch.device("cpu"), None, "none")
-        return loaded.model
+        cpu = torch.device("cpu")
+        quant, _ = resolve_quantization(args.quantization, None, cpu, args.dtype)
+        dtype = resolve_dtype(args.dtype, cpu)
+        args.dtype, args.quantization = {torch.bfloat16: "bf16"}.get(dtype, "fp32"), quant
+        return load_model(None, dtype, cpu, None, quant).model
     from specscope.models.loader import random_model
 
     cfg = config_from_hf(layers(args.shape, args.layers), name=args.shape)
@@ -215,7 +220,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None,
                     help="keep the shape's layer width, cut it to this many decoder layers "
                     "(a DeepSeek-V3 / Kimi-K2 subset that fits one GPU)")
-    ap.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--dtype", default=None, help="default: bf16 on CUDA; on the CPU auto "
+                    "(bf16 where the CPU has native bf16, else fp32), as `specscope generate`")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int4-gguf"],
+                    help="the CPU default model's weights: auto (the GGUF's 4-bit codes on the "
+                    "native kernels where they build, as `specscope generate`) or none (dense)")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 4, 16, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -242,11 +251,12 @@ def main() -> None:
     args.rates = None
     cpu = args.device == "cpu"
     args.shape = args.shape or ("default" if cpu else "llama-3.1-8b")
-    args.dtype = args.dtype or ("fp32" if cpu else "bf16")
+    args.dtype = args.dtype or ("auto" if cpu else "bf16")
     torch.manual_seed(0)
     model = build_model(args)
     out = {"device": torch.cuda.get_device_name() if not cpu else "cpu",
            "shape": args.shape, "dtype": args.dtype, "prompt_len": args.prompt_len,
+           "quantization": args.quantization if cpu else "none",
            "output_len": args.output_len}
     if args.long_context:
         out["long_context"] = long_context(args, model)

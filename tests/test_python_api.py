@@ -45,6 +45,26 @@ def test_chat_takes_one_conversation_or_several(tiny_model_dir):
         llm.chat([], params)
 
 
+def test_vllm_prompt_dicts_are_prompts(tiny_model_dir):
+    """vLLM's TokensPrompt and TextPrompt: {'prompt_token_ids': [...]} runs its ids as they
+    are, {'prompt': '...'} as the string; alone or in a batch beside strings; bad ids fail
+    before any work."""
+    llm = LLM(str(tiny_model_dir), dtype="fp32", device="cpu")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ids = llm.encode_prompt("one two")
+    by_text = llm.generate(["one two", "three"], params)
+    mixed = llm.generate([{"prompt_token_ids": ids}, {"prompt": "three"}], params)
+    assert [o.token_ids for o in mixed] == [o.token_ids for o in by_text]
+    alone = llm.generate({"prompt_token_ids": ids}, params)
+    assert len(alone) == 1 and alone[0].token_ids == by_text[0].token_ids
+    vocab = llm.model_config.vocab_size
+    for bad, match in (([], "non-empty"), ([1, "2"], "ints"), ([vocab], "outside")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([{"prompt_token_ids": bad}], params)
+    with pytest.raises(TypeError, match="TextPrompt"):
+        llm.generate({"prompt": 3}, params)
+
+
 def test_the_default_model_speculates_with_its_shipped_draft(specscope_cache_dir):
     llm = LLM(dtype="fp32", device="cpu", cache_dir=str(specscope_cache_dir))
     assert llm.spec is not None and llm.spec.draft == "default"

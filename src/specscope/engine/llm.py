@@ -85,7 +85,14 @@ from specscope.sampling import make_generator
 
 log = logging.getLogger("specscope.llm")
 
-Prompt = str | Messages
+# vLLM's prompt dicts: TokensPrompt {"prompt_token_ids": [...]}, TextPrompt {"prompt": "..."}.
+PromptDict = dict[str, Any]
+Prompt = str | Messages | PromptDict
+
+
+def _is_prompt_dict(p: Any) -> bool:
+    """A vLLM prompt dict (TokensPrompt / TextPrompt), not a chat message."""
+    return isinstance(p, dict) and ("prompt_token_ids" in p or "prompt" in p) and "role" not in p
 
 
 @dataclass
@@ -473,6 +480,13 @@ class LLM(TensorParallelRanks):
 
         Text never yields control tokens (see Tokenizer); send token ids (`stream(...,
         prompt_ids=...)`) to use them on purpose."""
+        if _is_prompt_dict(prompt):
+            if "prompt_token_ids" in prompt:
+                return self._token_prompt(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise TypeError(f"a TextPrompt's 'prompt' must be a string, got "
+                                f"{type(prompt).__name__}")
         if isinstance(prompt, str):
             check_unicode(prompt, "prompt")
             if chat:
@@ -492,6 +506,17 @@ class LLM(TensorParallelRanks):
                              f"vocabulary of {self.model_config.vocab_size}")
         return ids
 
+    def _token_prompt(self, ids: Any) -> list[int]:
+        """A TokensPrompt's ids, checked: a non-empty list of ints inside the vocabulary."""
+        if not isinstance(ids, (list, tuple)) or not ids or \
+                not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids (ints)")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids holds {bad[0]}, outside the model's vocabulary "
+                             f"of {self.model_config.vocab_size}")
+        return list(ids)
+
     def _check_length(self, n_prompt: int, params: SamplingParams) -> None:
         total = n_prompt + params.max_tokens
         if total > self.max_model_len:
@@ -502,14 +527,16 @@ class LLM(TensorParallelRanks):
 
     @staticmethod
     def _as_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, str) or _is_prompt_dict(prompts):
             return [prompts]
-        if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) and \
+                not _is_prompt_dict(prompts[0]):
             return [prompts]  # one conversation
         if isinstance(prompts, list):
             return list(prompts)
-        raise TypeError("prompts must be a string, a list of strings, a list of messages, "
-                        "or a list of conversations")
+        raise TypeError("prompts must be a string, a prompt dict ({'prompt_token_ids': [...]} "
+                        "or {'prompt': '...'}), a list of those, a list of messages, or a list "
+                        "of conversations")
 
     # -- generation -------------------------------------------------------------------------
 
@@ -517,8 +544,9 @@ class LLM(TensorParallelRanks):
                  sampling_params: SamplingParams | None = None, *,
                  chat: bool = False, tools: list[dict[str, Any]] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or a list of {'role', 'content'} messages), all
-        prompts in one batch.
+        """Generate for each prompt (a string, a list of {'role', 'content'} messages, or
+        vLLM's prompt dicts: {'prompt_token_ids': [...]} as it is, {'prompt': '...'} as the
+        string), all prompts in one batch.
 
         With chat=True, string prompts are sent as a single user message through the chat
         template. Returns one RequestOutput per prompt, in order.
