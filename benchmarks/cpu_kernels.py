@@ -156,19 +156,19 @@ def alternate(kernels: list, call: Callable, rounds: int, label: str,
 
 def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     """The native layer attention (`native/cpu.py` attend_qkv: rotary, the KV write, the
-    attention) of the default model's shape, bf16, 1 and 6 tokens of one sequence at 300
-    and 700 keys: this build's library, or each library file in `libs` (builds of other
+    attention) of the default model's shape, bf16, 1 and 6 tokens of one sequence at 300,
+    700 and 1,500 keys: this build's library, or each library file in `libs` (builds of other
     sources from the cache directory) called alternately in one process, `rounds` rounds
     of 20 calls, medians; the libraries' outputs are compared with torch.equal."""
     from specscope.kvcache.paged import BatchMeta
 
     kernels = libraries(libs)
-    H, Hkv, D, bs, blocks, dt = 9, 3, 64, 16, 64, torch.bfloat16
+    H, Hkv, D, bs, blocks, dt = 9, 3, 64, 16, 96, torch.bfloat16
     g = torch.Generator().manual_seed(0)
     kc, vc = (torch.randn(blocks, bs, Hkv, D, generator=g).to(dt) for _ in range(2))
     table = torch.randperm(blocks, generator=g)[None]
     rows = []
-    for L in (300, 700):
+    for L in (300, 700, 1500):
         for n in (1, 6):
             meta = BatchMeta.causal(table, torch.zeros(n, dtype=torch.long),
                                     torch.arange(L - n, L), bs, max_len=L)

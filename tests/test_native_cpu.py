@@ -134,6 +134,63 @@ def test_attention_of_decode_chain_and_tree_tokens_equals_the_reference(kernels,
     assert torch.equal(alone[0], got[0])
 
 
+def _long_batch(bs: int, window: int | None):
+    """Rows on both sides of the attention's key chunk (KEY_CHUNK = 512 keys): a decode token
+    at position 1,100 (three chunks), a 4-node chain after 510 tokens (its rows see 511-514
+    keys: whole, then split), a 5-node tree after 600 tokens, and a short decode at 40.
+    Each sequence's blocks scattered over the pool."""
+    per = 70  # blocks a sequence: 1,120 positions at bs 16
+    perm = torch.randperm(4 * per, generator=torch.Generator().manual_seed(5))
+    tables = perm.view(4, per)
+    decode = BatchMeta.causal(tables, torch.tensor([0]), torch.tensor([1100]), bs, window,
+                              max_len=1101)
+    chain = BatchMeta.causal(tables, torch.tensor([1] * 4), torch.arange(510, 514), bs, window,
+                             max_len=514)
+    anc = _ancestors([-1, 0, 0, 1, 2])[None]
+    rope = (600 + torch.tensor([0, 1, 1, 2, 2]))[None]
+    tree = tree_meta(tables, torch.tensor([600]), anc, bs, rows=torch.tensor([2]), rope=rope,
+                     sliding_window=window, max_len=605)
+    short = BatchMeta.causal(tables, torch.tensor([3]), torch.tensor([40]), bs, window,
+                             max_len=41)
+    positions = torch.cat([torch.tensor([1100]), torch.arange(510, 514), rope[0],
+                           torch.tensor([40])])
+    return BatchMeta.cat([decode, chain, tree, short]), positions, 4 * per
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 700])
+def test_long_rows_attend_in_key_chunks_as_the_reference(kernels, dtype, window):
+    """Rows of more than KEY_CHUNK keys are attended chunk by chunk and merged (the threads
+    share one token's few KV heads): the result equals the reference, and every token's
+    row is the same alone as among the others (a decode step's logits equal a verify's)."""
+    H, Hkv, D, bs = 6, 2, 64, 16
+    meta, positions, blocks = _long_batch(bs, window)
+    N = meta.num_tokens
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    ang = positions[:, None].float() * torch.rand(D // 2, generator=g)[None] * 0.01
+    cos, sin = (torch.cat((f(ang), f(ang)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    kv_ref = PagedKV(1, blocks, bs, Hkv, D, dtype, "cpu")
+    for t in (kv_ref.k[0], kv_ref.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    kv_nat = PagedKV(1, blocks, bs, Hkv, D, dtype, "cpu")
+    kv_nat.k[0].copy_(kv_ref.k[0])
+    kv_nat.v[0].copy_(kv_ref.v[0])
+    scale = D ** -0.5
+    want = _reference(qkv, cos, sin, kv_ref.k[0], kv_ref.v[0], meta, scale, H, Hkv, None, 1e-6)
+    got = kernels.attend_qkv(qkv, cos, sin, kv_nat.k[0], kv_nat.v[0], meta, scale, H, Hkv,
+                             None, 1e-6)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    for i in range(N):  # each token alone, its own K/V already in the cache
+        one = dataclasses.replace(meta, **{f: getattr(meta, f)[i:i + 1] for f in (
+            "slots", "seq_index", "visible", "window_start", "tree_start", "tree_mask")},
+            spans=None, span_masks=None, span_blocks=None, native_args=None)
+        alone = kernels.attend_qkv(qkv[i:i + 1].contiguous(), cos[i:i + 1].contiguous(),
+                                   sin[i:i + 1].contiguous(), kv_nat.k[0], kv_nat.v[0],
+                                   BatchMeta.cat([one]), scale, H, Hkv, None, 1e-6)
+        assert torch.equal(alone[0], got[i]), i
+
+
 def _first(meta: BatchMeta) -> BatchMeta:
     return dataclasses.replace(meta, **{f: getattr(meta, f)[:1] for f in (
         "slots", "seq_index", "visible", "window_start", "tree_start", "tree_mask")},

@@ -334,14 +334,15 @@ static inline __attribute__((always_inline)) void row_scores(
 }
 
 /* o [D] += sum over j in [j0, j1) of p[j] v_j (vb: value j0's row of a block), lane by
- * lane in key order; o starts from zero at j0 == 0. The sum stays in registers for D = 64
- * and 128. */
+ * lane in key order; o starts from zero at j0 == start. The sum stays in registers for D =
+ * 64 and 128. */
 static inline __attribute__((always_inline)) void row_values(
-        const float *vb, const float *p, int64_t j0, int64_t j1, int64_t D, float *o) {
+        const float *vb, const float *p, int64_t j0, int64_t j1, int64_t D, float *o,
+        int64_t start) {
     if (D == 64 || D == 128) {
         int DC = (int)(D / 8);
         v8f a[16];
-        for (int c = 0; c < DC; c++) a[c] = j0 == 0 ? splat(0.0f) : ld8(o + 8 * c);
+        for (int c = 0; c < DC; c++) a[c] = j0 == start ? splat(0.0f) : ld8(o + 8 * c);
         for (int64_t j = j0; j < j1; j++) {
             v8f pj = splat(p[j]);
             const float *v = vb + (j - j0) * D;
@@ -350,7 +351,7 @@ static inline __attribute__((always_inline)) void row_values(
         for (int c = 0; c < DC; c++) st8(o + 8 * c, a[c]);
         return;
     }
-    if (j0 == 0) memset(o, 0, (size_t)D * sizeof(float));
+    if (j0 == start) memset(o, 0, (size_t)D * sizeof(float));
     for (int64_t j = j0; j < j1; j++) {
         v8f pj = splat(p[j]);
         const float *v = vb + (j - j0) * D;
@@ -358,42 +359,69 @@ static inline __attribute__((always_inline)) void row_values(
     }
 }
 
-/* Attention of a piece of n tokens of one sequence, each over the first lens[t] keys and
- * values of one KV head (k, v: the cache's rows in position order), G query heads a token
- * (token t's at q + t * q_stride, [G, D] fp32): out [n, G, D] fp32. Scores in fp32, scaled
- * after the product, softmax, then the weighted sum of the values: the reference's order,
- * row by row. The keys, then the values, are visited KEY_BLOCK at a time for every row of
- * the piece (load_block). s: [n * G * lens[n - 1]] floats; blk: [KEY_BLOCK * D]. */
+/* Keys a long row's attention is split into, so that one token's few KV heads still give
+ * every thread work (flash-decoding's split-K): the default model's 3 KV heads on 2 threads
+ * left one idle half the time. A row of at most KEY_CHUNK keys is attended whole; a longer
+ * one chunk by chunk, merged in chunk order. Whether a row is split depends on its key
+ * count alone, so a token's output is the same in a decode step and in a verify, however
+ * many tokens share the call. At 300-400 keys splitting cost about what it saved, hence
+ * 512 (a chat's usual context keeps the whole pass). A multiple of KEY_BLOCK. */
+#define KEY_CHUNK 512
+
+/* Attention of a piece of n tokens of one sequence over keys [j_lo, j_hi) of one KV head,
+ * each token t seeing its first lens[t] (k, v: the cache's rows in position order), G query
+ * heads a token (token t's at q + t * q_stride, [G, D] fp32): out [n, G, D] fp32. Scores in
+ * fp32, scaled after the product, softmax, then the weighted sum of the values: the
+ * reference's order, row by row. The keys, then the values, are visited KEY_BLOCK at a time
+ * for every row of the piece (load_block). s: [n * G * lens[n - 1]] floats; blk:
+ * [KEY_BLOCK * D].
+ * ml NULL: every row whole over [0, lens[t]) (j_lo 0), normalised. Otherwise a chunk: a row
+ * of more than KEY_CHUNK keys gets its part over the chunk unnormalised, with its running
+ * max and exp-sum at ml[2 r], ml[2 r + 1] (max -inf where it sees none of the chunk); a row
+ * of at most KEY_CHUNK keys (whole in chunk 0) is normalised and marked ml[2 r + 1] = -1. */
 static inline __attribute__((always_inline)) void attend_piece(
         const float *q, int64_t q_stride, int64_t n, const int64_t *lens, int64_t G,
         int64_t D, const Head *k, const Head *v, float scale, float *out, float *s,
-        float *blk) {
+        float *blk, int64_t j_lo, int64_t j_hi, float *ml) {
     int64_t L_max = 0;
-    for (int64_t t = 0; t < n; t++) L_max = lens[t] > L_max ? lens[t] : L_max;
-    for (int64_t j0 = 0; j0 < L_max; j0 += KEY_BLOCK) {
+    for (int64_t t = 0; t < n; t++) {
+        int64_t L = lens[t] < j_hi ? lens[t] : j_hi;
+        L_max = L > L_max ? L : L_max;
+    }
+    for (int64_t j0 = j_lo; j0 < L_max; j0 += KEY_BLOCK) {
         load_block(k, j0, j0 + KEY_BLOCK < L_max ? j0 + KEY_BLOCK : L_max, L_max, D, blk);
         for (int64_t t = 0; t < n; t++) {
-            int64_t j1 = j0 + KEY_BLOCK < lens[t] ? j0 + KEY_BLOCK : lens[t];
+            int64_t L = lens[t] < j_hi ? lens[t] : j_hi;
+            int64_t j1 = j0 + KEY_BLOCK < L ? j0 + KEY_BLOCK : L;
             for (int64_t h = 0; h < G && j0 < j1; h++)
                 row_scores(q + t * q_stride + h * D, D, blk, j0, j1, lens[t] - lens[t] % 8,
                            scale, s + (t * G + h) * L_max);
         }
     }
     for (int64_t r = 0; r < n * G; r++) {
-        int64_t L = lens[r / G];
-        float *sr = s + r * L_max;
-        if (L == 0) {
+        int64_t L = lens[r / G] < j_hi ? lens[r / G] : j_hi;
+        float *sr = s + r * L_max + j_lo;
+        if (L <= j_lo) {
             memset(out + r * D, 0, (size_t)D * sizeof(float));
+            if (ml) { ml[2 * r] = -INFINITY; ml[2 * r + 1] = 0.0f; }
             continue;
         }
-        float inv = 1.0f / exp_shifted(sr, L, row_max(sr, L));
-        for (int64_t j = 0; j < L; j++) sr[j] *= inv;
+        float mx = row_max(sr, L - j_lo), sum = exp_shifted(sr, L - j_lo, mx);
+        if (ml && lens[r / G] > KEY_CHUNK) {
+            ml[2 * r] = mx;
+            ml[2 * r + 1] = sum;
+            continue;
+        }
+        if (ml) ml[2 * r + 1] = -1.0f;
+        float inv = 1.0f / sum;
+        for (int64_t j = 0; j < L - j_lo; j++) sr[j] *= inv;
     }
-    for (int64_t j0 = 0; j0 < L_max; j0 += KEY_BLOCK) {
+    for (int64_t j0 = j_lo; j0 < L_max; j0 += KEY_BLOCK) {
         load_block(v, j0, j0 + KEY_BLOCK < L_max ? j0 + KEY_BLOCK : L_max, L_max, D, blk);
         for (int64_t r = 0; r < n * G; r++) {
-            int64_t L = lens[r / G], j1 = j0 + KEY_BLOCK < L ? j0 + KEY_BLOCK : L;
-            if (j0 < j1) row_values(blk, s + r * L_max, j0, j1, D, out + r * D);
+            int64_t L = lens[r / G] < j_hi ? lens[r / G] : j_hi;
+            int64_t j1 = j0 + KEY_BLOCK < L ? j0 + KEY_BLOCK : L;
+            if (j0 < j1) row_values(blk, s + r * L_max, j0, j1, D, out + r * D, j_lo);
         }
     }
 }
@@ -401,10 +429,30 @@ static inline __attribute__((always_inline)) void attend_piece(
 /* attend_piece with the head dims the models use as constants (the products unroll). */
 static void attend_piece_d(const float *q, int64_t q_stride, int64_t n, const int64_t *lens,
                            int64_t G, int64_t D, const Head *k, const Head *v, float scale,
-                           float *out, float *s, float *blk) {
-    if (D == 64) attend_piece(q, q_stride, n, lens, G, 64, k, v, scale, out, s, blk);
-    else if (D == 128) attend_piece(q, q_stride, n, lens, G, 128, k, v, scale, out, s, blk);
-    else attend_piece(q, q_stride, n, lens, G, D, k, v, scale, out, s, blk);
+                           float *out, float *s, float *blk, int64_t j_lo, int64_t j_hi,
+                           float *ml) {
+    if (D == 64)
+        attend_piece(q, q_stride, n, lens, G, 64, k, v, scale, out, s, blk, j_lo, j_hi, ml);
+    else if (D == 128)
+        attend_piece(q, q_stride, n, lens, G, 128, k, v, scale, out, s, blk, j_lo, j_hi, ml);
+    else
+        attend_piece(q, q_stride, n, lens, G, D, k, v, scale, out, s, blk, j_lo, j_hi, ml);
+}
+
+/* A split row's output o [D] from its chunks' unnormalised parts part[c] ([.., D], `stride`
+ * floats apart) and their (max, exp-sum) ml[c] (2 floats, `ml_stride` apart), in chunk
+ * order. */
+static void merge_chunks(const float *part, int64_t stride, const float *ml, int64_t ml_stride,
+                         int64_t chunks, int64_t D, float *o) {
+    float mx = -INFINITY, tot = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) mx = ml[c * ml_stride] > mx ? ml[c * ml_stride] : mx;
+    for (int64_t c = 0; c < chunks; c++)
+        tot += ml[c * ml_stride + 1] * expf(ml[c * ml_stride] - mx);
+    memset(o, 0, (size_t)D * sizeof(float));
+    for (int64_t c = 0; c < chunks; c++) {
+        float w = expf(ml[c * ml_stride] - mx) / tot;
+        for (int64_t d = 0; d < D; d++) o[d] += w * part[c * stride + d];
+    }
 }
 
 /* *buf grown to at least n elements of `size` bytes (half as much again, so a context that
@@ -436,6 +484,40 @@ static int64_t *scratch_slots(size_t n) {
     return (int64_t *)grow(&buf, &cap, n, sizeof(int64_t));
 }
 
+/* Key chunks a row of L keys is attended in (1: whole). */
+static inline int64_t chunks_of(int64_t L) {
+    return L > KEY_CHUNK ? (L + KEY_CHUNK - 1) / KEY_CHUNK : 1;
+}
+
+/* A split piece's rows for head g merged from its chunks' parts (attend_piece's layout:
+ * [ch][n G D] outputs, then [ch][n G 2] max and exp-sum) into out [N, H * D]; a row of at
+ * most KEY_CHUNK keys is chunk 0's as it is. a: the piece's first token, n its tokens. */
+static void merge_piece(const float *base, int64_t ch, int64_t a, int64_t n, int64_t g,
+                        const int64_t *lens, int64_t H, int64_t G, int64_t D, void *out,
+                        int bf16) {
+    int64_t stride = n * G * D;
+    const float *ml = base + ch * stride;
+    float o[D];
+    for (int64_t r = 0; r < n * G; r++) {
+        int64_t i = a + r / G, h = g * G + r % G, L = lens[i];
+        const float *src = base + r * D;
+        if (L > KEY_CHUNK) {
+            merge_chunks(src, stride, ml + 2 * r, n * G * 2, chunks_of(L), D, o);
+            src = o;
+        }
+        for (int64_t d = 0; d < D; d++) store(out, (i * H + h) * D + d, src[d], bf16);
+    }
+}
+
+/* Work items biggest first (rows times keys; then in order): handed out one at a time,
+ * the threads end together although chunks and pieces differ in size. */
+static __thread const int64_t *item_cost;  /* qsort takes no context argument */
+static int by_cost(const void *x, const void *y) {
+    int64_t i = *(const int64_t *)x, j = *(const int64_t *)y;
+    if (item_cost[i] != item_cost[j]) return item_cost[i] < item_cost[j] ? 1 : -1;
+    return i < j ? -1 : (i > j);
+}
+
 /* One layer's attention for N tokens of a flattened batch, from the fused projection's rows
  * qkv [N, (H + 2 Hkv) D]: per-head q/k norms (q_norm and k_norm may be NULL), rotary by
  * cos/sin [N, D] (rotate-half form), this step's K and V written to the paged cache at
@@ -455,6 +537,8 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
     int64_t W = (H + 2 * Hkv) * D, L_cap = max_len + T, G = H / Hkv;
     float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
     float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
+    int64_t *item = NULL;
+    float *part = NULL;
     int rc = 0;
     if (!q || !row) { rc = -1; goto done; }
     for (int64_t i = 0; i < N; i++) {
@@ -489,12 +573,16 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                    (size_t)lens[i - 1] * sizeof(int64_t)) == 0;
         run_of[i] = joins ? run_of[i - 1] : runs++;
     }
-    /* Pieces of runs: enough work items (piece, KV head) for the threads to share. */
+    /* Pieces of runs: enough work items (piece, KV head, key chunk) for the threads to
+     * share; a run is cut into pieces of tokens only where its chunks are too few. */
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    int64_t parts = runs * Hkv >= 2 * threads ? 1 : (2 * threads + runs * Hkv - 1) / (runs * Hkv);
+    int64_t run_items = 0;
+    for (int64_t i = 0; i < N; i++)
+        if (i == N - 1 || run_of[i + 1] != run_of[i]) run_items += Hkv * chunks_of(lens[i]);
+    int64_t parts = run_items >= 4 * threads ? 1 : (4 * threads + run_items - 1) / run_items;
     int64_t pieces = 0;
     for (int64_t a = 0; a < N;) {
         int64_t b = a;
@@ -506,30 +594,81 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
         }
         a = b;
     }
-    int64_t items = pieces * Hkv;
-#pragma omp parallel for schedule(static) if (items > 1)
-    for (int64_t it = 0; it < items; it++) {
-        int64_t p = it / Hkv, g = it - p * Hkv, a = piece_a[p], b = piece_b[p];
-        int64_t n = b - a;
+    /* Items (piece, head, chunk); a split piece's chunks write their parts to `part` (per
+     * piece and head: [chunks][n G D] outputs, then [chunks][n G 2] max, sum), and the
+     * chunk that finishes a (piece, head) last merges it. */
+    int64_t items = 0, part_floats = 0;
+    for (int64_t p = 0; p < pieces; p++) {
+        int64_t ch = chunks_of(lens[piece_b[p] - 1]), n = piece_b[p] - piece_a[p];
+        items += Hkv * ch;
+        if (ch > 1) part_floats += Hkv * ch * n * G * (D + 2);
+    }
+    item = (int64_t *)malloc((size_t)(6 * items + 2 * pieces + pieces * Hkv) * sizeof(int64_t));
+    part = part_floats ? (float *)malloc((size_t)part_floats * sizeof(float)) : NULL;
+    if (!item || (part_floats && !part)) { rc = -1; goto done; }
+    int64_t *item_p = item, *item_c = item + items, *item_g = item + 2 * items;
+    int64_t *cost = item + 3 * items, *order = item + 4 * items;
+    int64_t *part_at = item + 6 * items, *chunks = part_at + pieces, *finished = chunks + pieces;
+    for (int64_t p = 0, it = 0, at = 0; p < pieces; p++) {
+        int64_t n = piece_b[p] - piece_a[p], L = lens[piece_b[p] - 1];
+        chunks[p] = chunks_of(L);
+        part_at[p] = at;
+        if (chunks[p] > 1) at += Hkv * chunks[p] * n * G * (D + 2);
+        for (int64_t g = 0; g < Hkv; g++) {
+            finished[p * Hkv + g] = 0;
+            for (int64_t c = 0; c < chunks[p]; c++, it++) {
+                int64_t lo = chunks[p] > 1 ? c * KEY_CHUNK : 0;
+                int64_t hi = chunks[p] > 1 && (c + 1) * KEY_CHUNK < L ? (c + 1) * KEY_CHUNK : L;
+                item_p[it] = p;
+                item_g[it] = g;
+                item_c[it] = c;
+                cost[it] = n * (hi - lo);
+                order[it] = it;
+            }
+        }
+    }
+    item_cost = cost;
+    qsort(order, (size_t)items, sizeof(int64_t), by_cost);
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+    for (int64_t k = 0; k < items; k++) {
+        int64_t it = order[k];
+        int64_t p = item_p[it], g = item_g[it], c = item_c[it], a = piece_a[p], b = piece_b[p];
+        int64_t n = b - a, ch = chunks[p];
         float *sc = scratch_floats((size_t)(n * G * (L_cap + D) + KEY_BLOCK * D));
         if (!sc) {
 #pragma omp atomic write
             rc = -1;
             continue;
         }
-        float *acc = sc + n * G * L_cap, *blk = acc + n * G * D;
+        float *acc = sc + n * G * L_cap, *blk = acc + n * G * D, *ml = NULL, *base = NULL;
+        if (ch > 1) {  /* this chunk's part of the piece's rows for head g */
+            base = part + part_at[p] + g * ch * n * G * (D + 2);
+            acc = base + c * n * G * D;
+            ml = base + ch * n * G * D + c * n * G * 2;
+        }
         const int64_t *keys = lists + (b - 1) * L_cap;
         Head kh = {k_cache, keys, Hkv * D, g * D, bf16}, vh = {v_cache, keys, Hkv * D, g * D, bf16};
         attend_piece_d(q + (a * H + g * G) * D, H * D, n, lens + a, G, D, &kh, &vh, scale,
-                       acc, sc, blk);
-        for (int64_t i = a; i < b; i++)
-            for (int64_t e = 0; e < G * D; e++)
-                store(out, (i * H + g * G) * D + e, acc[(i - a) * G * D + e], bf16);
+                       acc, sc, blk, ch > 1 ? c * KEY_CHUNK : 0,
+                       ch > 1 ? (c + 1) * KEY_CHUNK : INT64_MAX, ml);
+        if (ch == 1) {
+            for (int64_t i = a; i < b; i++)
+                for (int64_t e = 0; e < G * D; e++)
+                    store(out, (i * H + g * G) * D + e, acc[(i - a) * G * D + e], bf16);
+            continue;
+        }
+        int64_t done_now;
+#pragma omp atomic capture seq_cst
+        done_now = ++finished[p * Hkv + g];
+        if (done_now == ch) {  /* the last of this (piece, head): every part is written */
+#pragma omp flush
+            merge_piece(base, ch, a, n, g, lens, H, G, D, out, bf16);
+        }
     }
 done:
-    free(q); free(row);
+    free(q); free(row); free(item); free(part);
     return rc;
 }
 
 /* The library's interface version: the loader refuses a build whose version differs. */
-int sc_version(void) { return 1; }
+int sc_version(void) { return 2; }
