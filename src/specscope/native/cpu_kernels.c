@@ -378,7 +378,7 @@ static inline __attribute__((always_inline)) void row_values(
  * ml NULL: every row whole over [0, lens[t]) (j_lo 0), normalised. Otherwise a chunk: a row
  * of more than KEY_CHUNK keys gets its part over the chunk unnormalised, with its running
  * max and exp-sum at ml[2 r], ml[2 r + 1] (max -inf where it sees none of the chunk); a row
- * of at most KEY_CHUNK keys (whole in chunk 0) is normalised and marked ml[2 r + 1] = -1. */
+ * of at most KEY_CHUNK keys (whole in chunk 0) is normalised, as in the whole pass. */
 static inline __attribute__((always_inline)) void attend_piece(
         const float *q, int64_t q_stride, int64_t n, const int64_t *lens, int64_t G,
         int64_t D, const Head *k, const Head *v, float scale, float *out, float *s,
@@ -412,7 +412,6 @@ static inline __attribute__((always_inline)) void attend_piece(
             ml[2 * r + 1] = sum;
             continue;
         }
-        if (ml) ml[2 * r + 1] = -1.0f;
         float inv = 1.0f / sum;
         for (int64_t j = 0; j < L - j_lo; j++) sr[j] *= inv;
     }
@@ -518,29 +517,14 @@ static int by_cost(const void *x, const void *y) {
     return i < j ? -1 : (i > j);
 }
 
-/* One layer's attention for N tokens of a flattened batch, from the fused projection's rows
- * qkv [N, (H + 2 Hkv) D]: per-head q/k norms (q_norm and k_norm may be NULL), rotary by
- * cos/sin [N, D] (rotate-half form), this step's K and V written to the paged cache at
- * slots [N] (k_cache/v_cache [num_slots, Hkv, D]), then each token's attention over the
- * keys it sees (Meta: BatchMeta's fields) into out [N, H * D]. Every K/V is written
- * before any token attends, so the tokens of a verify see each other's. Returns 0, or -1
- * when scratch memory could not be had (out is then incomplete: the caller fails). */
-int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                  const void *cos, const void *sin, void *k_cache, void *v_cache,
-                  const int64_t *slots, const int64_t *seq_index, const int64_t *block_tables,
-                  int64_t max_blocks, int64_t block_size, const int64_t *visible,
-                  const int64_t *window_start, const int64_t *tree_start,
-                  const uint8_t *tree_mask, int64_t T, int64_t max_len,
-                  const void *q_norm, const void *k_norm, float eps, float scale, void *out,
-                  int bf16) {
-    if (N == 0) return 0;
-    int64_t W = (H + 2 * Hkv) * D, L_cap = max_len + T, G = H / Hkv;
-    float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
-    float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
-    int64_t *item = NULL;
-    float *part = NULL;
-    int rc = 0;
-    if (!q || !row) { rc = -1; goto done; }
+/* Rotary (and the per-head q/k norms) on each token's q and k heads from qkv [N, W], q to
+ * q [N, H, D] fp32, this step's K and V written to the paged cache at slots [N]. row:
+ * [2 D] floats of scratch. */
+static void write_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                      const void *cos, const void *sin, void *k_cache, void *v_cache,
+                      const int64_t *slots, const void *q_norm, const void *k_norm, float eps,
+                      float *q, float *row, int bf16) {
+    int64_t W = (H + 2 * Hkv) * D;
     for (int64_t i = 0; i < N; i++) {
         for (int64_t h = 0; h < H + Hkv; h++) {  /* q heads, then k heads */
             float *x = h < H ? q + (i * H + h) * D : row;
@@ -556,25 +540,13 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                 store(v_cache, (slots[i] * Hkv + h) * D + d,
                       load(qkv, i * W + (H + Hkv + h) * D + d, bf16), bf16);
     }
-    Meta m = {seq_index, block_tables, visible, window_start, tree_start, tree_mask,
-              max_blocks, block_size, T};
-    /* Every token's keys; then runs of tokens of one sequence, each token's keys the first
-     * ones of the next token's (a decode token alone, a verify's chain): a run's keys and
-     * values are converted once for all its tokens. */
-    int64_t *lists = scratch_slots((size_t)(N * L_cap + 4 * N));
-    if (!lists) { rc = -1; goto done; }
-    int64_t *lens = lists + N * L_cap, *piece_a = lens + N, *piece_b = piece_a + N;
-    int64_t *run_of = piece_b + N;
-    for (int64_t i = 0; i < N; i++) lens[i] = key_slots(&m, i, lists + i * L_cap);
-    int64_t runs = 0;
-    for (int64_t i = 0; i < N; i++) {
-        int joins = i > 0 && seq_index[i] == seq_index[i - 1] && lens[i] >= lens[i - 1] &&
-            memcmp(lists + i * L_cap, lists + (i - 1) * L_cap,
-                   (size_t)lens[i - 1] * sizeof(int64_t)) == 0;
-        run_of[i] = joins ? run_of[i - 1] : runs++;
-    }
-    /* Pieces of runs: enough work items (piece, KV head, key chunk) for the threads to
-     * share; a run is cut into pieces of tokens only where its chunks are too few. */
+}
+
+/* Runs of tokens (run_of [N]) cut into pieces [piece_a, piece_b): enough work items (piece,
+ * KV head, key chunk) for the threads to share; a run is cut into pieces of tokens only
+ * where its chunks are too few (each piece reads the run's keys again). Returns the count. */
+static int64_t cut_pieces(int64_t N, int64_t Hkv, const int64_t *lens, const int64_t *run_of,
+                          int64_t *piece_a, int64_t *piece_b) {
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
@@ -594,26 +566,82 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
         }
         a = b;
     }
-    /* Items (piece, head, chunk); a split piece's chunks write their parts to `part` (per
-     * piece and head: [chunks][n G D] outputs, then [chunks][n G 2] max, sum), and the
-     * chunk that finishes a (piece, head) last merges it. */
-    int64_t items = 0, part_floats = 0;
-    for (int64_t p = 0; p < pieces; p++) {
-        int64_t ch = chunks_of(lens[piece_b[p] - 1]), n = piece_b[p] - piece_a[p];
-        items += Hkv * ch;
-        if (ch > 1) part_floats += Hkv * ch * n * G * (D + 2);
+    return pieces;
+}
+
+/* What every work item of one layer's attention reads: the queries, each token's key slots
+ * (lists [N, L_cap], lens [N]), the pieces, the cache, and for split pieces the parts'
+ * buffer (per piece and head: [chunks][n G D] outputs, then [chunks][n G 2] max, sum, from
+ * part_at[p]) with each (piece, head)'s count of finished chunks. */
+typedef struct {
+    const float *q;
+    const int64_t *lists, *lens, *piece_a, *piece_b, *part_at, *chunks;
+    int64_t *finished;
+    float *part;
+    int64_t L_cap, H, Hkv, G, D;
+    void *k_cache, *v_cache, *out;
+    float scale;
+    int bf16;
+} Attn;
+
+/* Item (piece p, head g, chunk c): its attention, written to out where the piece is whole;
+ * a split piece's part goes to the parts' buffer, and the chunk that finishes the (piece,
+ * head) last merges it. Returns 0, or -1 when scratch memory could not be had. */
+static int run_item(const Attn *A, int64_t p, int64_t g, int64_t c) {
+    int64_t a = A->piece_a[p], b = A->piece_b[p], n = b - a, ch = A->chunks[p];
+    int64_t G = A->G, D = A->D, rows = n * G;
+    float *sc = scratch_floats((size_t)(rows * (A->L_cap + D) + KEY_BLOCK * D));
+    if (!sc) return -1;
+    float *acc = sc + rows * A->L_cap, *blk = acc + rows * D, *ml = NULL, *base = NULL;
+    if (ch > 1) {
+        base = A->part + A->part_at[p] + g * ch * rows * (D + 2);
+        acc = base + c * rows * D;
+        ml = base + ch * rows * D + c * rows * 2;
     }
-    item = (int64_t *)malloc((size_t)(6 * items + 2 * pieces + pieces * Hkv) * sizeof(int64_t));
-    part = part_floats ? (float *)malloc((size_t)part_floats * sizeof(float)) : NULL;
-    if (!item || (part_floats && !part)) { rc = -1; goto done; }
-    int64_t *item_p = item, *item_c = item + items, *item_g = item + 2 * items;
+    const int64_t *keys = A->lists + (b - 1) * A->L_cap;
+    Head kh = {A->k_cache, keys, A->Hkv * D, g * D, A->bf16};
+    Head vh = {A->v_cache, keys, A->Hkv * D, g * D, A->bf16};
+    attend_piece_d(A->q + (a * A->H + g * G) * D, A->H * D, n, A->lens + a, G, D, &kh, &vh,
+                   A->scale, acc, sc, blk, ch > 1 ? c * KEY_CHUNK : 0,
+                   ch > 1 ? (c + 1) * KEY_CHUNK : INT64_MAX, ml);
+    if (ch == 1) {
+        for (int64_t i = a; i < b; i++)
+            for (int64_t e = 0; e < G * D; e++)
+                store(A->out, (i * A->H + g * G) * D + e, acc[(i - a) * G * D + e], A->bf16);
+        return 0;
+    }
+    int64_t done_now;
+#pragma omp atomic capture seq_cst
+    done_now = ++A->finished[p * A->Hkv + g];
+    if (done_now == ch) {  /* the last of this (piece, head): every part is written */
+#pragma omp flush
+        merge_piece(base, ch, a, n, g, A->lens, A->H, G, D, A->out, A->bf16);
+    }
+    return 0;
+}
+
+/* Every (piece, head, chunk) item of A's pieces, biggest first (rows times keys), handed
+ * out one at a time so the threads end together though the items differ in size. Returns
+ * 0, or -1 when memory could not be had. */
+static int attend_items(Attn *A, int64_t pieces) {
+    int64_t items = 0, part_floats = 0, Hkv = A->Hkv, rc = 0;
+    for (int64_t p = 0; p < pieces; p++) {
+        int64_t ch = chunks_of(A->lens[A->piece_b[p] - 1]), n = A->piece_b[p] - A->piece_a[p];
+        items += Hkv * ch;
+        if (ch > 1) part_floats += Hkv * ch * n * A->G * (A->D + 2);
+    }
+    int64_t *item = (int64_t *)malloc((size_t)(5 * items + (2 + Hkv) * pieces) *
+                                      sizeof(int64_t));
+    float *part = part_floats ? (float *)malloc((size_t)part_floats * sizeof(float)) : NULL;
+    if (!item || (part_floats && !part)) { free(item); free(part); return -1; }
+    int64_t *item_p = item, *item_g = item + items, *item_c = item + 2 * items;
     int64_t *cost = item + 3 * items, *order = item + 4 * items;
-    int64_t *part_at = item + 6 * items, *chunks = part_at + pieces, *finished = chunks + pieces;
+    int64_t *part_at = item + 5 * items, *chunks = part_at + pieces, *finished = chunks + pieces;
     for (int64_t p = 0, it = 0, at = 0; p < pieces; p++) {
-        int64_t n = piece_b[p] - piece_a[p], L = lens[piece_b[p] - 1];
+        int64_t n = A->piece_b[p] - A->piece_a[p], L = A->lens[A->piece_b[p] - 1];
         chunks[p] = chunks_of(L);
         part_at[p] = at;
-        if (chunks[p] > 1) at += Hkv * chunks[p] * n * G * (D + 2);
+        if (chunks[p] > 1) at += Hkv * chunks[p] * n * A->G * (A->D + 2);
         for (int64_t g = 0; g < Hkv; g++) {
             finished[p * Hkv + g] = 0;
             for (int64_t c = 0; c < chunks[p]; c++, it++) {
@@ -629,44 +657,69 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
     }
     item_cost = cost;
     qsort(order, (size_t)items, sizeof(int64_t), by_cost);
+    A->part_at = part_at;
+    A->chunks = chunks;
+    A->finished = finished;
+    A->part = part;
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1)
     for (int64_t k = 0; k < items; k++) {
         int64_t it = order[k];
-        int64_t p = item_p[it], g = item_g[it], c = item_c[it], a = piece_a[p], b = piece_b[p];
-        int64_t n = b - a, ch = chunks[p];
-        float *sc = scratch_floats((size_t)(n * G * (L_cap + D) + KEY_BLOCK * D));
-        if (!sc) {
+        if (run_item(A, item_p[it], item_g[it], item_c[it]) != 0) {
 #pragma omp atomic write
             rc = -1;
-            continue;
-        }
-        float *acc = sc + n * G * L_cap, *blk = acc + n * G * D, *ml = NULL, *base = NULL;
-        if (ch > 1) {  /* this chunk's part of the piece's rows for head g */
-            base = part + part_at[p] + g * ch * n * G * (D + 2);
-            acc = base + c * n * G * D;
-            ml = base + ch * n * G * D + c * n * G * 2;
-        }
-        const int64_t *keys = lists + (b - 1) * L_cap;
-        Head kh = {k_cache, keys, Hkv * D, g * D, bf16}, vh = {v_cache, keys, Hkv * D, g * D, bf16};
-        attend_piece_d(q + (a * H + g * G) * D, H * D, n, lens + a, G, D, &kh, &vh, scale,
-                       acc, sc, blk, ch > 1 ? c * KEY_CHUNK : 0,
-                       ch > 1 ? (c + 1) * KEY_CHUNK : INT64_MAX, ml);
-        if (ch == 1) {
-            for (int64_t i = a; i < b; i++)
-                for (int64_t e = 0; e < G * D; e++)
-                    store(out, (i * H + g * G) * D + e, acc[(i - a) * G * D + e], bf16);
-            continue;
-        }
-        int64_t done_now;
-#pragma omp atomic capture seq_cst
-        done_now = ++finished[p * Hkv + g];
-        if (done_now == ch) {  /* the last of this (piece, head): every part is written */
-#pragma omp flush
-            merge_piece(base, ch, a, n, g, lens, H, G, D, out, bf16);
         }
     }
+    free(item);
+    free(part);
+    return (int)rc;
+}
+
+/* One layer's attention for N tokens of a flattened batch, from the fused projection's rows
+ * qkv [N, (H + 2 Hkv) D]: per-head q/k norms (q_norm and k_norm may be NULL), rotary by
+ * cos/sin [N, D] (rotate-half form), this step's K and V written to the paged cache at
+ * slots [N] (k_cache/v_cache [num_slots, Hkv, D]), then each token's attention over the
+ * keys it sees (Meta: BatchMeta's fields) into out [N, H * D]. Every K/V is written
+ * before any token attends, so the tokens of a verify see each other's. Returns 0, or -1
+ * when scratch memory could not be had (out is then incomplete: the caller fails). */
+int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                  const void *cos, const void *sin, void *k_cache, void *v_cache,
+                  const int64_t *slots, const int64_t *seq_index, const int64_t *block_tables,
+                  int64_t max_blocks, int64_t block_size, const int64_t *visible,
+                  const int64_t *window_start, const int64_t *tree_start,
+                  const uint8_t *tree_mask, int64_t T, int64_t max_len,
+                  const void *q_norm, const void *k_norm, float eps, float scale, void *out,
+                  int bf16) {
+    if (N == 0) return 0;
+    int64_t L_cap = max_len + T;
+    float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
+    float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
+    int rc = 0;
+    if (!q || !row) { rc = -1; goto done; }
+    write_qkv(qkv, N, H, Hkv, D, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps, q, row,
+              bf16);
+    Meta m = {seq_index, block_tables, visible, window_start, tree_start, tree_mask,
+              max_blocks, block_size, T};
+    /* Every token's keys; then runs of tokens of one sequence, each token's keys the first
+     * ones of the next token's (a decode token alone, a verify's chain): a run's keys and
+     * values are converted once for all its tokens. */
+    int64_t *lists = scratch_slots((size_t)(N * L_cap + 4 * N));
+    if (!lists) { rc = -1; goto done; }
+    int64_t *lens = lists + N * L_cap, *piece_a = lens + N, *piece_b = piece_a + N;
+    int64_t *run_of = piece_b + N;
+    for (int64_t i = 0; i < N; i++) lens[i] = key_slots(&m, i, lists + i * L_cap);
+    int64_t runs = 0;
+    for (int64_t i = 0; i < N; i++) {
+        int joins = i > 0 && seq_index[i] == seq_index[i - 1] && lens[i] >= lens[i - 1] &&
+            memcmp(lists + i * L_cap, lists + (i - 1) * L_cap,
+                   (size_t)lens[i - 1] * sizeof(int64_t)) == 0;
+        run_of[i] = joins ? run_of[i - 1] : runs++;
+    }
+    int64_t pieces = cut_pieces(N, Hkv, lens, run_of, piece_a, piece_b);
+    Attn A = {q, lists, lens, piece_a, piece_b, NULL, NULL, NULL, NULL, L_cap, H, Hkv, H / Hkv,
+              D, k_cache, v_cache, out, scale, bf16};
+    rc = attend_items(&A, pieces);
 done:
-    free(q); free(row); free(item); free(part);
+    free(q); free(row);
     return rc;
 }
 
