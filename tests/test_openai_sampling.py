@@ -181,6 +181,10 @@ def test_list_prompts_and_echo(srv):
         "Hello" + _want(llm, "Hello", 4).text
     r = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": ["a", 5]})
     assert r.status_code == 400
+    V = llm.model_config.vocab_size
+    r = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": [ids, [1, V]], "n": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
+    assert "outside the model's vocabulary" in r.json()["error"]["message"]
 
 
 def test_echo_with_logprobs(srv):

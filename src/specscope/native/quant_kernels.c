@@ -300,7 +300,7 @@ static inline __attribute__((always_inline)) void tile_rows(
 /* One tile's outputs for every activation row, the rows MAX_R at a time (each block's codes
  * unpacked once for them). */
 static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
-                 const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t K,
+                 const int8_t *a, const float *e, const float *s, const int32_t *c,
                  int64_t M, int64_t N, int64_t n0, void *y, int bf16, int reference) {
     int cols = (int)(N - n0 < TILE ? N - n0 : TILE);
     float out[TILE];
@@ -350,6 +350,6 @@ void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, cons
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
         tile(w + t * nb * tile_block_bytes(bits), wd + t * nb * TILE,
-             wm ? wm + t * nb * TILE : NULL, nb, bits, a, e, s, c, K, M, N, t * TILE, y, bf16,
+             wm ? wm + t * nb * TILE : NULL, nb, bits, a, e, s, c, M, N, t * TILE, y, bf16,
              reference);
 }

@@ -149,21 +149,17 @@ class CompletionRunner:
         ids, texts = [], []
         for i, p in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            if isinstance(p, list):
-                V = self.llm.model_config.vocab_size
-                bad = [t for t in p if not 0 <= t < V]
-                if bad:
-                    raise APIError(400, f"{field} holds token ids outside [0, {V}): {bad[:8]}",
-                                   param=field)
-                ids.append(list(p))
-                texts.append(self.llm.tokenizer.decode(list(p)) if req.echo else "")
-                continue
-            self.limits.check_chars(len(p), field)
-            try:
-                ids.append(self.llm.encode_prompt(p))
+            if not isinstance(p, list):
+                self.limits.check_chars(len(p), field)
+            try:  # token ids are checked as LLM.generate checks a TokensPrompt's
+                ids.append(self.llm.encode_prompt({"prompt_token_ids": list(p)}
+                                                  if isinstance(p, list) else p))
             except (ValueError, TypeError) as e:
                 raise _engine_error(e, field) from None
-            texts.append(p)
+            if isinstance(p, list):
+                texts.append(self.llm.tokenizer.decode(list(p)) if req.echo else "")
+            else:
+                texts.append(p)
         return req, ids, texts if req.echo else None
 
     def sampling(self, req: ChatCompletionRequest | CompletionRequest,
