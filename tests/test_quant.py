@@ -102,6 +102,31 @@ def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N):
             assert torch.equal(kernels.quant_linear(x[rows].contiguous(), *args), fast[rows])
 
 
+@pytest.mark.skipif(native.cpu_kernels() is None, reason="no C compiler here")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_native_quant_outputs_past_the_range_round_as_the_scalar_loop(bits):
+    """Outputs that overflow to inf, and NaNs (a block's +inf beside another's -inf), are
+    written bit for bit as the scalar loop writes them, in bf16 (the vector rounding) and
+    fp32; finite rows beside them are unchanged."""
+    N, K = 72, 64
+    q = np.full((N, K), 15 if bits == 4 else 100)
+    lin = GgufLinear.from_codes(q, np.full((N, K // 32), 3e38, np.float32), None, bits, None)
+    small = GgufLinear.from_codes(q, np.full((N, K // 32), 1e-3, np.float32), None, bits, None)
+    kernels = native.cpu_kernels()
+    for dtype, view in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        x = torch.full((3, K), 1e30)  # a block's scale times the weights' is past fp32
+        x[1, 32:] = -1e30  # block 0 at +inf, block 1 at -inf: NaN
+        x = x.to(dtype)
+        for layer in (lin, small):
+            args = (layer.codes, layer.scales, layer.offsets, N, bits)
+            fast = kernels.quant_linear(x, *args)
+            ref = kernels.quant_linear(x, *args, reference=True)
+            assert torch.equal(fast.view(view), ref.view(view))
+        assert fast.isfinite().all()  # the small scales'
+        big = kernels.quant_linear(x, lin.codes, lin.scales, None, N, bits)
+        assert big[0].isposinf().all() and big[1].isnan().all()
+
+
 @pytest.fixture(scope="module")
 def default_models(default_model_dir, specscope_cache_dir):
     from specscope.models.loader import load_model

@@ -243,6 +243,35 @@ static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
 }
 
 #if defined(__AVX2__)
+/* f32_to_bf16 of 8 lanes at once, bit for bit (round to nearest even, a NaN kept quiet):
+ * a scalar conversion an output was most of what bf16 outputs cost beyond fp32 ones (the
+ * head's 49,152 a row). */
+static inline __m128i bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16),
+                                              _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* A tile's 8 outputs of one row to y + i: whole tiles in one store, the last tile's
+ * `cols` < 8 as store_row does. */
+static inline void store8(void *y, int64_t i, __m256 v, int cols, int bf16) {
+    if (cols == TILE && bf16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + i), bf16x8(v));
+    } else if (cols == TILE) {
+        _mm256_storeu_ps((float *)y + i, v);
+    } else {
+        float out[TILE];
+        _mm256_storeu_ps(out, v);
+        store_row(y, i, out, cols, bf16);
+    }
+}
+
 /* Rows m0 .. m0 + R - 1 against one tile, written to y: acc[j] lanes = the tile's 8 outputs
  * of row m0 + j. Each block's codes are unpacked once for the R rows. R, bits and whether
  * the blocks have offsets are constants at every call (the dispatch below), and the
@@ -273,11 +302,7 @@ static inline __attribute__((always_inline)) void tile_rows(
             if (wm) acc[j] = _mm256_fmadd_ps(mo, _mm256_set1_ps(s[b * M + m]), acc[j]);
         }
     }
-    float out[TILE];
-    for (int j = 0; j < R; j++) {
-        _mm256_storeu_ps(out, acc[j]);
-        store_row(y, (m0 + j) * N + n0, out, cols, bf16);
-    }
+    for (int j = 0; j < R; j++) store8(y, (m0 + j) * N + n0, acc[j], cols, bf16);
 }
 
 /* tile_rows with R, bits and the offsets' presence as constants. */
@@ -332,7 +357,7 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
     }
 }
 
-int sc_quant_version(void) { return 3; }
+int sc_quant_version(void) { return 4; }
 
 /* y [M, N] = x [M, K] W^T, W in the tiled layout above (`bits` 4 or 8; wm NULL where the
  * blocks have no offset), x and y fp32 or bf16 (`bf16`). scratch: at least
