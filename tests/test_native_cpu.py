@@ -582,6 +582,26 @@ def test_argmax_rows_picks_as_torch_does(kernels, dtype):
     x[2, 2] = float("-inf")
     want = x.float().argmax(-1)
     assert torch.equal(kernels.argmax_rows(x), want)
+    # The vector pass's lanes: ties within a lane and across lanes (a later lane holding
+    # the earlier column), a maximum or a NaN in the tail past the last 8, a tie between
+    # the lanes and the tail, rows of zeros of both signs, rows shorter than 8.
+    for n in (1003, 1000, 7, 1):
+        y = torch.randn(10, n, generator=g).to(dtype)
+        if n > 20:
+            y[0, 3] = y[0, 11] = 9.0
+            y[1, 13] = y[1, 10] = 9.0
+            y[2, n - 1] = 9.0
+            y[3, n - 2] = float("nan")
+            y[4, 5] = y[4, n - 1] = 9.0
+            y[5] = 0.0
+            y[5, 1::3] = -0.0
+            y[6] = -0.0
+            y[6, 17] = 0.0
+            y[7, 12] = float("nan")
+            y[7, 2] = float("nan")
+            y[8] = float("-inf")
+            y[9] = float("inf")
+        assert torch.equal(kernels.argmax_rows(y), y.float().argmax(-1)), n
     w = torch.randn(100, 64, generator=g)
     head = GgufLinear.from_codes(*q8_0_codes(w), None, 8, None)
     h = torch.randn(5, 64, generator=g).to(dtype)

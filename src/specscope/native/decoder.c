@@ -54,7 +54,7 @@ typedef struct {
     float norm_eps, qk_eps, scale;
 } sc_dims;
 
-int sc_decoder_version(void) { return 3; }
+int sc_decoder_version(void) { return 4; }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     int64_t m = a > b ? a : b;
@@ -202,8 +202,8 @@ int64_t sc_eagle3_chain_work_bytes(const sc_dims *m, int64_t S, int64_t Vd, int 
 }
 
 /* The first column holding a row's largest value, NaN counting as the largest (torch's
- * argmax over the fp32 logits). */
-static int64_t argmax_row(const void *x, int64_t row, int64_t n, int bf16) {
+ * argmax over the fp32 logits): one element at a time, the reference of argmax_row. */
+static int64_t argmax_scalar(const void *x, int64_t row, int64_t n, int bf16) {
     int64_t best = 0;
     float top = -INFINITY;
     for (int64_t i = 0; i < n; i++) {
@@ -211,6 +211,63 @@ static int64_t argmax_row(const void *x, int64_t row, int64_t n, int bf16) {
         float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
         if (isnan(v)) return i;
         if (v > top || i == 0) { top = v; best = i; }
+    }
+    return best;
+}
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* Eight values from x + k as fp32 (the compiler's vectors: AVX2, AVX-512 or NEON). */
+static inline v8f load8(const void *x, int64_t k, int bf16) {
+    v8f v;
+    if (bf16) {
+        uint16_t h[8];
+        v8i u;
+        memcpy(h, (const uint16_t *)x + k, sizeof h);
+        for (int l = 0; l < 8; l++) u[l] = (int32_t)((uint32_t)h[l] << 16);
+        memcpy(&v, &u, sizeof v);
+    } else {
+        memcpy(&v, (const float *)x + k, sizeof v);
+    }
+    return v;
+}
+
+static inline v8i select8(v8i take, v8i a, v8i b) { return (a & take) | (b & ~take); }
+
+/* argmax_scalar's pick, eight lanes at a time: each lane keeps its largest value and the
+ * first column holding it (a strict `>`, as argmax_scalar's), then the first column among
+ * the lanes holding the row's largest; a NaN anywhere hands the row to argmax_scalar, which
+ * returns the first. A head's row of 49,152 logits took ~40 us one by one. */
+static int64_t argmax_row(const void *x, int64_t row, int64_t n, int bf16) {
+    const int64_t base = row * n, whole = n - n % 8;
+    if (whole == 0 || whole > INT32_MAX) return argmax_scalar(x, row, n, bf16);
+    v8f m = load8(x, base, bf16);
+    v8i mi, nan = m != m, at = {0, 1, 2, 3, 4, 5, 6, 7}, col = at;
+    memcpy(&mi, &m, sizeof m);
+    for (int64_t i = 8; i < whole; i += 8) {
+        v8f v = load8(x, base + i, bf16);
+        v8i vi, gt = v > m;
+        nan |= v != v;
+        col += 8;
+        memcpy(&vi, &v, sizeof v);
+        mi = select8(gt, vi, mi);
+        memcpy(&m, &mi, sizeof m);
+        at = select8(gt, col, at);
+    }
+    float top = m[0];
+    for (int l = 0; l < 8; l++) {
+        if (nan[l]) return argmax_scalar(x, row, n, bf16);
+        top = m[l] > top ? m[l] : top;
+    }
+    int64_t best = n;
+    for (int l = 0; l < 8; l++)
+        if (m[l] == top && at[l] < best) best = at[l];
+    for (int64_t i = whole; i < n; i++) {
+        float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i])
+                       : ((const float *)x)[base + i];
+        if (isnan(v)) return i;
+        if (v > top) { top = v; best = i; }
     }
     return best;
 }
