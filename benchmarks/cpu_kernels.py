@@ -6,6 +6,7 @@ rows, i.e. whether its kernel streams each weight once for a few-token forward.
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --attention    # the attention instead (below)
     python benchmarks/cpu_kernels.py --native-attention [OLD.so NEW.so]   # the native one
+        (and a batched decode step's: 8 sequences, streamed and held in cache)
     python benchmarks/cpu_kernels.py --native-quant [OLD.so NEW.so]   # the GGUF products, A/B
 
 Formats: the native GGUF kernels (`models/quant.py` GgufLinear, Q4_1 and Q8_0 codes with
@@ -177,6 +178,33 @@ def native_attention_rows(libs: list[str], rounds: int = 30) -> list[dict]:
             rows.append(alternate(kernels, lambda k, a=(qkv, cos, sin, kc, vc, meta):
                                   k.attend_qkv(*a, 0.125, H, Hkv, None, 0.0), rounds,
                                   f"{L:4} keys {n} tokens: ", keys=L, tokens=n))
+    return rows + batched_attention_rows(kernels, max(rounds // 6, 3))
+
+
+def batched_attention_rows(kernels: list, rounds: int) -> list[dict]:
+    """A batched decode step's attention: 8 sequences of one token at 256 keys each, over 30
+    layers' caches (each its own, 47 MB in all, so they stream from memory as a step's do),
+    and the same with one layer's cache read 30 times (held in L2/L3): what the memory
+    costs beyond the arithmetic. Microseconds for the 30 calls."""
+    from specscope.kvcache.paged import BatchMeta
+
+    H, Hkv, D, bs, dt, S, L = 9, 3, 64, 16, torch.bfloat16, 8, 256
+    g = torch.Generator().manual_seed(1)
+    blocks = S * (L // bs + 1)
+    caches = [tuple(torch.randn(blocks, bs, Hkv, D, generator=g).to(dt) for _ in range(2))
+              for _ in range(30)]
+    table = torch.randperm(blocks, generator=g).view(S, -1)
+    meta = BatchMeta.causal(table, torch.arange(S), torch.full((S,), L - 1), bs, max_len=L)
+    qkv = torch.randn(S, (H + 2 * Hkv) * D, generator=g).to(dt)
+    cos, sin = (torch.randn(S, D, generator=g).to(dt) for _ in range(2))
+    rows = []
+    for where, layers in (("streamed", caches), ("in cache", [caches[0]] * 30)):
+        def step(k, layers: list = layers) -> torch.Tensor:
+            for kc, vc in layers:
+                out = k.attend_qkv(qkv, cos, sin, kc, vc, meta, 0.125, H, Hkv, None, 0.0)
+            return out
+        rows.append(alternate(kernels, step, rounds, f"8 seqs x {L} keys, 30 layers {where}: ",
+                              keys=L, seqs=S, where=where))
     return rows
 
 
