@@ -107,7 +107,7 @@ def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N):
 def test_native_quant_outputs_past_the_range_round_as_the_scalar_loop(bits):
     """Outputs that overflow to inf, and NaNs (a block's +inf beside another's -inf), are
     written bit for bit as the scalar loop writes them, in bf16 (the vector rounding) and
-    fp32; finite rows beside them are unchanged."""
+    fp32; the same inputs against small scales stay finite, and equal too."""
     N, K = 72, 64
     q = np.full((N, K), 15 if bits == 4 else 100)
     lin = GgufLinear.from_codes(q, np.full((N, K // 32), 3e38, np.float32), None, bits, None)

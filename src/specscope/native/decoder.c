@@ -238,7 +238,8 @@ static inline v8i select8(v8i take, v8i a, v8i b) { return (a & take) | (b & ~ta
 /* argmax_scalar's pick, eight lanes at a time: each lane keeps its largest value and the
  * first column holding it (a strict `>`, as argmax_scalar's), then the first column among
  * the lanes holding the row's largest; a NaN anywhere hands the row to argmax_scalar, which
- * returns the first. A head's row of 49,152 logits took ~40 us one by one. */
+ * returns the first. Every greedy step picks over a whole vocabulary (the head's 49,152
+ * columns a row), too many to compare one at a time. */
 static int64_t argmax_row(const void *x, int64_t row, int64_t n, int bf16) {
     const int64_t base = row * n, whole = n - n % 8;
     if (whole == 0 || whole > INT32_MAX) return argmax_scalar(x, row, n, bf16);

@@ -244,8 +244,7 @@ static void store_row(void *y, int64_t i, const float *v, int n, int bf16) {
 
 #if defined(__AVX2__)
 /* f32_to_bf16 of 8 lanes at once, bit for bit (round to nearest even, a NaN kept quiet):
- * a scalar conversion an output was most of what bf16 outputs cost beyond fp32 ones (the
- * head's 49,152 a row). */
+ * a wide product's outputs (the head's 49,152 a row) are too many to round one by one. */
 static inline __m128i bf16x8(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
