@@ -210,7 +210,8 @@ def batched_attention_rows(kernels: list, rounds: int) -> list[dict]:
 
 def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     """The native GGUF products (`native/quant_kernels.c`) of the default model's shapes
-    (its Q4_1 linears, its tied Q8_0 head), bf16 activations, 1 and 6 rows, random codes:
+    (its Q4_1 linears, its tied Q8_0 head), bf16 activations, 1 and 6 rows, random codes,
+    then the greedy pick over the head's and the draft's vocabularies (`argmax_rows`):
     this build's library, or each library file in `libs` called alternately in one process,
     `rounds` rounds of 20 calls, medians; outputs compared with torch.equal."""
     import numpy as np
@@ -233,6 +234,12 @@ def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
                                                         lin.offsets, N, bits):
                                   k.quant_linear(*a), rounds, f"{name:13} {M} rows: ",
                                   shape=name, rows=M))
+    for V, what in ((49152, "the head's"), (12288, "the draft's")):
+        for M in (1, 6):  # the greedy pick after the product (argmax_rows)
+            x = torch.randn(M, V).to(torch.bfloat16)
+            rows.append(alternate(kernels, lambda k, x=x: k.argmax_rows(x), rounds,
+                                  f"argmax {what} {V} {M} rows: ", shape=f"argmax {V}",
+                                  rows=M))
     return rows
 
 
