@@ -37,7 +37,7 @@ from specscope.native.cpu import CpuKernels
 
 log = logging.getLogger("specscope")
 
-VERSION = 2  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
+VERSION = 3  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
 QUANT_VERSION = 4  # quant_kernels.c's sc_quant_version()
 DECODER_VERSION = 4  # decoder.c's sc_decoder_version()
 SOURCES = ("bf16.h", "kernels.h", "cpu_kernels.c", "quant_kernels.c",

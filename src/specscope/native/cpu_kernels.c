@@ -302,7 +302,9 @@ typedef struct {
 
 /* Rows [j0, j1) of a head into buf [j1 - j0, D] as fp32, the next block's rows fetched
  * ahead meanwhile (the cache's rows of one head are strided: the hardware's prefetch
- * does not see them coming). */
+ * does not see them coming). Fetched into L2, not L1 (locality 1): a fetch into L1 holds
+ * one of its few miss buffers until the line comes, so rows fetched ahead would queue
+ * behind each other; into L2 many more are in flight (docs/cpu.md). */
 static inline void load_block(const Head *h, int64_t j0, int64_t j1, int64_t L, int64_t D,
                               float *buf) {
     size_t es = h->bf16 ? 2 : 4;
@@ -310,7 +312,7 @@ static inline void load_block(const Head *h, int64_t j0, int64_t j1, int64_t L, 
         int64_t ahead = j + KEY_BLOCK;
         if (ahead < L) {
             const char *p = (const char *)h->c + (h->slots[ahead] * h->row + h->off) * es;
-            for (size_t b = 0; b < D * es; b += 64) __builtin_prefetch(p + b);
+            for (size_t b = 0; b < D * es; b += 64) __builtin_prefetch(p + b, 0, 1);
         }
         load_row(buf + (j - j0) * D, h->c, h->slots[j] * h->row + h->off, D, h->bf16);
     }
@@ -724,4 +726,4 @@ done:
 }
 
 /* The library's interface version: the loader refuses a build whose version differs. */
-int sc_version(void) { return 2; }
+int sc_version(void) { return 3; }
