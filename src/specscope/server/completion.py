@@ -149,17 +149,15 @@ class CompletionRunner:
         ids, texts = [], []
         for i, p in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            if not isinstance(p, list):
+            tokens = isinstance(p, list)  # ids are checked as LLM.generate checks a TokensPrompt's
+            if not tokens:
                 self.limits.check_chars(len(p), field)
-            try:  # token ids are checked as LLM.generate checks a TokensPrompt's
-                ids.append(self.llm.encode_prompt({"prompt_token_ids": list(p)}
-                                                  if isinstance(p, list) else p))
+            try:
+                ids.append(self.llm.encode_prompt({"prompt_token_ids": p} if tokens else p))
             except (ValueError, TypeError) as e:
                 raise _engine_error(e, field) from None
-            if isinstance(p, list):
-                texts.append(self.llm.tokenizer.decode(list(p)) if req.echo else "")
-            else:
-                texts.append(p)
+            texts.append(self.llm.tokenizer.decode(ids[-1]) if tokens and req.echo else
+                         "" if tokens else p)
         return req, ids, texts if req.echo else None
 
     def sampling(self, req: ChatCompletionRequest | CompletionRequest,
