@@ -5,6 +5,7 @@ and greedy text with the kernels on and off; the build cache never taking a brok
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -50,6 +51,13 @@ def test_rms_norm_with_and_without_the_residual_equals_the_reference(kernels, dt
     # Each row depends on itself alone: one row normed alone equals it normed among five.
     one, _ = kernels.rms_norm(x[2:3].contiguous(), w, 1e-5, r[2:3].contiguous())
     assert torch.equal(one[0], out[2])
+    # A prefill chunk's rows are shared among the threads: the same rows as one at a time.
+    xs, rs = (torch.randn(40, 576, generator=g).to(dtype) for _ in range(2))
+    with _threads(2):
+        many, hs = kernels.rms_norm(xs, w, 1e-5, rs)
+    for i in (0, 21, 39):
+        one, h1 = kernels.rms_norm(xs[i:i + 1].contiguous(), w, 1e-5, rs[i:i + 1].contiguous())
+        assert torch.equal(one[0], many[i]) and torch.equal(h1[0], hs[i])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,6 +66,21 @@ def test_silu_mul_equals_the_reference(kernels, dtype):
     gate, up = gu.split(1536, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gate) * up, **_tol(dtype))
     assert torch.equal(kernels.silu_mul(gu[1:2].contiguous())[0], kernels.silu_mul(gu)[1])
+    many = (torch.randn(40, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    with _threads(2):
+        out = kernels.silu_mul(many)
+    for i in (0, 17, 39):
+        assert torch.equal(kernels.silu_mul(many[i:i + 1].contiguous())[0], out[i])
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _ancestors(parents: list[int]) -> torch.Tensor:
@@ -197,11 +220,70 @@ def _first(meta: BatchMeta) -> BatchMeta:
         spans=None, span_masks=None, span_blocks=None, native_args=None)
 
 
-def test_attention_leaves_prefill_sized_calls_to_the_reference(kernels):
-    qkv = torch.zeros(native.cpu.ATTENTION_MAX_TOKENS + 1, 4 * 8)
-    kc = torch.zeros(4, 4, 1, 8)
-    assert not kernels.attend_applies(qkv, kc, kc, torch.zeros(1, 8), 8)
-    assert not kernels.attend_applies(qkv[:2], kc, kc.to(torch.bfloat16), torch.zeros(1, 8), 8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 40])
+def test_prefill_chunks_attend_as_the_reference_on_any_thread_count(kernels, dtype, window):
+    """Prefill-sized calls: a 150-token prompt whole (cut into pieces of at most 64 tokens)
+    beside a 70-token chunk after 30 cached tokens of another sequence. The result equals
+    the reference and does not depend on the threads; each token's row is its own (the
+    first token of the chunk alone gives what it gave among the others)."""
+    H, Hkv, D, bs = 6, 2, 64, 16
+    tables = torch.randperm(26, generator=torch.Generator().manual_seed(7)).view(2, 13)
+    a = BatchMeta.causal(tables, torch.zeros(150, dtype=torch.long), torch.arange(150), bs,
+                         window, max_len=150)
+    b = BatchMeta.causal(tables, torch.ones(70, dtype=torch.long), torch.arange(30, 100), bs,
+                         window, max_len=100)
+    meta = BatchMeta.cat([a, b])
+    positions = torch.cat([torch.arange(150), torch.arange(30, 100)])
+    N = meta.num_tokens
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    ang = positions[:, None].float() * torch.rand(D // 2, generator=g)[None] * 0.01
+    cos, sin = (torch.cat((f(ang), f(ang)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    kv_ref = PagedKV(1, 26, bs, Hkv, D, dtype, "cpu")
+    for t in (kv_ref.k[0], kv_ref.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    scale = D ** -0.5
+    want = _reference(qkv, cos, sin, kv_ref.k[0], kv_ref.v[0], meta, scale, H, Hkv, None, 1e-6)
+    assert kernels.attend_applies(qkv, kv_ref.k[0], kv_ref.v[0], cos, D)
+    outs = []
+    for threads in (1, 2):
+        kv = PagedKV(1, 26, bs, Hkv, D, dtype, "cpu")
+        kv.k[0].copy_(kv_ref.k[0])
+        kv.v[0].copy_(kv_ref.v[0])
+        with _threads(threads):
+            outs.append(kernels.attend_qkv(qkv, cos, sin, kv.k[0], kv.v[0], meta, scale, H,
+                                           Hkv, None, 1e-6))
+    torch.testing.assert_close(outs[0], want, **_tol(dtype))
+    assert torch.equal(outs[0], outs[1])
+    first = dataclasses.replace(b, **{f: getattr(b, f)[:1] for f in (
+        "slots", "seq_index", "visible", "window_start", "tree_start", "tree_mask")},
+        spans=None, span_masks=None, span_blocks=None, native_args=None)
+    alone = kernels.attend_qkv(qkv[150:151].contiguous(), cos[150:151].contiguous(),
+                               sin[150:151].contiguous(), kv.k[0], kv.v[0],
+                               BatchMeta.cat([first]), scale, H, Hkv, None, 1e-6)
+    assert torch.equal(alone[0], outs[1][150])
+
+
+def test_attention_declines_a_chunk_past_its_scratch_and_writes_nothing(kernels, monkeypatch):
+    """A call whose key lists and split parts would pass ATTENTION_MAX_SCRATCH returns None
+    (the caller runs the reference) before it writes the cache; under the bound it runs."""
+    H, Hkv, D, bs, n = 2, 1, 8, 4, 40
+    tables = torch.arange(16).view(1, 16)
+    meta = BatchMeta.causal(tables, torch.zeros(n, dtype=torch.long), torch.arange(n), bs,
+                            max_len=n)
+    qkv = torch.randn(n, (H + 2 * Hkv) * D)
+    cos, sin = torch.ones(n, D), torch.zeros(n, D)
+    kv = PagedKV(1, 16, bs, Hkv, D, torch.float32, "cpu")
+    monkeypatch.setattr(native.cpu, "ATTENTION_MAX_SCRATCH", 8 * n - 1)  # one run's list
+    assert kernels.attend_qkv(qkv, cos, sin, kv.k[0], kv.v[0], meta, 1.0, H, Hkv, None,
+                              0.0) is None
+    assert not kv.k[0].any() and not kv.v[0].any()
+    monkeypatch.setattr(native.cpu, "ATTENTION_MAX_SCRATCH", 8 * n)
+    out = kernels.attend_qkv(qkv, cos, sin, kv.k[0], kv.v[0], dataclasses.replace(
+        meta, native_args=None), 1.0, H, Hkv, None, 0.0)
+    assert out is not None and kv.k[0].any()
+    assert not kernels.attend_applies(qkv[:2], kv.k[0], kv.k[0].to(torch.bfloat16), cos, D)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

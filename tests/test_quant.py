@@ -89,7 +89,7 @@ def test_gguf_linear_computes_the_quantised_product(qtype, dtype):
 def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N):
     """The vector path (AVX2 / VNNI, whichever this build has; N = 76 ends in a partial
     tile) equals the C scalar loop bit for bit, and a row's result does not depend on the
-    rows beside it (decode = verify)."""
+    rows beside it (decode = verify) nor on the threads."""
     lin, _, _ = _linear(qtype, N, K, 2)
     kernels = native.cpu_kernels()
     for dtype in (torch.float32, torch.bfloat16):
@@ -100,6 +100,16 @@ def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N):
         assert torch.equal(fast, kernels.quant_linear(x, *args, reference=True))
         for rows in ([5], [0, 1, 2], list(range(6)), list(range(9))):
             assert torch.equal(kernels.quant_linear(x[rows].contiguous(), *args), fast[rows])
+        # A prefill chunk's rows: quantised on every thread, through the tiles 64 at a time.
+        many = (torch.randn(150, K) * torch.linspace(0.01, 10, K)).to(dtype)
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            fast = kernels.quant_linear(many, *args)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(fast, kernels.quant_linear(many, *args, reference=True))
+        assert torch.equal(kernels.quant_linear(many[70:71].contiguous(), *args), fast[70:71])
 
 
 @pytest.mark.skipif(native.cpu_kernels() is None, reason="no C compiler here")

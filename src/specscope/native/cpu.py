@@ -16,10 +16,16 @@ if TYPE_CHECKING:
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
-# At most this many query tokens a call go through the native attention: decode steps,
-# verifies and draft steps. A prefill chunk's attention is matmul-sized work, which torch's
-# multi-threaded products do better than this single-threaded loop.
+# At most this many query tokens a forward go through the native decoder (decode steps,
+# verifies and draft steps: native/decoder.c holds their rows in its own scratch).
 ATTENTION_MAX_TOKENS = 16
+# The native attention takes prefill chunks too: it attends each token over the keys it
+# sees, where the reference computes the whole square and masks it (a 1,024-token prompt's
+# prefill 2.18 -> 1.01 s on the default model, docs/cpu.md). Its scratch for a call (each
+# run of tokens' key slots, the parts of rows split by keys) may take this many bytes;
+# past it the call goes to the reference (a chunk of thousands of tokens over tens of
+# thousands of keys).
+ATTENTION_MAX_SCRATCH = 256 << 20
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -60,7 +66,7 @@ class CpuKernels:
         self._silu.restype = None
         self._attend = lib.sc_attend_qkv
         self._attend.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P,
-                                 _P, _P, _P, _I, _I, _P, _P, _F, _F, _P, _INT]
+                                 _P, _P, _P, _I, _I, _P, _P, _F, _F, _P, _INT, _I]
         self._attend.restype = _INT
         self._quant = lib.sc_quant_linear
         self._quant.argtypes = [_P, _I, _I, _P, _P, _P, _I, _INT, _P, _INT, _P, _INT]
@@ -98,10 +104,10 @@ class CpuKernels:
     def attend_applies(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        cos: torch.Tensor, head_dim: int,
                        norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-        """Whether attend_qkv serves this call: few enough tokens, one dtype throughout
-        (the q/k norms' weights included), a K/V cache of separate contiguous tensors (not
-        MLA's shared latent)."""
-        return (qkv.shape[0] <= ATTENTION_MAX_TOKENS and head_dim % 8 == 0
+        """Whether attend_qkv may serve this call: one dtype throughout (the q/k norms'
+        weights included), a K/V cache of separate contiguous tensors (not MLA's shared
+        latent). attend_qkv may still decline a call too big for its scratch."""
+        return (head_dim % 8 == 0
                 and k_cache.dtype == qkv.dtype == v_cache.dtype == cos.dtype
                 and (norms is None or all(w.dtype == qkv.dtype for w in norms))
                 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -111,10 +117,11 @@ class CpuKernels:
                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                    scale: float, num_heads: int, num_kv_heads: int,
                    norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float
-                   ) -> torch.Tensor:
+                   ) -> torch.Tensor | None:
         """kvcache/paged.py paged_attend_qkv on the CPU: q/k norms, rotary (cos/sin [N,
         D]), the KV write at meta.slots, attention over the paged cache. qkv [N, (H + 2 Hkv)
-        D] -> [N, H * D]. Check attend_applies first."""
+        D] -> [N, H * D]; None, with nothing written, for a call whose scratch would pass
+        ATTENTION_MAX_SCRATCH. Check attend_applies first."""
         N = qkv.shape[0]
         H, Hkv = num_heads, num_kv_heads
         D = qkv.shape[1] // (H + 2 * Hkv)
@@ -127,7 +134,9 @@ class CpuKernels:
         rc = self._attend(qkv.data_ptr(), N, H, Hkv, D, cos.data_ptr(), sin.data_ptr(),
                           k_cache.data_ptr(), v_cache.data_ptr(), *args[:4], k_cache.shape[1],
                           *args[4:], meta.max_len, _ptr(qn), _ptr(kn), eps, scale,
-                          out.data_ptr(), qkv.dtype == torch.bfloat16)
+                          out.data_ptr(), qkv.dtype == torch.bfloat16, ATTENTION_MAX_SCRATCH)
+        if rc == -2:  # too big for the scratch it may take: nothing was written
+            return None
         if rc != 0:
             raise MemoryError(f"native CPU attention could not allocate its scratch for {N} "
                               f"tokens over {meta.max_len} keys")

@@ -27,6 +27,9 @@
 #include <omp.h>
 #endif
 
+/* Rows from which the row-wise kernels (norms, silu-mul) share them among the threads. */
+#define PARALLEL_ROWS 32
+
 /* x rounded as the activation dtype holds it. */
 static inline float rnd(float x, int bf16) {
     return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x;
@@ -190,51 +193,61 @@ static void norm_row(float *x, const void *w, int64_t D, float eps, int bf16) {
  * (then h is not written). */
 void sc_rms_norm(const void *x, const void *residual, const void *w, void *out, void *h,
                  int64_t N, int64_t D, float eps, int bf16) {
-    float *row = (float *)malloc((size_t)D * sizeof(float));
-    if (!row) return;
-    for (int64_t i = 0; i < N; i++) {
-        int64_t o = i * D;
-        for (int64_t d = 0; d < D; d++) {
-            float v = load(x, o + d, bf16);
-            if (residual) {
-                v = rnd(v + load(residual, o + d, bf16), bf16);
-                store(h, o + d, v, bf16);
+    /* Rows on every thread where there are enough of them (a prefill chunk's); a decode
+     * step's few rows are not worth waking the threads for. */
+#pragma omp parallel if (N >= PARALLEL_ROWS)
+    {
+        float *row = (float *)malloc((size_t)D * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < N; i++) {
+            if (!row) continue;
+            int64_t o = i * D;
+            for (int64_t d = 0; d < D; d++) {
+                float v = load(x, o + d, bf16);
+                if (residual) {
+                    v = rnd(v + load(residual, o + d, bf16), bf16);
+                    store(h, o + d, v, bf16);
+                }
+                row[d] = v;
             }
-            row[d] = v;
+            norm_row(row, w, D, eps, bf16);
+            for (int64_t d = 0; d < D; d++) store(out, o + d, row[d], bf16);
         }
-        norm_row(row, w, D, eps, bf16);
-        for (int64_t d = 0; d < D; d++) store(out, o + d, row[d], bf16);
+        free(row);
     }
-    free(row);
 }
 
 /* gate_up [N, 2I] (gate then up) -> out [N, I] = rnd(rnd(silu(gate)) * up). */
 void sc_silu_mul(const void *gate_up, void *out, int64_t N, int64_t I, int bf16) {
-    float *g = (float *)malloc((size_t)I * sizeof(float));
-    if (!g) return;
-    for (int64_t i = 0; i < N; i++) {
-        load_row(g, gate_up, i * 2 * I, I, bf16);
-        /* silu(x) = x / (1 + exp(-x)) = x e / (1 + e) with e = exp(x): exp of -|x| either
-         * way, so the argument is never positive. */
-        int64_t d = 0;
-        for (; d + 8 <= I; d += 8) {
-            v8f x = ld8(g + d);
-            v8f e = exp8_neg(-max8(x, -x));
-            v8f pos = x / (1.0f + e), neg = x * e / (1.0f + e);
-            v8i m = x < 0.0f;
-            union { v8f f; v8i i; } a = {neg}, b = {pos}, r;
-            r.i = (a.i & m) | (b.i & ~m);
-            st8(g + d, r.f);
+#pragma omp parallel if (N >= PARALLEL_ROWS)
+    {
+        float *g = (float *)malloc((size_t)I * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < N; i++) {
+            if (!g) continue;
+            load_row(g, gate_up, i * 2 * I, I, bf16);
+            /* silu(x) = x / (1 + exp(-x)) = x e / (1 + e) with e = exp(x): exp of -|x| either
+             * way, so the argument is never positive. */
+            int64_t d = 0;
+            for (; d + 8 <= I; d += 8) {
+                v8f x = ld8(g + d);
+                v8f e = exp8_neg(-max8(x, -x));
+                v8f pos = x / (1.0f + e), neg = x * e / (1.0f + e);
+                v8i m = x < 0.0f;
+                union { v8f f; v8i i; } a = {neg}, b = {pos}, r;
+                r.i = (a.i & m) | (b.i & ~m);
+                st8(g + d, r.f);
+            }
+            for (; d < I; d++) {
+                float x = g[d], e = exp_neg(x < 0.0f ? x : -x);
+                g[d] = x < 0.0f ? x * e / (1.0f + e) : x / (1.0f + e);
+            }
+            for (int64_t d = 0; d < I; d++)
+                store(out, i * I + d, rnd(g[d], bf16) * load(gate_up, i * 2 * I + I + d, bf16),
+                      bf16);
         }
-        for (; d < I; d++) {
-            float x = g[d], e = exp_neg(x < 0.0f ? x : -x);
-            g[d] = x < 0.0f ? x * e / (1.0f + e) : x / (1.0f + e);
-        }
-        for (int64_t d = 0; d < I; d++)
-            store(out, i * I + d, rnd(g[d], bf16) * load(gate_up, i * 2 * I + I + d, bf16),
-                  bf16);
+        free(g);
     }
-    free(g);
 }
 
 /* One head row x [D] (fp32, already in the activation's precision) rotated in place:
@@ -544,6 +557,8 @@ static void write_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_
     }
 }
 
+#define PIECE_TOKENS 64
+
 /* Runs of tokens (run_of [N]) cut into pieces [piece_a, piece_b): enough work items (piece,
  * KV head, key chunk) for the threads to share; a run is cut into pieces of tokens only
  * where its chunks are too few (each piece reads the run's keys again). Returns the count. */
@@ -562,6 +577,9 @@ static int64_t cut_pieces(int64_t N, int64_t Hkv, const int64_t *lens, const int
         int64_t b = a;
         while (b < N && run_of[b] == run_of[a]) b++;
         int64_t n = b - a, k = parts < n ? parts : n;
+        /* A prefill run in pieces of at most PIECE_TOKENS: its scores' scratch stays
+         * bounded (rows times keys) and every thread gets a share. */
+        if (k < (n + PIECE_TOKENS - 1) / PIECE_TOKENS) k = (n + PIECE_TOKENS - 1) / PIECE_TOKENS;
         for (int64_t j = 0; j < k; j++) {
             piece_a[pieces] = a + n * j / k;
             piece_b[pieces++] = a + n * (j + 1) / k;
@@ -571,13 +589,15 @@ static int64_t cut_pieces(int64_t N, int64_t Hkv, const int64_t *lens, const int
     return pieces;
 }
 
-/* What every work item of one layer's attention reads: the queries, each token's key slots
- * (lists [N, L_cap], lens [N]), the pieces, the cache, and for split pieces the parts'
- * buffer (per piece and head: [chunks][n G D] outputs, then [chunks][n G 2] max, sum, from
- * part_at[p]) with each (piece, head)'s count of finished chunks. */
+/* What every work item of one layer's attention reads: the queries, each token's key count
+ * (lens [N]) and run (run_of [N]), each run's key slots (lists [runs, L_cap]: its last
+ * token's, whose first lens[t] are every token t's of the run), the pieces, the cache, and
+ * for split pieces the parts' buffer (per piece and head: [chunks][n G D] outputs, then
+ * [chunks][n G 2] max, sum, from part_at[p]) with each (piece, head)'s count of finished
+ * chunks. */
 typedef struct {
     const float *q;
-    const int64_t *lists, *lens, *piece_a, *piece_b, *part_at, *chunks;
+    const int64_t *lists, *lens, *run_of, *piece_a, *piece_b, *part_at, *chunks;
     int64_t *finished;
     float *part;
     int64_t L_cap, H, Hkv, G, D;
@@ -600,7 +620,7 @@ static int run_item(const Attn *A, int64_t p, int64_t g, int64_t c) {
         acc = base + c * rows * D;
         ml = base + ch * rows * D + c * rows * 2;
     }
-    const int64_t *keys = A->lists + (b - 1) * A->L_cap;
+    const int64_t *keys = A->lists + A->run_of[b - 1] * A->L_cap;
     Head kh = {A->k_cache, keys, A->Hkv * D, g * D, A->bf16};
     Head vh = {A->v_cache, keys, A->Hkv * D, g * D, A->bf16};
     attend_piece_d(A->q + (a * A->H + g * G) * D, A->H * D, n, A->lens + a, G, D, &kh, &vh,
@@ -622,16 +642,26 @@ static int run_item(const Attn *A, int64_t p, int64_t g, int64_t c) {
     return 0;
 }
 
+/* Floats the split pieces' parts take (attend_items' buffer): per piece whose rows pass
+ * KEY_CHUNK keys, its chunks' unnormalised outputs and (max, sum) for every row and head. */
+static int64_t split_floats(const int64_t *lens, const int64_t *piece_a,
+                            const int64_t *piece_b, int64_t pieces, int64_t Hkv, int64_t G,
+                            int64_t D) {
+    int64_t floats = 0;
+    for (int64_t p = 0; p < pieces; p++) {
+        int64_t ch = chunks_of(lens[piece_b[p] - 1]);
+        if (ch > 1) floats += Hkv * ch * (piece_b[p] - piece_a[p]) * G * (D + 2);
+    }
+    return floats;
+}
+
 /* Every (piece, head, chunk) item of A's pieces, biggest first (rows times keys), handed
  * out one at a time so the threads end together though the items differ in size. Returns
  * 0, or -1 when memory could not be had. */
 static int attend_items(Attn *A, int64_t pieces) {
-    int64_t items = 0, part_floats = 0, Hkv = A->Hkv, rc = 0;
-    for (int64_t p = 0; p < pieces; p++) {
-        int64_t ch = chunks_of(A->lens[A->piece_b[p] - 1]), n = A->piece_b[p] - A->piece_a[p];
-        items += Hkv * ch;
-        if (ch > 1) part_floats += Hkv * ch * n * A->G * (A->D + 2);
-    }
+    int64_t items = 0, Hkv = A->Hkv, rc = 0;
+    int64_t part_floats = split_floats(A->lens, A->piece_a, A->piece_b, pieces, Hkv, A->G, A->D);
+    for (int64_t p = 0; p < pieces; p++) items += Hkv * chunks_of(A->lens[A->piece_b[p] - 1]);
     int64_t *item = (int64_t *)malloc((size_t)(5 * items + (2 + Hkv) * pieces) *
                                       sizeof(int64_t));
     float *part = part_floats ? (float *)malloc((size_t)part_floats * sizeof(float)) : NULL;
@@ -676,13 +706,35 @@ static int attend_items(Attn *A, int64_t pieces) {
     return (int)rc;
 }
 
+/* Each token's key count lens [N] and run run_of [N]: runs of tokens of one sequence, each
+ * token's keys the first ones of the next token's (a decode token alone, a verify's chain,
+ * a prefill chunk), whose keys and values are converted once for all their tokens. Two
+ * lists at a time (cur, prev: [2, L_cap]); each run's last token in last [N]. Returns the
+ * run count. */
+static int64_t find_runs(const Meta *m, int64_t N, int64_t L_cap, int64_t *two, int64_t *lens,
+                         int64_t *run_of, int64_t *last) {
+    int64_t runs = 0;
+    for (int64_t i = 0; i < N; i++) {
+        int64_t *cur = two + (i & 1) * L_cap, *prev = two + ((i + 1) & 1) * L_cap;
+        lens[i] = key_slots(m, i, cur);
+        int joins = i > 0 && m->seq_index[i] == m->seq_index[i - 1] && lens[i] >= lens[i - 1] &&
+            memcmp(cur, prev, (size_t)lens[i - 1] * sizeof(int64_t)) == 0;
+        run_of[i] = joins ? run_of[i - 1] : runs++;
+        last[run_of[i]] = i;
+    }
+    return runs;
+}
+
 /* One layer's attention for N tokens of a flattened batch, from the fused projection's rows
  * qkv [N, (H + 2 Hkv) D]: per-head q/k norms (q_norm and k_norm may be NULL), rotary by
  * cos/sin [N, D] (rotate-half form), this step's K and V written to the paged cache at
  * slots [N] (k_cache/v_cache [num_slots, Hkv, D]), then each token's attention over the
  * keys it sees (Meta: BatchMeta's fields) into out [N, H * D]. Every K/V is written
- * before any token attends, so the tokens of a verify see each other's. Returns 0, or -1
- * when scratch memory could not be had (out is then incomplete: the caller fails). */
+ * before any token attends, so the tokens of a verify see each other's. Returns 0; -1 when
+ * scratch memory could not be had (out is then incomplete: the caller fails); -2, before
+ * anything is written, when the runs' key lists and the split rows' parts would take more
+ * than max_bytes (a long chunk over a long context, or one whose tokens form many runs as
+ * a sliding window's do: the caller runs another path). */
 int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                   const void *cos, const void *sin, void *k_cache, void *v_cache,
                   const int64_t *slots, const int64_t *seq_index, const int64_t *block_tables,
@@ -690,40 +742,36 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                   const int64_t *window_start, const int64_t *tree_start,
                   const uint8_t *tree_mask, int64_t T, int64_t max_len,
                   const void *q_norm, const void *k_norm, float eps, float scale, void *out,
-                  int bf16) {
+                  int bf16, int64_t max_bytes) {
     if (N == 0) return 0;
     int64_t L_cap = max_len + T;
-    float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
-    float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
-    int rc = 0;
-    if (!q || !row) { rc = -1; goto done; }
-    write_qkv(qkv, N, H, Hkv, D, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps, q, row,
-              bf16);
     Meta m = {seq_index, block_tables, visible, window_start, tree_start, tree_mask,
               max_blocks, block_size, T};
-    /* Every token's keys; then runs of tokens of one sequence, each token's keys the first
-     * ones of the next token's (a decode token alone, a verify's chain): a run's keys and
-     * values are converted once for all its tokens. */
-    int64_t *lists = scratch_slots((size_t)(N * L_cap + 4 * N));
-    if (!lists) { rc = -1; goto done; }
-    int64_t *lens = lists + N * L_cap, *piece_a = lens + N, *piece_b = piece_a + N;
-    int64_t *run_of = piece_b + N;
-    for (int64_t i = 0; i < N; i++) lens[i] = key_slots(&m, i, lists + i * L_cap);
-    int64_t runs = 0;
-    for (int64_t i = 0; i < N; i++) {
-        int joins = i > 0 && seq_index[i] == seq_index[i - 1] && lens[i] >= lens[i - 1] &&
-            memcmp(lists + i * L_cap, lists + (i - 1) * L_cap,
-                   (size_t)lens[i - 1] * sizeof(int64_t)) == 0;
-        run_of[i] = joins ? run_of[i - 1] : runs++;
-    }
+    int64_t *idx = scratch_slots((size_t)(2 * L_cap + 5 * N));
+    if (!idx) return -1;
+    int64_t *lens = idx + 2 * L_cap, *run_of = lens + N, *last = run_of + N;
+    int64_t *piece_a = last + N, *piece_b = piece_a + N;
+    int64_t runs = find_runs(&m, N, L_cap, idx, lens, run_of, last);
     int64_t pieces = cut_pieces(N, Hkv, lens, run_of, piece_a, piece_b);
-    Attn A = {q, lists, lens, piece_a, piece_b, NULL, NULL, NULL, NULL, L_cap, H, Hkv, H / Hkv,
-              D, k_cache, v_cache, out, scale, bf16};
+    if (runs > max_bytes / 8 / L_cap ||
+        runs * L_cap * 8 + split_floats(lens, piece_a, piece_b, pieces, Hkv, H / Hkv, D) * 4 >
+        max_bytes)
+        return -2;
+    float *q = (float *)malloc((size_t)(N * H * D) * sizeof(float));
+    float *row = (float *)malloc((size_t)(2 * D) * sizeof(float));
+    int64_t *lists = (int64_t *)malloc((size_t)(runs * L_cap) * sizeof(int64_t));
+    int rc = 0;
+    if (!q || !row || !lists) { rc = -1; goto done; }
+    write_qkv(qkv, N, H, Hkv, D, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps, q, row,
+              bf16);
+    for (int64_t r = 0; r < runs; r++) key_slots(&m, last[r], lists + r * L_cap);
+    Attn A = {q, lists, lens, run_of, piece_a, piece_b, NULL, NULL, NULL, NULL, L_cap, H, Hkv,
+              H / Hkv, D, k_cache, v_cache, out, scale, bf16};
     rc = attend_items(&A, pieces);
 done:
-    free(q); free(row);
+    free(q); free(row); free(lists);
     return rc;
 }
 
 /* The library's interface version: the loader refuses a build whose version differs. */
-int sc_version(void) { return 3; }
+int sc_version(void) { return 4; }

@@ -117,7 +117,7 @@ static int layer_from(const sc_layer *y, const sc_dims *m, const void *x, int64_
                            b->slots, b->seq_index, b->block_tables, b->max_blocks,
                            b->block_size, b->visible, b->window_start, b->tree_start,
                            b->tree_mask, b->T, b->max_len, y->q_norm, y->k_norm, m->qk_eps,
-                           m->scale, w->att, bf16);
+                           m->scale, w->att, bf16, INT64_MAX);
     if (rc != 0) return rc;
     sc_quant_linear(w->att, N, A, y->o.codes, y->o.scales, y->o.offsets, y->o.out_features,
                     (int)y->o.bits, w->o, bf16, w->scratch, 0);

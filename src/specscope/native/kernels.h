@@ -15,7 +15,7 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                   const int64_t *window_start, const int64_t *tree_start,
                   const uint8_t *tree_mask, int64_t T, int64_t max_len,
                   const void *q_norm, const void *k_norm, float eps, float scale, void *out,
-                  int bf16);
+                  int bf16, int64_t max_bytes);
 /* sc_quant_linear's scratch for M rows of K inputs: the 8-bit codes, then per block of 32
  * the scale, the offset term's factor and the 8-bit codes' offset (4 bytes each). */
 #define SC_QUANT_SCRATCH(M, K) ((M) * (K) + 12 * (M) * ((K) / 32))

@@ -321,17 +321,22 @@ static inline __attribute__((always_inline)) void tile_rows(
 #define MAX_R 4
 #endif
 
-/* One tile's outputs for every activation row, the rows MAX_R at a time (each block's codes
+/* Rows a pass of the tiles takes when there are many (sc_quant_linear). */
+#define CHUNK_ROWS 64
+
+/* One tile's outputs for activation rows [m_lo, m_lo + rows), MAX_R at a time (each block's codes
  * unpacked once for them). */
 static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
                  const int8_t *a, const float *e, const float *s, const int32_t *c,
-                 int64_t M, int64_t N, int64_t n0, void *y, int bf16, int reference) {
+                 int64_t M, int64_t m_lo, int64_t rows, int64_t N, int64_t n0, void *y,
+                 int bf16, int reference) {
     int cols = (int)(N - n0 < TILE ? N - n0 : TILE);
+    int64_t m_hi = m_lo + rows;
     float out[TILE];
 #if defined(__AVX2__)
     if (!reference) {
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
-            int R = (int)(M - m0 < MAX_R ? M - m0 : MAX_R);
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += MAX_R) {
+            int R = (int)(m_hi - m0 < MAX_R ? m_hi - m0 : MAX_R);
             switch (R) {
 #if MAX_R == 8
             case 8: TILE_ROWS_R(8); break;
@@ -350,13 +355,13 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
 #endif
     (void)reference;
     (void)c;
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = m_lo; m < m_hi; m++) {
         tile_scalar(w, wd, wm, nb, bits, a, e, s, M, m, out);
         store_row(y, m * N + n0, out, cols, bf16);
     }
 }
 
-int sc_quant_version(void) { return 4; }
+int sc_quant_version(void) { return 5; }
 
 /* y [M, N] = x [M, K] W^T, W in the tiled layout above (`bits` 4 or 8; wm NULL where the
  * blocks have no offset), x and y fp32 or bf16 (`bf16`). scratch: at least
@@ -369,11 +374,20 @@ void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, cons
     float *e = (float *)(a + M * K);
     float *s = e + M * nb;
     int32_t *c = (int32_t *)(s + M * nb);
+#pragma omp parallel for schedule(static) if (M >= 32)
     for (int64_t m = 0; m < M; m++)
         quantize_row(x, m, M, K, bf16, a, e, s, c, reference);
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        tile(w + t * nb * tile_block_bytes(bits), wd + t * nb * TILE,
-             wm ? wm + t * nb * TILE : NULL, nb, bits, a, e, s, c, M, N, t * TILE, y, bf16,
-             reference);
+    /* Many rows (a prefill chunk) go CHUNK_ROWS at a time through every tile: a chunk's
+     * codes stay in L2 while a thread's tiles pass, where all M rows' would be read again
+     * from L3 for every tile. The threads keep the same tiles chunk after chunk (static
+     * schedule), so each one's weights stay in its own cache; no chunk waits for another. */
+#pragma omp parallel
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+        int64_t rows = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < tiles; t++)
+            tile(w + t * nb * tile_block_bytes(bits), wd + t * nb * TILE,
+                 wm ? wm + t * nb * TILE : NULL, nb, bits, a, e, s, c, M, m0, rows, N, t * TILE,
+                 y, bf16, reference);
+    }
 }
