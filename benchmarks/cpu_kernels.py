@@ -8,6 +8,7 @@ rows, i.e. whether its kernel streams each weight once for a few-token forward.
     python benchmarks/cpu_kernels.py --native-attention [OLD.so NEW.so]   # the native one
         (and a batched decode step's: 8 sequences, streamed and held in cache)
     python benchmarks/cpu_kernels.py --native-quant [OLD.so NEW.so]   # the GGUF products, A/B
+    python benchmarks/cpu_kernels.py --native-quant --tiles 8,16   # 8- against 16-row tiles
 
 Formats: the native GGUF kernels (`models/quant.py` GgufLinear, Q4_1 and Q8_0 codes with
 8-bit activations made from bf16 or fp32 ones: what `--quantization int4-gguf` runs), dense
@@ -208,17 +209,18 @@ def batched_attention_rows(kernels: list, rounds: int) -> list[dict]:
     return rows
 
 
-def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
+def native_quant_rows(libs: list[str], tiles: list, rounds: int = 30) -> list[dict]:
     """The native GGUF products (`native/quant_kernels.c`) of the default model's shapes
-    (its Q4_1 linears, its tied Q8_0 head), bf16 activations, 1 and 6 rows, random codes,
+    (its Q4_1 linears, its tied Q8_0 head), bf16 activations, 1, 6 and 8 rows, random codes,
     then the greedy pick over the head's and the draft's vocabularies (`argmax_rows`):
-    this build's library, or each library file in `libs` called alternately in one process,
-    `rounds` rounds of 20 calls, medians; outputs compared with torch.equal."""
+    this build's library, or each library file in `libs`, each in every weight layout of
+    `tiles` (rows a tile; None: the one models/quant.py picks), called alternately in one
+    process, `rounds` rounds of 20 calls, medians; outputs compared with torch.equal."""
     import numpy as np
 
     from specscope.models.quant import GgufLinear
 
-    kernels = libraries(libs)
+    variants = [(k, t) for k in libraries(libs) for t in tiles]
     rng = np.random.default_rng(0)
     shapes = {"qkv Q4_1": (960, 576, 4), "gate_up Q4_1": (3072, 576, 4),
               "down Q4_1": (576, 1536, 4), "head Q8_0": (49152, 576, 8)}
@@ -227,13 +229,14 @@ def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
         q = (rng.integers(0, 16, (N, K)) if bits == 4 else rng.integers(-127, 128, (N, K)))
         d = rng.random((N, K // 32), dtype=np.float32) * 0.01
         m = -8 * d if bits == 4 else None
-        lin = GgufLinear.from_codes(q, d, m, bits, None)
-        for M in (1, 6):
+        lins = {t: GgufLinear.from_codes(q, d, m, bits, None, t) for t in tiles}
+        for M in (1, 6, 8):
             x = torch.randn(M, K).to(torch.bfloat16)
-            rows.append(alternate(kernels, lambda k, a=(x, lin.codes, lin.scales,
-                                                        lin.offsets, N, bits):
-                                  k.quant_linear(*a), rounds, f"{name:13} {M} rows: ",
-                                  shape=name, rows=M))
+            rows.append(alternate(variants, lambda v, x=x, lins=lins, N=N, bits=bits:
+                                  v[0].quant_linear(x, lins[v[1]].codes, lins[v[1]].scales,
+                                                    lins[v[1]].offsets, N, bits),
+                                  rounds, f"{name:13} {M} rows: ", shape=name, rows=M))
+    kernels = [k for k, _ in variants[::len(tiles)]]
     for V, what in ((49152, "the head's"), (12288, "the draft's")):
         for M in (1, 6):  # the greedy pick after the product (argmax_rows)
             x = torch.randn(M, V).to(torch.bfloat16)
@@ -243,40 +246,42 @@ def native_quant_rows(libs: list[str], rounds: int = 30) -> list[dict]:
     return rows
 
 
-def native_streamed_rows(libs: list[str], rounds: int = 15) -> list[dict]:
+def native_streamed_rows(libs: list[str], tiles: list, rounds: int = 15) -> list[dict]:
     """The default model's 120 Q4_1 products (30 layers of qkv, o, gate_up, down: 66 MB of
     codes and scales, random, each weight its own, so they stream from memory as a decode
-    step's do) at 1 and 6 bf16 rows: each library in `libs` (or this build's) in turn,
-    `rounds` rounds of all 120, medians in ms. A weight held in cache (native_quant_rows)
-    shows the kernels' arithmetic; this shows what a step pays."""
+    step's do) at 1, 6 and 8 bf16 rows: each library in `libs` (or this build's) in each
+    layout of `tiles`, in turn, `rounds` rounds of all 120, medians in ms. A weight held in
+    cache (native_quant_rows) shows the kernels' arithmetic; this shows what a step pays."""
     import statistics
 
     import numpy as np
 
     from specscope.models.quant import GgufLinear
 
-    kernels = libraries(libs)
+    variants = [(k, t) for k in libraries(libs) for t in tiles]
     rng = np.random.default_rng(0)
-    lins = []
+    lins: dict = {t: [] for t in tiles}
     for _ in range(30):
         for N, K in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
             d = rng.random((N, K // 32), dtype=np.float32) * 0.01
-            lins.append(GgufLinear.from_codes(rng.integers(0, 16, (N, K)), d, -8 * d, 4, None))
+            q = rng.integers(0, 16, (N, K))
+            for t in tiles:
+                lins[t].append(GgufLinear.from_codes(q, d, -8 * d, 4, None, t))
     rows = []
-    for M in (1, 6):
+    for M in (1, 6, 8):
         xs = {K: torch.randn(M, K).to(torch.bfloat16) for K in (576, 1536)}
 
-        def run(k, xs: dict = xs) -> None:
-            for lin in lins:
+        def run(k, layers: list, xs: dict = xs) -> None:
+            for lin in layers:
                 k.quant_linear(xs[lin.in_features], lin.codes, lin.scales, lin.offsets,
                                lin.out_features, 4)
 
-        times: list[list[float]] = [[] for _ in kernels]
+        times: list[list[float]] = [[] for _ in variants]
         for _ in range(rounds):
-            for i, k in enumerate(kernels):
-                t = time.perf_counter()
-                run(k)
-                times[i].append((time.perf_counter() - t) * 1e3)
+            for i, (k, t) in enumerate(variants):
+                start = time.perf_counter()
+                run(k, lins[t])
+                times[i].append((time.perf_counter() - start) * 1e3)
         ms = [statistics.median(t) for t in times]
         print(f"120 products streamed, {M} rows: " + "  ".join(f"{m:7.3f} ms" for m in ms),
               flush=True)
@@ -293,6 +298,11 @@ def main() -> None:
     ap.add_argument("--native-quant", nargs="*", metavar="LIB", default=None,
                     help="time the native GGUF products instead: this build's, or each given "
                          "library file alternately (A/B of two builds)")
+    ap.add_argument("--tiles", default=None,
+                    help="with --native-quant: the weight layouts to alternate, rows a tile "
+                         "(e.g. 8,16; 16 runs in 512-bit vectors where the build has AVX-512 "
+                         "VNNI); default the layout the loader picks. Give 8 to time libraries "
+                         "built before 16-row tiles")
     ap.add_argument("--rows", default="1,6",
                     help="activation rows a product (comma-separated; the first is the unit "
                          "of the ratios)")
@@ -310,9 +320,11 @@ def main() -> None:
         return
     if args.native_quant is not None:
         with torch.inference_mode():
-            rows = native_quant_rows(args.native_quant)
-            streamed = native_streamed_rows(args.native_quant)
-        print(json.dumps({"benchmark": "native_quant", "rows": rows, "streamed": streamed}))
+            tiles = [int(t) for t in args.tiles.split(",")] if args.tiles else [None]
+            rows = native_quant_rows(args.native_quant, tiles)
+            streamed = native_streamed_rows(args.native_quant, tiles)
+        print(json.dumps({"benchmark": "native_quant", "tiles": tiles, "rows": rows,
+                          "streamed": streamed}))
         return
     if args.attention:
         with torch.inference_mode():

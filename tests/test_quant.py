@@ -48,11 +48,12 @@ def test_gguf_codes_match_gguf_dequantize(qtype):
                                rtol=0, atol=1e-6)
 
 
-def _linear(qtype: str, rows: int, cols: int, seed: int, bias: bool = False):
+def _linear(qtype: str, rows: int, cols: int, seed: int, bias: bool = False,
+            tile: int | None = None):
     raw = _random_blocks(qtype, rows, cols, np.random.default_rng(seed))
     q, d, m = gguf_codes(raw, qtype, rows, cols)
     b = torch.randn(rows) if bias else None
-    return GgufLinear.from_codes(q, d, m, 8 if qtype == "Q8_0" else 4, b), \
+    return GgufLinear.from_codes(q, d, m, 8 if qtype == "Q8_0" else 4, b, tile), \
         _dense(raw, qtype, rows, cols), b
 
 
@@ -86,11 +87,13 @@ def test_gguf_linear_computes_the_quantised_product(qtype, dtype):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("K", [64, 576])
 @pytest.mark.parametrize("N", [72, 76])
-def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N):
-    """The vector path (AVX2 / VNNI, whichever this build has; N = 76 ends in a partial
-    tile) equals the C scalar loop bit for bit, and a row's result does not depend on the
-    rows beside it (decode = verify) nor on the threads."""
-    lin, _, _ = _linear(qtype, N, K, 2)
+@pytest.mark.parametrize("tile", [8, 16])
+def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N, tile):
+    """The vector path (AVX2 / VNNI / 16-row tiles in 512-bit vectors, whichever this build
+    has for the tile; N = 76 ends in a partial tile) equals the C scalar loop bit for bit,
+    and a row's result does not depend on the rows beside it (decode = verify) nor on the
+    threads."""
+    lin, _, _ = _linear(qtype, N, K, 2, tile=tile)
     kernels = native.cpu_kernels()
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(16, K) * torch.linspace(0.01, 10, K)).to(dtype)
@@ -110,6 +113,27 @@ def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N):
             torch.set_num_threads(before)
         assert torch.equal(fast, kernels.quant_linear(many, *args, reference=True))
         assert torch.equal(kernels.quant_linear(many[70:71].contiguous(), *args), fast[70:71])
+
+
+@pytest.mark.skipif(native.cpu_kernels() is None, reason="no C compiler here")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_tile_does_not_change_a_product(qtype):
+    """The same weights in 8- and 16-row tiles give the same outputs bit for bit (each
+    output's sums run in one order whatever the tile), on whichever path each tile takes
+    here; the default layout is 16-row tiles for 4-bit codes only where the build runs them
+    in 512-bit vectors."""
+    from specscope.models.quant import tile_for
+
+    kernels = native.cpu_kernels()
+    (narrow, _, _), (wide, _, _) = (_linear(qtype, 76, 576, 4, tile=t) for t in (8, 16))
+    assert (narrow.tile, wide.tile) == (8, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        for M in (1, 6, 70):
+            x = torch.randn(M, 576).to(dtype)
+            assert torch.equal(narrow(x), wide(x))
+    torch.testing.assert_close(narrow.weight, wide.weight, atol=0, rtol=0)
+    bits = 8 if qtype == "Q8_0" else 4
+    assert tile_for(bits) == (16 if bits == 4 and kernels.wide else 8)
 
 
 @pytest.mark.skipif(native.cpu_kernels() is None, reason="no C compiler here")

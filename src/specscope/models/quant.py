@@ -31,40 +31,53 @@ from specscope.models.llama import CausalLM
 log = logging.getLogger("specscope.quant")
 
 GROUP = 32
-TILE = 8  # weight rows a tile of quant_kernels.c's layout holds
+TILE = 8  # weight rows a tile of quant_kernels.c's layout holds: 8, or WIDE_TILE (tile_for)
+WIDE_TILE = 16
 QUANT_MODES = ("none", "int4-gguf")
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
-def tile_codes(q: np.ndarray, bits: int) -> np.ndarray:
-    """Codes [N, K] (N a multiple of TILE) in quant_kernels.c's layout: per tile of 8 rows and
-    block of 32 inputs, 8 groups of 4 inputs as 8 rows x 4 codes; 4-bit codes pack group g
-    (low nibble) with group g + 4 (high), 8-bit codes q (-128..127) are stored as q + 128.
-    uint8, flat."""
+def tile_for(bits: int) -> int:
+    """Rows a tile for codes of `bits`: WIDE_TILE for 4-bit codes where the native library runs
+    16-row tiles in 512-bit vectors (AVX-512 VNNI: fewer instructions a product of several
+    rows, native/quant_kernels.c), else TILE. The layout lives in memory only; nothing
+    stores it."""
+    from specscope import native
+
+    kernels = native.cpu_kernels() if bits == 4 else None
+    return WIDE_TILE if kernels is not None and kernels.wide else TILE
+
+
+def tile_codes(q: np.ndarray, bits: int, tile: int = TILE) -> np.ndarray:
+    """Codes [N, K] (N a multiple of `tile`) in quant_kernels.c's layout: per tile of `tile`
+    rows and block of 32 inputs, 8 groups of 4 inputs as `tile` rows x 4 codes; 4-bit codes
+    pack group g (low nibble) with group g + 4 (high), 8-bit codes q (-128..127) are stored
+    as q + 128. uint8, flat."""
     N, K = q.shape
     if bits == 8:
         q = (q.astype(np.int16) + 128).astype(np.uint8)
-    x = q.reshape(N // TILE, TILE, K // GROUP, 8, 4).transpose(0, 2, 3, 1, 4)
+    x = q.reshape(N // tile, tile, K // GROUP, 8, 4).transpose(0, 2, 3, 1, 4)
     if bits == 4:
         x = x[:, :, 0:4].astype(np.uint8) | (x[:, :, 4:8].astype(np.uint8) << 4)
     return np.ascontiguousarray(x).view(np.uint8).reshape(-1)
 
 
-def untile_codes(w: torch.Tensor, bits: int, N: int, K: int) -> torch.Tensor:
-    """tile_codes undone: [N, K] int32 codes (N padded to a multiple of TILE)."""
-    T, nb = N // TILE, K // GROUP
+def untile_codes(w: torch.Tensor, bits: int, N: int, K: int, tile: int = TILE) -> torch.Tensor:
+    """tile_codes undone: [N, K] int32 codes (N padded to a multiple of `tile`)."""
+    T, nb = N // tile, K // GROUP
     if bits == 4:
-        x = w.view(T, nb, 4, TILE, 4).to(torch.int32)
+        x = w.view(T, nb, 4, tile, 4).to(torch.int32)
         x = torch.cat([x & 0x0F, x >> 4], dim=2)  # [T, nb, 8 groups, rows, 4]
     else:
-        x = w.view(T, nb, 8, TILE, 4).to(torch.int32) - 128
+        x = w.view(T, nb, 8, tile, 4).to(torch.int32) - 128
     return x.permute(0, 3, 1, 2, 4).reshape(N, K)
 
 
-def tile_rows(v: np.ndarray) -> np.ndarray:
-    """Per-block values [N, K/32] as [N/8, K/32, 8] fp32 (the layout's scales and offsets)."""
+def tile_rows(v: np.ndarray, tile: int = TILE) -> np.ndarray:
+    """Per-block values [N, K/32] as [N/tile, K/32, tile] fp32 (the layout's scales and
+    offsets; their last dimension tells the kernels the tile)."""
     N, nb = v.shape
-    return np.ascontiguousarray(v.reshape(N // TILE, TILE, nb).transpose(0, 2, 1),
+    return np.ascontiguousarray(v.reshape(N // tile, tile, nb).transpose(0, 2, 1),
                                 dtype=np.float32)
 
 
@@ -89,7 +102,7 @@ class GgufLinear(nn.Module):
                  bias: torch.Tensor | None) -> None:
         super().__init__()
         self.register_buffer("codes", codes)  # uint8, tile_codes' layout
-        self.register_buffer("scales", scales)  # [N/8, K/32, 8] fp32
+        self.register_buffer("scales", scales)  # [N/tile, K/32, tile] fp32
         self.register_buffer("offsets", offsets)  # the same, or None (no offsets)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.bits, self.in_features, self.out_features = bits, in_features, out_features
@@ -139,29 +152,38 @@ class GgufLinear(nn.Module):
             w = w + m[..., None]
         return w.reshape(q.shape[0], -1)[:self.out_features]
 
+    @property
+    def tile(self) -> int:
+        """Rows a tile of the codes' layout (8 or 16)."""
+        return self.scales.shape[-1]
+
     def _blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The layout undone: codes [N, K/32, 32] fp32, scales d and offsets m [N, K/32]
         (N padded to a whole tile; m None without offsets)."""
-        N, K = self.scales.shape[0] * TILE, self.in_features
-        q = untile_codes(self.codes, self.bits, N, K).float().reshape(N, K // GROUP, GROUP)
+        N, K = self.scales.shape[0] * self.tile, self.in_features
+        q = untile_codes(self.codes, self.bits, N, K, self.tile).float()
+        q = q.reshape(N, K // GROUP, GROUP)
         d = self.scales.permute(0, 2, 1).reshape(N, -1)
         m = None if self.offsets is None else self.offsets.permute(0, 2, 1).reshape(N, -1)
         return q, d, m
 
     @staticmethod
     def from_codes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, bits: int,
-                   bias: torch.Tensor | None) -> GgufLinear:
+                   bias: torch.Tensor | None, tile: int | None = None) -> GgufLinear:
         """q [N, K] codes (0..15 at 4 bits, -127..127 at 8), d and m [N, K/32]: w = d q + m
-        (m None: no offsets). Rows are padded to a whole tile with zero weights."""
+        (m None: no offsets), in tiles of `tile` rows (default tile_for(bits)). Rows are
+        padded to a whole tile with zero weights."""
+        tile = tile or tile_for(bits)
         N, K = q.shape
-        pad = (-N) % TILE
+        pad = (-N) % tile
         if pad:
             q = np.concatenate([q, np.zeros((pad, K), q.dtype)])
             d = np.concatenate([d, np.zeros((pad, d.shape[1]), d.dtype)])
             m = None if m is None else np.concatenate([m, np.zeros((pad, m.shape[1]), m.dtype)])
-        codes = torch.from_numpy(tile_codes(q.astype(np.int8 if bits == 8 else np.uint8), bits))
-        offsets = None if m is None else torch.from_numpy(tile_rows(m))
-        return GgufLinear(codes, torch.from_numpy(tile_rows(d)), offsets, bits, K, N, bias)
+        codes = tile_codes(q.astype(np.int8 if bits == 8 else np.uint8), bits, tile)
+        offsets = None if m is None else torch.from_numpy(tile_rows(m, tile))
+        return GgufLinear(torch.from_numpy(codes), torch.from_numpy(tile_rows(d, tile)), offsets,
+                          bits, K, N, bias)
 
 
 def gguf_codes(data: np.ndarray, qtype: str, rows: int,

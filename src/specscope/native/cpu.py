@@ -69,8 +69,11 @@ class CpuKernels:
                                  _P, _P, _P, _I, _I, _P, _P, _F, _F, _P, _INT, _I]
         self._attend.restype = _INT
         self._quant = lib.sc_quant_linear
-        self._quant.argtypes = [_P, _I, _I, _P, _P, _P, _I, _INT, _P, _INT, _P, _INT]
+        self._quant.argtypes = [_P, _I, _I, _P, _P, _P, _I, _INT, _INT, _P, _INT, _P, _INT]
         self._quant.restype = None
+        lib.sc_quant_wide.restype = _INT
+        # Whether 4-bit codes run in 16-row tiles here (models/quant.py tile_for).
+        self.wide = bool(lib.sc_quant_wide())
         self._argmax = lib.sc_argmax_rows
         self._argmax.argtypes = [_P, _I, _I, _INT, _P]
         self._argmax.restype = None
@@ -146,17 +149,18 @@ class CpuKernels:
                      offsets: torch.Tensor | None, out_features: int, bits: int,
                      reference: bool = False) -> torch.Tensor:
         """x [M, K] (fp32 or bf16, contiguous) times quantised weights in quant_kernels.c's
-        tiled layout (models/quant.py GgufLinear builds it): [M, out_features] in x's dtype,
-        the activations quantised to 8 bits per block of 32 as llama.cpp does. `reference`
-        runs the C scalar loop the vector paths equal bit for bit."""
+        tiled layout (models/quant.py GgufLinear builds it; scales [N/T, K/32, T] give the
+        tile's rows T): [M, out_features] in x's dtype, the activations quantised to 8 bits
+        per block of 32 as llama.cpp does. `reference` runs the C scalar loop the vector
+        paths equal bit for bit."""
         M, K = x.shape
         need = M * K + 12 * M * (K // 32) + 64  # kernels.h SC_QUANT_SCRATCH, aligned
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
         y = torch.empty(M, out_features, dtype=x.dtype)
         self._quant(x.data_ptr(), M, K, codes.data_ptr(), scales.data_ptr(), _ptr(offsets),
-                    out_features, bits, y.data_ptr(), x.dtype == torch.bfloat16,
-                    self._scratch.data_ptr(), reference)
+                    out_features, bits, scales.shape[-1], y.data_ptr(),
+                    x.dtype == torch.bfloat16, self._scratch.data_ptr(), reference)
         return y
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ typedef struct {
     const float *offsets;
     int64_t out_features;
     int64_t bits;
+    int64_t tile;  /* rows a tile of the layout: 8, or 16 (quant_kernels.c) */
 } sc_qlinear;
 
 /* One layer: its norms' weights (q_norm, k_norm NULL without q/k norms), its four products
@@ -54,7 +55,7 @@ typedef struct {
     float norm_eps, qk_eps, scale;
 } sc_dims;
 
-int sc_decoder_version(void) { return 4; }
+int sc_decoder_version(void) { return 5; }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     int64_t m = a > b ? a : b;
@@ -112,7 +113,7 @@ static int layer_from(const sc_layer *y, const sc_dims *m, const void *x, int64_
                       const sc_batch *b, const Work *w, int bf16) {
     const int64_t D = m->D, A = m->H * m->Dh, I = m->I;
     sc_quant_linear(x, N, K, y->qkv.codes, y->qkv.scales, y->qkv.offsets,
-                    y->qkv.out_features, (int)y->qkv.bits, w->qkv, bf16, w->scratch, 0);
+                    y->qkv.out_features, (int)y->qkv.bits, (int)y->qkv.tile, w->qkv, bf16, w->scratch, 0);
     int rc = sc_attend_qkv(w->qkv, N, m->H, m->Hkv, m->Dh, cos, sin, y->k_cache, y->v_cache,
                            b->slots, b->seq_index, b->block_tables, b->max_blocks,
                            b->block_size, b->visible, b->window_start, b->tree_start,
@@ -120,14 +121,14 @@ static int layer_from(const sc_layer *y, const sc_dims *m, const void *x, int64_
                            m->scale, w->att, bf16, INT64_MAX);
     if (rc != 0) return rc;
     sc_quant_linear(w->att, N, A, y->o.codes, y->o.scales, y->o.offsets, y->o.out_features,
-                    (int)y->o.bits, w->o, bf16, w->scratch, 0);
+                    (int)y->o.bits, (int)y->o.tile, w->o, bf16, w->scratch, 0);
     sc_rms_norm(w->o, res, y->post_norm, w->x, w->h2, N, D, m->norm_eps, bf16);
     sc_quant_linear(w->x, N, D, y->gate_up.codes, y->gate_up.scales, y->gate_up.offsets,
-                    y->gate_up.out_features, (int)y->gate_up.bits, w->gu, bf16, w->scratch, 0);
+                    y->gate_up.out_features, (int)y->gate_up.bits, (int)y->gate_up.tile, w->gu, bf16, w->scratch, 0);
     sc_silu_mul(w->gu, w->act, N, I, bf16);
     /* o is free again: the MLP's output lands there */
     sc_quant_linear(w->act, N, I, y->down.codes, y->down.scales, y->down.offsets,
-                    y->down.out_features, (int)y->down.bits, w->o, bf16, w->scratch, 0);
+                    y->down.out_features, (int)y->down.bits, (int)y->down.tile, w->o, bf16, w->scratch, 0);
     add_rows(out, w->h2, w->o, N * D, bf16);
     return 0;
 }
@@ -297,7 +298,7 @@ int sc_eagle3_chain_step(const sc_layer *y, const sc_dims *m, const sc_chain *c,
     int64_t *idx = (int64_t *)(((uintptr_t)((char *)sin + S * Dh * es) + 7) & ~(uintptr_t)7);
     int64_t *slots = idx, *seq = idx + S, *visible = idx + 2 * S, *start = idx + 3 * S;
     sc_quant_linear(normed, S, D, c->head.codes, c->head.scales, c->head.offsets, Vd,
-                    (int)c->head.bits, logits, bf16, w.scratch, 0);
+                    (int)c->head.bits, (int)c->head.tile, logits, bf16, w.scratch, 0);
     for (int64_t s = 0; s < S; s++) {
         int64_t d = argmax_row(logits, s, Vd, bf16);
         tokens[s * stride + j] = d + c->d2t[d];

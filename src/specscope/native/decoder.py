@@ -42,7 +42,7 @@ for _register in (torch.nn.modules.module.register_module_module_registration_ho
 
 class _QLinear(ctypes.Structure):
     _fields_ = [("codes", _P), ("scales", _P), ("offsets", _P), ("out_features", _I),
-                ("bits", _I)]
+                ("bits", _I), ("tile", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -104,7 +104,8 @@ def _calls(lib: ctypes.CDLL) -> tuple[Any, Any, Any]:
 def _qlinear(lin: Any) -> _QLinear:
     off = lin.offsets
     return _QLinear(lin.codes.data_ptr(), lin.scales.data_ptr(),
-                    None if off is None else off.data_ptr(), lin.out_features, lin.bits)
+                    None if off is None else off.data_ptr(), lin.out_features, lin.bits,
+                    lin.tile)
 
 
 def _norms(layer: Any) -> list[Any]:

@@ -20,7 +20,7 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
  * the scale, the offset term's factor and the 8-bit codes' offset (4 bytes each). */
 #define SC_QUANT_SCRATCH(M, K) ((M) * (K) + 12 * (M) * ((K) / 32))
 void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, const float *wd,
-                     const float *wm, int64_t N, int bits, void *y, int bf16, void *scratch,
-                     int reference);
+                     const float *wm, int64_t N, int bits, int T, void *y, int bf16,
+                     void *scratch, int reference);
 
 #endif
