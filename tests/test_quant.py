@@ -120,8 +120,8 @@ def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N, tile
 def test_the_tile_does_not_change_a_product(qtype):
     """The same weights in 8- and 16-row tiles give the same outputs bit for bit (each
     output's sums run in one order whatever the tile), on whichever path each tile takes
-    here; the default layout is 16-row tiles for 4-bit codes only where the build runs them
-    in 512-bit vectors."""
+    here; the default layout is 16-row tiles only where the build runs them in 512-bit
+    vectors."""
     from specscope.models.quant import tile_for
 
     kernels = native.cpu_kernels()
@@ -132,8 +132,7 @@ def test_the_tile_does_not_change_a_product(qtype):
             x = torch.randn(M, 576).to(dtype)
             assert torch.equal(narrow(x), wide(x))
     torch.testing.assert_close(narrow.weight, wide.weight, atol=0, rtol=0)
-    bits = 8 if qtype == "Q8_0" else 4
-    assert tile_for(bits) == (16 if bits == 4 and kernels.wide else 8)
+    assert tile_for(8 if qtype == "Q8_0" else 4) == (16 if kernels.wide else 8)
 
 
 @pytest.mark.skipif(native.cpu_kernels() is None, reason="no C compiler here")

@@ -38,13 +38,13 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
 def tile_for(bits: int) -> int:
-    """Rows a tile for codes of `bits`: WIDE_TILE for 4-bit codes where the native library runs
+    """Rows a tile for codes of `bits` (4 or 8): WIDE_TILE where the native library runs
     16-row tiles in 512-bit vectors (AVX-512 VNNI: fewer instructions a product of several
     rows, native/quant_kernels.c), else TILE. The layout lives in memory only; nothing
     stores it."""
     from specscope import native
 
-    kernels = native.cpu_kernels() if bits == 4 else None
+    kernels = native.cpu_kernels()
     return WIDE_TILE if kernels is not None and kernels.wide else TILE
 
 

@@ -10,8 +10,8 @@
  * those products an instruction, where fp32 does 8-16, which is what lets a verify of several
  * tokens cost little more than one token's decode step.
  *
- * Layout (built by models/quant.py): the N weight rows in tiles of T = 8 (or 16: 4-bit codes
- * where AVX-512 VNNI runs, one 512-bit vector a group); a tile's block holds its 32 inputs
+ * Layout (built by models/quant.py): the N weight rows in tiles of T = 8 (or 16 where AVX-512
+ * VNNI runs, one 512-bit vector a group); a tile's block holds its 32 inputs
  * as 8 groups of 4, each group as T rows x 4 codes (4 T bytes), so one 4-byte broadcast of
  * the activation meets T rows at once and every int32 lane sums one row's block with no
  * horizontal reduction. 4-bit codes pack groups g and g + 4 into one byte (low and high
@@ -325,12 +325,13 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WIDE 1
-/* 16-row tiles of 4-bit codes in 512-bit vectors: one broadcast and one vpdpbusd chain serve
- * 16 weight rows, one scale fma 16 outputs. Zen 4 runs a 512-bit op as two 256-bit halves,
- * so the arithmetic's throughput is the same as two 8-row tiles'; what halves is the
- * instructions around it (the broadcasts, the scales' loads and the loop), which bound a
- * product of several rows: 8 rows 13-17 % and 128 rows about 20 % faster than 8-row tiles
- * (docs/cpu.md). The same order of operations as tile_rows, lane for lane, so bit-equal. */
+/* 16-row tiles in 512-bit vectors: one broadcast and one vpdpbusd chain serve 16 weight
+ * rows, one scale fma 16 outputs. Zen 4 runs a 512-bit op as two 256-bit halves, so the
+ * arithmetic's throughput is the same as two 8-row tiles'; what halves is the instructions
+ * around it (the broadcasts, the scales' loads and the loop), which bound a product of
+ * several rows: 8 rows of the 4-bit products 7-16 % and 128 rows 18-25 % faster than 8-row
+ * tiles, the 8-bit head's 8 rows 10-22 % (docs/cpu.md). The same order of operations as
+ * tile_rows, lane for lane, so bit-equal. */
 static inline __m512i bcast4z(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -346,23 +347,28 @@ static inline void store16(void *y, int64_t i, __m512 v, int cols, int bf16) {
 }
 
 static inline __attribute__((always_inline)) void tile_rows16(
-        const uint8_t *w, const float *wd, const float *wm, int64_t nb, const int8_t *a,
-        const float *e, const float *s, int64_t M, int64_t m0, int R, void *y, int64_t N,
-        int64_t n0, int cols, int bf16) {
+        const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
+        const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t M,
+        int64_t m0, int R, void *y, int64_t N, int64_t n0, int cols, int bf16) {
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const int64_t bb = tile_block_bytes(bits, 2 * TILE);
     __m512 acc[8];
     for (int j = 0; j < R; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * tile_block_bytes(4, 2 * TILE);
-        for (int l = 0; l < tile_block_bytes(4, 2 * TILE); l += 64)
+        const uint8_t *blk = w + b * bb;
+        for (int l = 0; l < bb; l += 64)
             _mm_prefetch((const char *)blk + PF_BYTES + l, _MM_HINT_T0);
         _mm_prefetch((const char *)(wd + b * 2 * TILE) + PF_BYTES / 4, _MM_HINT_T0);
         if (wm) _mm_prefetch((const char *)(wm + b * 2 * TILE) + PF_BYTES / 4, _MM_HINT_T0);
         __m512i q[8];
-        for (int g = 0; g < 4; g++) {
-            __m512i p = _mm512_loadu_si512((const void *)(blk + g * 64));
-            q[g] = _mm512_and_si512(p, low);
-            q[g + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        if (bits == 4) {
+            for (int g = 0; g < 4; g++) {
+                __m512i p = _mm512_loadu_si512((const void *)(blk + g * 64));
+                q[g] = _mm512_and_si512(p, low);
+                q[g + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            }
+        } else {  /* 8-bit codes as stored, q + 128: the unsigned operand */
+            for (int g = 0; g < 8; g++) q[g] = _mm512_loadu_si512((const void *)(blk + g * 64));
         }
         __m512 d = _mm512_loadu_ps(wd + b * 2 * TILE);
         __m512 mo = wm ? _mm512_loadu_ps(wm + b * 2 * TILE) : d;
@@ -375,8 +381,10 @@ static inline __attribute__((always_inline)) void tile_rows16(
                 c0 = _mm512_dpbusd_epi32(c0, q[g], bcast4z(ab + 4 * g));
                 c1 = _mm512_dpbusd_epi32(c1, q[g + 1], bcast4z(ab + 4 * g + 4));
             }
+            __m512i isum = _mm512_add_epi32(c0, c1);
+            if (bits == 8) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(c[b * M + m]));
             __m512 de = _mm512_mul_ps(d, _mm512_set1_ps(e[b * M + m]));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c0, c1)), de, acc[j]);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), de, acc[j]);
             if (wm) acc[j] = _mm512_fmadd_ps(mo, _mm512_set1_ps(s[b * M + m]), acc[j]);
         }
     }
@@ -384,8 +392,12 @@ static inline __attribute__((always_inline)) void tile_rows16(
 }
 
 #define TILE_ROWS16_R(R_) do {                                                              \
-        if (wm) tile_rows16(w, wd, wm, nb, a, e, s, M, m0, R_, y, N, n0, cols, bf16);       \
-        else tile_rows16(w, wd, NULL, nb, a, e, s, M, m0, R_, y, N, n0, cols, bf16);        \
+        if (bits == 4 && wm)                                                               \
+            tile_rows16(w, wd, wm, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);    \
+        else if (bits == 4)                                                                \
+            tile_rows16(w, wd, NULL, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);  \
+        else                                                                               \
+            tile_rows16(w, wd, wm, nb, 8, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);    \
     } while (0)
 #else
 #define WIDE 0
@@ -395,7 +407,7 @@ static inline __attribute__((always_inline)) void tile_rows16(
 #define CHUNK_ROWS 64
 
 /* One tile's outputs for activation rows [m_lo, m_lo + rows), MAX_R at a time (each block's codes
- * unpacked once for them); T rows a tile (16: 4-bit codes on the WIDE path only). */
+ * unpacked once for them); T rows a tile (16 on the WIDE path only). */
 static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
                  int T, const int8_t *a, const float *e, const float *s, const int32_t *c,
                  int64_t M, int64_t m_lo, int64_t rows, int64_t N, int64_t n0, void *y,
@@ -424,7 +436,7 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
     }
 #endif
 #if WIDE
-    if (!reference && T == 2 * TILE && bits == 4) {
+    if (!reference && T == 2 * TILE) {
         for (int64_t m0 = m_lo; m0 < m_hi; m0 += MAX_R) {
             int R = (int)(m_hi - m0 < MAX_R ? m_hi - m0 : MAX_R);
             switch (R) {
@@ -449,11 +461,11 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
     }
 }
 
-/* Whether this build runs 16-row tiles (of 4-bit codes) on its vector path; elsewhere they
- * would take the scalar loop, so models/quant.py lays weights out in 8-row tiles. */
+/* Whether this build runs 16-row tiles on its vector path; elsewhere they would take the
+ * scalar loop, so models/quant.py lays weights out in 8-row tiles. */
 int sc_quant_wide(void) { return WIDE; }
 
-int sc_quant_version(void) { return 6; }
+int sc_quant_version(void) { return 7; }
 
 /* y [M, N] = x [M, K] W^T, W in the tiled layout above (`bits` 4 or 8, T rows a tile; wm
  * NULL where the blocks have no offset), x and y fp32 or bf16 (`bf16`). scratch: at least
