@@ -37,7 +37,7 @@ from specscope.native.cpu import CpuKernels
 
 log = logging.getLogger("specscope")
 
-VERSION = 4  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
+VERSION = 5  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
 QUANT_VERSION = 7  # quant_kernels.c's sc_quant_version()
 DECODER_VERSION = 5  # decoder.c's sc_decoder_version()
 SOURCES = ("bf16.h", "kernels.h", "cpu_kernels.c", "quant_kernels.c",
