@@ -11,7 +11,8 @@ random draft with SIMULATED acceptance (default tau 3.9, a chain of 7), labelled
 CPU: the default model (SmolLM2-135M GGUF) as `specscope generate` runs it (dtype and
 quantization auto: the GGUF's 4-bit codes on the native kernels where they build;
 `--dtype fp32 --quantization none` for dense weights); `--sequential` also runs the same
-requests one after another and reports how much faster they finish batched.
+requests one after another and reports how much faster they finish batched (`--repeat N`:
+N rounds of both, alternated, the ratio of their medians).
 
     python benchmarks/serving.py --device cpu --concurrency 8 --output-len 64 --sequential
 
@@ -125,6 +126,29 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
+def sequential_rounds(engine: Engine, ps: list[list[int]], args, r: dict, spec: bool) -> None:
+    """The same requests one after another, against all at once: `--repeat` rounds of the
+    two, alternated (the batched run already in r is the first round's), each round's
+    ratio, and the ratio of the medians into r: on a machine whose speed drifts between
+    runs, a single pair's ratio moves with the drift."""
+    batched, sequential, ratios = [r["wall_s"]], [], []
+    for i in range(args.repeat):
+        if i:
+            if spec:
+                engine.reset_simulation()
+            batched.append(run_batch(engine, ps, args.output_len)["wall_s"])
+        t0 = time.perf_counter()
+        for p in ps:
+            run_batch(engine, [p], args.output_len)
+        sequential.append(time.perf_counter() - t0)
+        ratios.append(sequential[-1] / batched[-1])
+    r["sequential_wall_s"] = statistics.median(sequential)
+    r["batched_speedup"] = r["sequential_wall_s"] / statistics.median(batched)
+    if args.repeat > 1:
+        r["batched_wall_s_rounds"], r["sequential_wall_s_rounds"] = batched, sequential
+        r["batched_speedup_rounds"] = ratios
+
+
 def concurrency_table(args, model) -> list[dict]:
     rows = []
     max_len = args.prompt_len + args.output_len + 64
@@ -146,11 +170,7 @@ def concurrency_table(args, model) -> list[dict]:
             r.update(mode=name + (" compiled" if args.compile else ""), concurrency=c,
                      policy=args.spec_policy if mode == "spec" else None)
             if args.sequential:
-                t0 = time.perf_counter()
-                for p in ps:
-                    run_batch(engine, [p], args.output_len)
-                r["sequential_wall_s"] = time.perf_counter() - t0
-                r["batched_speedup"] = r["sequential_wall_s"] / r["wall_s"]
+                sequential_rounds(engine, ps, args, r, mode == "spec")
             rows.append(r)
             print(json.dumps(r), file=sys.stderr)
         del engine
@@ -208,7 +228,10 @@ def fmt(rows: list[dict]) -> str:
         sp = f"{r['batched_speedup']:.2f}x" if "batched_speedup" in r else "-"
         tpot = f"{r['tpot_ms_p50']:.2f}" if r["tpot_ms_p50"] else "-"
         lines.append(f"{r['mode']:<28} {r['concurrency']:>5} {r['output_tok_s']:>10.1f} "
-                     f"{tpot:>12} {r['ttft_ms_p50']:>12.1f} {tau:>5} {sp:>9}")
+                     f"{tpot:>12} {r['ttft_ms_p50']:>12.1f} {tau:>5} {sp:>9}"
+                     + ("  (rounds " + ", ".join(f"{x:.2f}x" for x in
+                                                 r["batched_speedup_rounds"]) + ")"
+                        if "batched_speedup_rounds" in r else ""))
     return "\n".join(lines)
 
 
@@ -246,6 +269,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=parse_bytes, default=None)
     ap.add_argument("--activation-reserve", type=parse_bytes, default=4 << 30)
     ap.add_argument("--sequential", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --sequential: rounds of batched and one-after-another runs, "
+                         "alternated; the ratio is of their medians")
     ap.add_argument("--long-context", type=int, default=0)
     args = ap.parse_args()
     args.rates = None
