@@ -306,14 +306,14 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int j = 0; j < R; j++) store8(y, (m0 + j) * N + n0, acc[j], cols, bf16);
 }
 
-/* tile_rows with R, bits and the offsets' presence as constants. */
-#define TILE_ROWS_R(R_) do {                                                                \
+/* F (tile_rows, or tile_rows16 below) with R, bits and the offsets' presence as constants. */
+#define ROWS_R(F, R_) do {                                                                  \
         if (bits == 4 && wm)                                                               \
-            tile_rows(w, wd, wm, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);      \
+            F(w, wd, wm, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);              \
         else if (bits == 4)                                                                \
-            tile_rows(w, wd, NULL, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);    \
+            F(w, wd, NULL, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);            \
         else                                                                               \
-            tile_rows(w, wd, wm, nb, 8, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);      \
+            F(w, wd, wm, nb, 8, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);              \
     } while (0)
 #endif
 
@@ -390,18 +390,32 @@ static inline __attribute__((always_inline)) void tile_rows16(
     }
     for (int j = 0; j < R; j++) store16(y, (m0 + j) * N + n0, acc[j], cols, bf16);
 }
-
-#define TILE_ROWS16_R(R_) do {                                                              \
-        if (bits == 4 && wm)                                                               \
-            tile_rows16(w, wd, wm, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);    \
-        else if (bits == 4)                                                                \
-            tile_rows16(w, wd, NULL, nb, 4, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);  \
-        else                                                                               \
-            tile_rows16(w, wd, wm, nb, 8, a, e, s, c, M, m0, R_, y, N, n0, cols, bf16);    \
-    } while (0)
 #else
 #define WIDE 0
 #endif
+
+#if MAX_R == 8
+#define CASES_8_TO_5(F)                                                                    \
+    case 8: ROWS_R(F, 8); break;                                                           \
+    case 7: ROWS_R(F, 7); break;                                                           \
+    case 6: ROWS_R(F, 6); break;                                                           \
+    case 5: ROWS_R(F, 5); break;
+#else
+#define CASES_8_TO_5(F)
+#endif
+
+/* Rows [m_lo, m_hi) through F, MAX_R at a time, each pass's row count a constant. */
+#define ROW_PASSES(F)                                                                      \
+    for (int64_t m0 = m_lo; m0 < m_hi; m0 += MAX_R) {                                      \
+        int R = (int)(m_hi - m0 < MAX_R ? m_hi - m0 : MAX_R);                              \
+        switch (R) {                                                                       \
+        CASES_8_TO_5(F)                                                                    \
+        case 4: ROWS_R(F, 4); break;                                                       \
+        case 3: ROWS_R(F, 3); break;                                                       \
+        case 2: ROWS_R(F, 2); break;                                                       \
+        default: ROWS_R(F, 1); break;                                                      \
+        }                                                                                  \
+    }
 
 /* Rows a pass of the tiles takes when there are many (sc_quant_linear). */
 #define CHUNK_ROWS 64
@@ -417,39 +431,13 @@ static void tile(const uint8_t *w, const float *wd, const float *wm, int64_t nb,
     float out[2 * TILE];
 #if defined(__AVX2__)
     if (!reference && T == TILE) {
-        for (int64_t m0 = m_lo; m0 < m_hi; m0 += MAX_R) {
-            int R = (int)(m_hi - m0 < MAX_R ? m_hi - m0 : MAX_R);
-            switch (R) {
-#if MAX_R == 8
-            case 8: TILE_ROWS_R(8); break;
-            case 7: TILE_ROWS_R(7); break;
-            case 6: TILE_ROWS_R(6); break;
-            case 5: TILE_ROWS_R(5); break;
-#endif
-            case 4: TILE_ROWS_R(4); break;
-            case 3: TILE_ROWS_R(3); break;
-            case 2: TILE_ROWS_R(2); break;
-            default: TILE_ROWS_R(1); break;
-            }
-        }
+        ROW_PASSES(tile_rows);
         return;
     }
 #endif
 #if WIDE
     if (!reference && T == 2 * TILE) {
-        for (int64_t m0 = m_lo; m0 < m_hi; m0 += MAX_R) {
-            int R = (int)(m_hi - m0 < MAX_R ? m_hi - m0 : MAX_R);
-            switch (R) {
-            case 8: TILE_ROWS16_R(8); break;
-            case 7: TILE_ROWS16_R(7); break;
-            case 6: TILE_ROWS16_R(6); break;
-            case 5: TILE_ROWS16_R(5); break;
-            case 4: TILE_ROWS16_R(4); break;
-            case 3: TILE_ROWS16_R(3); break;
-            case 2: TILE_ROWS16_R(2); break;
-            default: TILE_ROWS16_R(1); break;
-            }
-        }
+        ROW_PASSES(tile_rows16);
         return;
     }
 #endif
