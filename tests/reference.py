@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -66,3 +67,15 @@ def patch_oracle_drafts(monkeypatch, engine, truth: dict, noise: float, seed: in
                          depth=t([r[2] for r in rows]), chain=spec.topk == 1)
 
     monkeypatch.setattr(engine, "_draft_trees", fake)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch's intra-op threads (the native kernels' OpenMP workers too) set to n inside the
+    block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

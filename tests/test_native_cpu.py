@@ -5,12 +5,12 @@ and greedy text with the kernels on and off; the build cache never taking a brok
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import threads
 
 import specscope.native as native
 from specscope.kvcache.paged import BatchMeta, PagedKV, paged_attend, tree_meta
@@ -53,7 +53,7 @@ def test_rms_norm_with_and_without_the_residual_equals_the_reference(kernels, dt
     assert torch.equal(one[0], out[2])
     # A prefill chunk's rows are shared among the threads: the same rows as one at a time.
     xs, rs = (torch.randn(40, 576, generator=g).to(dtype) for _ in range(2))
-    with _threads(2):
+    with threads(2):
         many, hs = kernels.rms_norm(xs, w, 1e-5, rs)
     for i in (0, 21, 39):
         one, h1 = kernels.rms_norm(xs[i:i + 1].contiguous(), w, 1e-5, rs[i:i + 1].contiguous())
@@ -67,20 +67,10 @@ def test_silu_mul_equals_the_reference(kernels, dtype):
     torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gate) * up, **_tol(dtype))
     assert torch.equal(kernels.silu_mul(gu[1:2].contiguous())[0], kernels.silu_mul(gu)[1])
     many = (torch.randn(40, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
-    with _threads(2):
+    with threads(2):
         out = kernels.silu_mul(many)
     for i in (0, 17, 39):
         assert torch.equal(kernels.silu_mul(many[i:i + 1].contiguous())[0], out[i])
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _ancestors(parents: list[int]) -> torch.Tensor:
@@ -247,11 +237,11 @@ def test_prefill_chunks_attend_as_the_reference_on_any_thread_count(kernels, dty
     want = _reference(qkv, cos, sin, kv_ref.k[0], kv_ref.v[0], meta, scale, H, Hkv, None, 1e-6)
     assert kernels.attend_applies(qkv, kv_ref.k[0], kv_ref.v[0], cos, D)
     outs = []
-    for threads in (1, 2):
+    for n in (1, 2):
         kv = PagedKV(1, 26, bs, Hkv, D, dtype, "cpu")
         kv.k[0].copy_(kv_ref.k[0])
         kv.v[0].copy_(kv_ref.v[0])
-        with _threads(threads):
+        with threads(n):
             outs.append(kernels.attend_qkv(qkv, cos, sin, kv.k[0], kv.v[0], meta, scale, H,
                                            Hkv, None, 1e-6))
     torch.testing.assert_close(outs[0], want, **_tol(dtype))

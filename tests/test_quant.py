@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from reference import threads
 
 from specscope import native
 from specscope.models.quant import GgufLinear, gguf_codes, quantize_activations
@@ -105,12 +106,8 @@ def test_native_quant_paths_are_bit_equal_and_rows_independent(qtype, K, N, tile
             assert torch.equal(kernels.quant_linear(x[rows].contiguous(), *args), fast[rows])
         # A prefill chunk's rows: quantised on every thread, through the tiles 64 at a time.
         many = (torch.randn(150, K) * torch.linspace(0.01, 10, K)).to(dtype)
-        before = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
+        with threads(2):
             fast = kernels.quant_linear(many, *args)
-        finally:
-            torch.set_num_threads(before)
         assert torch.equal(fast, kernels.quant_linear(many, *args, reference=True))
         assert torch.equal(kernels.quant_linear(many[70:71].contiguous(), *args), fast[70:71])
 
@@ -122,7 +119,7 @@ def test_the_tile_does_not_change_a_product(qtype):
     output's sums run in one order whatever the tile), on whichever path each tile takes
     here; the default layout is 16-row tiles only where the build runs them in 512-bit
     vectors."""
-    from specscope.models.quant import tile_for
+    from specscope.models.quant import default_tile
 
     kernels = native.cpu_kernels()
     (narrow, _, _), (wide, _, _) = (_linear(qtype, 76, 576, 4, tile=t) for t in (8, 16))
@@ -132,7 +129,7 @@ def test_the_tile_does_not_change_a_product(qtype):
             x = torch.randn(M, 576).to(dtype)
             assert torch.equal(narrow(x), wide(x))
     torch.testing.assert_close(narrow.weight, wide.weight, atol=0, rtol=0)
-    assert tile_for(8 if qtype == "Q8_0" else 4) == (16 if kernels.wide else 8)
+    assert default_tile() == (16 if kernels.wide else 8)
 
 
 @pytest.mark.skipif(native.cpu_kernels() is None, reason="no C compiler here")

@@ -31,17 +31,17 @@ from specscope.models.llama import CausalLM
 log = logging.getLogger("specscope.quant")
 
 GROUP = 32
-TILE = 8  # weight rows a tile of quant_kernels.c's layout holds: 8, or WIDE_TILE (tile_for)
+TILE = 8  # weight rows a tile of quant_kernels.c's layout holds: 8, or WIDE_TILE (default_tile)
 WIDE_TILE = 16
 QUANT_MODES = ("none", "int4-gguf")
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
-def tile_for(bits: int) -> int:
-    """Rows a tile for codes of `bits` (4 or 8): WIDE_TILE where the native library runs
-    16-row tiles in 512-bit vectors (AVX-512 VNNI: fewer instructions a product of several
-    rows, native/quant_kernels.c), else TILE. The layout lives in memory only; nothing
-    stores it."""
+def default_tile() -> int:
+    """Rows a tile of the weights' layout, 4- and 8-bit codes alike: WIDE_TILE where the
+    native library runs 16-row tiles in 512-bit vectors (AVX-512 VNNI: fewer instructions a
+    product of several rows, native/quant_kernels.c), else TILE. The layout lives in memory
+    only; nothing stores it."""
     from specscope import native
 
     kernels = native.cpu_kernels()
@@ -171,9 +171,9 @@ class GgufLinear(nn.Module):
     def from_codes(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, bits: int,
                    bias: torch.Tensor | None, tile: int | None = None) -> GgufLinear:
         """q [N, K] codes (0..15 at 4 bits, -127..127 at 8), d and m [N, K/32]: w = d q + m
-        (m None: no offsets), in tiles of `tile` rows (default tile_for(bits)). Rows are
+        (m None: no offsets), in tiles of `tile` rows (default: default_tile()). Rows are
         padded to a whole tile with zero weights."""
-        tile = tile or tile_for(bits)
+        tile = tile or default_tile()
         N, K = q.shape
         pad = (-N) % tile
         if pad:

@@ -72,7 +72,7 @@ class CpuKernels:
         self._quant.argtypes = [_P, _I, _I, _P, _P, _P, _I, _INT, _INT, _P, _INT, _P, _INT]
         self._quant.restype = None
         lib.sc_quant_wide.restype = _INT
-        # Whether 16-row tiles run on the vector path here (models/quant.py tile_for).
+        # Whether 16-row tiles run on the vector path here (models/quant.py default_tile).
         self.wide = bool(lib.sc_quant_wide())
         self._argmax = lib.sc_argmax_rows
         self._argmax.argtypes = [_P, _I, _I, _INT, _P]

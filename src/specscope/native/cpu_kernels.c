@@ -557,6 +557,7 @@ static void write_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_
     }
 }
 
+/* Tokens a piece of a prefill run holds at most (cut_pieces). */
 #define PIECE_TOKENS 64
 
 /* Runs of tokens (run_of [N]) cut into pieces [piece_a, piece_b): enough work items (piece,
@@ -579,7 +580,8 @@ static int64_t cut_pieces(int64_t N, int64_t Hkv, const int64_t *lens, const int
         int64_t n = b - a, k = parts < n ? parts : n;
         /* A prefill run in pieces of at most PIECE_TOKENS: its scores' scratch stays
          * bounded (rows times keys) and every thread gets a share. */
-        if (k < (n + PIECE_TOKENS - 1) / PIECE_TOKENS) k = (n + PIECE_TOKENS - 1) / PIECE_TOKENS;
+        int64_t least = (n + PIECE_TOKENS - 1) / PIECE_TOKENS;
+        if (k < least) k = least;
         for (int64_t j = 0; j < k; j++) {
             piece_a[pieces] = a + n * j / k;
             piece_b[pieces++] = a + n * (j + 1) / k;
@@ -753,6 +755,7 @@ int sc_attend_qkv(const void *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D,
     int64_t *piece_a = last + N, *piece_b = piece_a + N;
     int64_t runs = find_runs(&m, N, L_cap, idx, lens, run_of, last);
     int64_t pieces = cut_pieces(N, Hkv, lens, run_of, piece_a, piece_b);
+    /* the first test keeps the product below from overflowing */
     if (runs > max_bytes / 8 / L_cap ||
         runs * L_cap * 8 + split_floats(lens, piece_a, piece_b, pieces, Hkv, H / Hkv, D) * 4 >
         max_bytes)

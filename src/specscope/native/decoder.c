@@ -113,7 +113,8 @@ static int layer_from(const sc_layer *y, const sc_dims *m, const void *x, int64_
                       const sc_batch *b, const Work *w, int bf16) {
     const int64_t D = m->D, A = m->H * m->Dh, I = m->I;
     sc_quant_linear(x, N, K, y->qkv.codes, y->qkv.scales, y->qkv.offsets,
-                    y->qkv.out_features, (int)y->qkv.bits, (int)y->qkv.tile, w->qkv, bf16, w->scratch, 0);
+                    y->qkv.out_features, (int)y->qkv.bits, (int)y->qkv.tile, w->qkv, bf16,
+                    w->scratch, 0);
     int rc = sc_attend_qkv(w->qkv, N, m->H, m->Hkv, m->Dh, cos, sin, y->k_cache, y->v_cache,
                            b->slots, b->seq_index, b->block_tables, b->max_blocks,
                            b->block_size, b->visible, b->window_start, b->tree_start,
@@ -124,11 +125,13 @@ static int layer_from(const sc_layer *y, const sc_dims *m, const void *x, int64_
                     (int)y->o.bits, (int)y->o.tile, w->o, bf16, w->scratch, 0);
     sc_rms_norm(w->o, res, y->post_norm, w->x, w->h2, N, D, m->norm_eps, bf16);
     sc_quant_linear(w->x, N, D, y->gate_up.codes, y->gate_up.scales, y->gate_up.offsets,
-                    y->gate_up.out_features, (int)y->gate_up.bits, (int)y->gate_up.tile, w->gu, bf16, w->scratch, 0);
+                    y->gate_up.out_features, (int)y->gate_up.bits, (int)y->gate_up.tile,
+                    w->gu, bf16, w->scratch, 0);
     sc_silu_mul(w->gu, w->act, N, I, bf16);
     /* o is free again: the MLP's output lands there */
     sc_quant_linear(w->act, N, I, y->down.codes, y->down.scales, y->down.offsets,
-                    y->down.out_features, (int)y->down.bits, (int)y->down.tile, w->o, bf16, w->scratch, 0);
+                    y->down.out_features, (int)y->down.bits, (int)y->down.tile, w->o, bf16,
+                    w->scratch, 0);
     add_rows(out, w->h2, w->o, N * D, bf16);
     return 0;
 }

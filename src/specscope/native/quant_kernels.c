@@ -346,6 +346,7 @@ static inline void store16(void *y, int64_t i, __m512 v, int cols, int bf16) {
     if (cols > TILE) store8(y, i + TILE, hi, cols - TILE, bf16);
 }
 
+/* tile_rows for a 16-row tile: rows m0 .. m0 + R - 1, each block's codes unpacked once. */
 static inline __attribute__((always_inline)) void tile_rows16(
         const uint8_t *w, const float *wd, const float *wm, int64_t nb, int bits,
         const int8_t *a, const float *e, const float *s, const int32_t *c, int64_t M,
@@ -419,6 +420,9 @@ static inline __attribute__((always_inline)) void tile_rows16(
 
 /* Rows a pass of the tiles takes when there are many (sc_quant_linear). */
 #define CHUNK_ROWS 64
+/* Rows from which the activations' quantisation is shared among the threads (a prefill
+ * chunk's; from fewer it gained nothing, docs/cpu.md). */
+#define QUANTIZE_PARALLEL_ROWS 32
 
 /* One tile's outputs for activation rows [m_lo, m_lo + rows), MAX_R at a time (each block's codes
  * unpacked once for them); T rows a tile (16 on the WIDE path only). */
@@ -466,7 +470,7 @@ void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, cons
     float *e = (float *)(a + M * K);
     float *s = e + M * nb;
     int32_t *c = (int32_t *)(s + M * nb);
-#pragma omp parallel for schedule(static) if (M >= 32)
+#pragma omp parallel for schedule(static) if (M >= QUANTIZE_PARALLEL_ROWS)
     for (int64_t m = 0; m < M; m++)
         quantize_row(x, m, M, K, bf16, a, e, s, c, reference);
     /* Many rows (a prefill chunk) go CHUNK_ROWS at a time through every tile: a chunk's
