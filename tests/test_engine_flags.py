@@ -33,6 +33,18 @@ def test_speculative_config_json_sets_the_draft_and_chain():
     assert (spec.draft, spec.num_steps, spec.topk, spec.num_draft_tokens) == ("random", 3, 2, 6)
 
 
+def test_confidence_stop_flag():
+    assert spec_from_args(_serve_args("--draft", "random")).confidence_stop is None
+    spec = spec_from_args(_serve_args("--draft", "random", "--confidence-stop", "0.2"))
+    assert spec.confidence_stop == 0.2
+    for bad in ("1", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            _serve_args("--draft", "random", "--confidence-stop", bad)
+    with pytest.raises(ValueError, match="chains"):
+        spec_from_args(_serve_args("--draft", "random", "--topk", "2", "--confidence-stop",
+                                   "0.2"))
+
+
 def test_prefix_caching_off_in_every_spelling():
     for flag in ("--no-prefix-caching", "--no-enable-prefix-caching", "--disable-radix-cache"):
         assert _serve_args(flag).enable_prefix_caching is False

@@ -6,6 +6,7 @@ and greedy text with the kernels on and off; the build cache never taking a brok
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -620,6 +621,79 @@ def test_the_native_draft_chain_equals_the_draft_steps_one_by_one(kernels, monke
     assert t1.tokens[:, 1:].unique().numel() > 3  # the chains chose varied tokens
     assert all(torch.equal(x, y) for x, y in zip(c1, c0, strict=True))
     assert not torch.equal(c1[0], base[0])  # the steps wrote the cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_top_prob_is_the_softmax_of_the_pick(kernels, dtype):
+    """sc_top_prob: the softmax probability of a row's largest column, as torch gives it
+    (to float rounding) over odd lengths; NaN for a row holding a NaN, 1 for an infinite
+    top."""
+    import ctypes
+
+    f = kernels.lib.sc_top_prob
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    f.restype = ctypes.c_float
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 1001, generator=g) * 4).to(dtype)
+    want = x.float().softmax(-1).max(-1)
+    for r in range(3):
+        got = f(x.data_ptr(), r, 1001, int(want.indices[r]), int(dtype == torch.bfloat16))
+        assert got == pytest.approx(float(want.values[r]), rel=1e-5)
+    x[1, 7] = float("nan")
+    assert math.isnan(f(x.data_ptr(), 1, 1001, 7, int(dtype == torch.bfloat16)))
+    x[2, 9] = float("inf")
+    assert f(x.data_ptr(), 2, 1001, 9, int(dtype == torch.bfloat16)) == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_native_draft_chain_stops_where_the_reference_does(kernels, monkeypatch, dtype):
+    """The confidence stop in decoder.c's chain step against draft_chain's: the picks'
+    probabilities as torch's softmax gives them (to float rounding), and with a stop
+    between the chains' running confidences after their second and third tokens, both
+    keep two tokens, skip the third token's forward (the same draft cache) and end there;
+    a stop past every confidence keeps no token at all."""
+    import specscope.spec.drafter as drafter
+    from specscope.config import SamplingParams, SpecConfig
+    from specscope.native.decoder import NativeDraftChain
+
+    runner, cfg = _chain_runner(dtype, False)
+    g = torch.Generator().manual_seed(16)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    n, root = torch.tensor([5, 9, 2]), torch.tensor([3, 40, 77])
+    h0 = torch.randn(3, cfg.hidden_size, generator=g).to(dtype)
+    normed0 = runner.draft.norm(h0)
+    probs, confs = [], []
+    monkeypatch.setattr(drafter, "pick_probs", lambda *a, _f=drafter.pick_probs:
+                        (probs.append(_f(*a)), probs[-1])[1])
+    monkeypatch.setattr(NativeDraftChain, "step", lambda self, j, _f=NativeDraftChain.step:
+                        (_f(self, j), confs.append(self.conf.clone()))[0])
+    base = [t.clone() for t in runner.kv.k + runner.kv.v]
+
+    def chains(native: bool, stop: float):
+        runner.draft.native_decoder_enabled = native
+        for a, b in zip(runner.kv.k + runner.kv.v, base, strict=True):
+            a.copy_(b)
+        spec = SpecConfig(num_steps=5, topk=1, confidence_stop=stop)
+        with torch.inference_mode():
+            tree = runner.steps(tables, n, root, h0, normed0, spec,
+                                [SamplingParams()] * 3, [None] * 3, [int(x) + 4 for x in n],
+                                stop=stop)
+        return tree, [t.clone() for t in runner.kv.k + runner.kv.v]
+
+    full, _ = chains(False, 1e-30)  # every step's probabilities, no stop
+    cum = torch.stack(probs).cumprod(0)  # [5, S]
+    assert full.size == 6 and len(probs) == 5
+    assert bool(((cum > 0) & (cum < 1)).all())
+    chains(True, 1e-30)
+    assert torch.allclose(torch.stack(confs), cum, rtol=1e-5, atol=0)
+    stop = float((cum[1].max() * cum[2].max()) ** 0.5)  # between steps 2 and 3 for all
+    assert cum[2].max() < stop < cum[1].max()
+    (t1, c1), (t0, c0) = chains(True, stop), chains(False, stop)
+    assert t1.size == t0.size == 3 and t1.chain
+    assert torch.equal(t1.tokens, t0.tokens) and torch.equal(t1.tokens, full.tokens[:, :3])
+    assert all(torch.equal(x, y) for x, y in zip(c1, c0, strict=True))
+    (t1, _), (t0, _) = chains(True, 0.999), chains(False, 0.999)
+    assert t1.size == t0.size == 1 and torch.equal(t1.tokens, root[:, None])
 
 
 @torch.inference_mode()

@@ -186,11 +186,84 @@ def test_spec_near_context_end_falls_back_to_plain(tiny_model_dir, plain):
 @pytest.mark.parametrize("kwargs", [
     {"num_steps": 0}, {"topk": 0}, {"num_steps": 3, "topk": 1, "num_draft_tokens": 5},
     {"num_steps": 2, "topk": 2, "num_draft_tokens": 9}, {"simulate_acceptance": 9.0},
-    {"simulate_acceptance": (0.5, 1.5)},
+    {"simulate_acceptance": (0.5, 1.5)}, {"confidence_stop": 1.0},
+    {"confidence_stop": -0.1}, {"confidence_stop": "0.2"},
+    {"confidence_stop": 0.2, "topk": 2, "num_draft_tokens": 6},
+    {"confidence_stop": 0.2, "simulate_acceptance": 3.0},
 ])
 def test_spec_config_validation(kwargs):
     with pytest.raises(ValueError):
         SpecConfig(draft="random", **kwargs)
+
+
+def _pick_probs_from(monkeypatch, values: list[float]) -> None:
+    """draft_chain's pick probabilities replaced by `values` in turn (one per row and
+    step), so chains end at varied depths whatever the random draft's distributions."""
+    import specscope.spec.drafter as drafter
+
+    it = iter(values * 1000)
+    monkeypatch.setattr(drafter, "pick_probs", lambda logits, d, qs: torch.tensor(
+        [next(it) for _ in range(d.shape[0])]))
+
+
+def test_confidence_stop_is_lossless_and_counts_what_it_drafted(monkeypatch, tiny_model_dir,
+                                                                reference):
+    """Chains the confidence stop ends after 0 to num_steps tokens: greedy output equal to
+    plain decoding's, each cycle's drafted positions recorded (and the accepted never more),
+    and acceptance by position counting a position only where it was drafted."""
+    from specscope.engine.speculative import acceptance_by_position
+
+    _pick_probs_from(monkeypatch, [0.9, 0.8, 0.05, 0.6, 0.3, 0.95, 0.99, 0.9, 0.9, 0.1])
+    llm = _spec_llm(tiny_model_dir, 4, 1, None, confidence_stop=0.2)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == reference[1][:N_TOKENS]
+    st = out.spec
+    drafted, accepted = st["drafted_per_cycle"], st["accepted_per_cycle"]
+    assert len(drafted) == len(accepted) == st["cycles"]
+    assert set(drafted) > {0, 1} and max(drafted) <= 4
+    assert all(a <= d for a, d in zip(accepted, drafted, strict=True))
+    cond, _ = acceptance_by_position(accepted, 4, drafted)
+    assert st["acceptance_by_position"] == pytest.approx(cond, abs=1e-4)
+
+
+def test_confidence_stop_with_a_noisy_oracle_and_sampling(monkeypatch, tiny_model_dir,
+                                                          reference):
+    """A stop that keeps every token changes nothing; one that keeps none makes every cycle
+    a one-token verify, still equal to plain decoding; a sampled request under the stop
+    repeats with its seed."""
+    _pick_probs_from(monkeypatch, [0.5])
+    llm = _spec_llm(tiny_model_dir, 3, 1, None, confidence_stop=0.01)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == reference[1][:N_TOKENS] and set(out.spec["drafted_per_cycle"]) == {3}
+    llm = _spec_llm(tiny_model_dir, 3, 1, None, confidence_stop=0.6)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == reference[1][:N_TOKENS]
+    assert set(out.spec["drafted_per_cycle"]) == {0} and out.spec["accept_length"] == 1.0
+    _pick_probs_from(monkeypatch, [0.9, 0.9, 0.3])
+    llm = _spec_llm(tiny_model_dir, 3, 1, None, confidence_stop=0.5)
+    p = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    a = llm.generate(PROMPT, p)[0]
+    assert a.token_ids == llm.generate(PROMPT, p)[0].token_ids and len(a.token_ids) == 20
+    assert max(a.spec["drafted_per_cycle"]) <= 2
+
+
+def test_the_machine_chooses_the_confidence_stop():
+    """None: on for a trained draft's chain on the CPU, off on CUDA, for trees, a random
+    draft and simulated acceptance; an explicit value as given; none under tensor
+    parallelism, where an explicit one is refused."""
+    from specscope.engine.machine import CPU_CONFIDENCE_STOP, resolve_confidence_stop
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_confidence_stop(SpecConfig(draft="d"), cpu) == CPU_CONFIDENCE_STOP
+    assert resolve_confidence_stop(SpecConfig(draft="d"), cuda) == 0.0
+    assert resolve_confidence_stop(SpecConfig(draft="d", topk=2), cpu) == 0.0
+    assert resolve_confidence_stop(SpecConfig(draft="random"), cpu) == 0.0
+    assert resolve_confidence_stop(SpecConfig(draft="d", simulate_acceptance=2.0), cpu) == 0.0
+    assert resolve_confidence_stop(SpecConfig(draft="d", confidence_stop=0.3), cuda) == 0.3
+    assert resolve_confidence_stop(SpecConfig(draft="d", confidence_stop=0.0), cpu) == 0.0
+    assert resolve_confidence_stop(SpecConfig(draft="d"), cpu, 2) == 0.0
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        resolve_confidence_stop(SpecConfig(draft="d", confidence_stop=0.3), cpu, 2)
 
 
 def test_spec_needs_a_draft(tiny_model_dir):

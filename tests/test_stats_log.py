@@ -20,6 +20,16 @@ def test_both_acceptance_definitions():
     assert acceptance_by_position([], 2) == ([0.0, 0.0], [0.0, 0.0])
 
 
+def test_acceptance_counts_only_the_positions_a_cycle_drafted():
+    """A cycle the confidence stop ended after d draft tokens, all accepted, never offered
+    position d + 1: no rejection there (the third cycle below); per draft is unchanged."""
+    cond, per = acceptance_by_position([1, 0, 2, 3, 2], 5, [5, 5, 2, 5, 5])
+    assert cond == pytest.approx([0.8, 0.75, 0.5, 0.0, 0.0])
+    assert per == pytest.approx([0.8, 0.6, 0.2, 0.0, 0.0])
+    cond, _ = acceptance_by_position([0, 0, 1], 3, [0, 1, 1])  # none drafted at all, once
+    assert cond == pytest.approx([0.5, 0.0, 0.0])
+
+
 def test_one_line_per_interval_with_traffic(caplog):
     now = [0.0]
     state = {"running": 3, "waiting": 1, "kv_blocks": 200, "kv_blocks_in_use": 50,
@@ -41,6 +51,24 @@ def test_one_line_per_interval_with_traffic(caplog):
     assert "6 drafts, mean accept length 2.50, accepted 9 of 18 draft tokens (50.0 %)" in line
     # accepted (2, 1, 3, 0, 3, 0): conditional 4/6, 3/4, 2/3; per draft 4/6, 3/6, 2/6
     assert "(conditional) 0.67, 0.75, 0.67, (per draft) 0.67, 0.50, 0.33" in line
+
+
+def test_the_log_line_counts_positions_the_confidence_stop_left_out(caplog):
+    now = [0.0]
+    state = {"running": 2, "waiting": 0, "kv_blocks": 100, "kv_blocks_in_use": 10,
+             "prefix_queries": 0, "prefix_hits": 0}
+    log = StatsLog(lambda: state, interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="specscope.server.stats"):
+        log.record(StepRecord(2, 2, 0, 5, 0.1, drafted=4, accepted=(1, 2), depth=3,
+                              positions=(1, 3)))
+        now[0] = 10.0
+        log.record(StepRecord(2, 2, 0, 2, 0.1, drafted=6, accepted=(0, 0), depth=3,
+                              positions=(3, 3)))
+    line = caplog.records[0].getMessage()
+    assert "4 drafts, mean accept length 1.75, accepted 3 of 10 draft tokens (30.0 %)" in line
+    # position 2: the first cycle accepted its one draft token but never offered a second,
+    # so only the second cycle reached position 2, and took it (0.50 if counted as refused)
+    assert "(conditional) 0.50, 1.00, 0.00, (per draft) 0.50, 0.25, 0.00" in line
 
 
 def test_llm_describes_itself_at_start_up(tiny_model_dir):

@@ -115,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _parse_spec_list(values: list[str], base: argparse.Namespace) -> list:
     """--spec STEPS,TOPK[,NDT] (repeatable) -> SpecConfigs sharing the draft and sim flags."""
-    from specscope.config import SpecConfig
+    from specscope.config import SpecConfig, chain_confidence_stop
 
     first = spec_from_args(base)
     if first is None:
@@ -131,7 +131,9 @@ def _parse_spec_list(values: list[str], base: argparse.Namespace) -> list:
         out.append(SpecConfig(draft=first.draft, num_steps=parts[0], topk=parts[1],
                               num_draft_tokens=parts[2] if len(parts) == 3 else None,
                               draft_layer_ids=first.draft_layer_ids,
-                              simulate_acceptance=first.simulate_acceptance))
+                              simulate_acceptance=first.simulate_acceptance,
+                              confidence_stop=chain_confidence_stop(parts[1],
+                                                                    first.confidence_stop)))
     return out or [first]
 
 

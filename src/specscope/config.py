@@ -517,6 +517,13 @@ class SpecConfig:
     draft_tensor_parallel_size: how the draft runs under tensor parallelism: 1 = whole on
     every rank (replicated: no collective in a draft step), or the target's size (sharded
     like the target). vLLM's speculative_config key of the same name; `--draft-tp-size`.
+    confidence_stop: a chain's drafting ends at the first token where the product of the
+    draft's probabilities of its picks so far falls below this, and that token is not
+    verified: a cycle drafts and verifies only tokens likely to be accepted (lossless; the
+    output is the same). 0: every cycle drafts num_steps tokens. None: the machine's choice
+    (engine/machine.py resolve_confidence_stop: on for chains on the CPU, where each
+    verified token costs compute, off on CUDA). Chains only (topk 1), no simulated
+    acceptance; `--confidence-stop`.
     """
 
     draft: str | None = None
@@ -528,6 +535,7 @@ class SpecConfig:
     simulate_seed: int = 0
     simulate_sibling: float = 0.0
     draft_tensor_parallel_size: int = 1
+    confidence_stop: float | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_steps", self.num_steps, 1, MAX_NUM_STEPS)
@@ -563,6 +571,23 @@ class SpecConfig:
                 raise ValueError(f"simulated mean accept length must be in [1, num_steps + 1 "
                                  f"= {self.num_steps + 1}], got {sim!r}")
             object.__setattr__(self, "simulate_acceptance", tau)
+        self._check_confidence_stop()
+
+    def _check_confidence_stop(self) -> None:
+        c = self.confidence_stop
+        if c is None:
+            return
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:
+            raise ValueError(f"confidence_stop must be a probability in [0, 1) (0: off), "
+                             f"got {c!r}")
+        object.__setattr__(self, "confidence_stop", float(c))
+        if c > 0 and self.topk != 1:
+            raise ValueError(f"confidence_stop applies to chains (topk 1), not to trees "
+                             f"(topk {self.topk}); set it to 0 or use --topk 1")
+        if c > 0 and self.simulated:
+            raise ValueError("confidence_stop reads the draft's probabilities, which simulated "
+                             "acceptance does not follow; set it to 0 with "
+                             "--simulate-acceptance")
 
     @property
     def simulated(self) -> bool:
@@ -585,6 +610,12 @@ class SpecConfig:
             else:
                 hi = r
         return tuple([(lo + hi) / 2] * k)
+
+
+def chain_confidence_stop(topk: int, stop: float | None) -> float | None:
+    """A configuration derived from another's confidence stop (a policy entry, a profiled
+    or tuned shape): the same for a chain, off for a tree (which has none)."""
+    return stop if topk == 1 or stop is None else 0.0
 
 
 # vLLM's speculative_config keys specscope reads; the rest of vLLM's are refused by name.
@@ -691,8 +722,9 @@ class SpecPolicy:
             except ValueError:
                 raise ValueError(f"policy entry {part!r}: write bucket:steps,topk,tokens or "
                                  f"bucket:off (integers)") from None
-            entries.append((b, dataclasses.replace(base, num_steps=steps, topk=topk,
-                                                   num_draft_tokens=ndt)))
+            entries.append((b, dataclasses.replace(
+                base, num_steps=steps, topk=topk, num_draft_tokens=ndt,
+                confidence_stop=chain_confidence_stop(topk, base.confidence_stop))))
         return cls(tuple(entries))
 
 

@@ -125,12 +125,13 @@ class DraftRunner:
 
     def trees(self, seqs: list[Sequence], h0: torch.Tensor, normed0: torch.Tensor,
               spec: SpecConfig, timer: Profiler | None = None,
-              adjust: LogitsAdjustment | None = None, mask: DraftMask | None = None
-              ) -> DraftTree:
+              adjust: LogitsAdjustment | None = None, mask: DraftMask | None = None,
+              stop: float = 0.0) -> DraftTree:
         """Every speculating sequence's chain or tree, each draft step one batched forward
         over the draft's paged KV. adjust: the sequences' logits adjustments over the
         target's vocabulary (None: none), applied to the draft's as to the target's; mask:
-        the structured-output constraint, if any."""
+        the structured-output constraint, if any; stop: a chain's confidence stop
+        (draft_chain; 0: off), which may end the chains before num_steps tokens."""
         dev = self.device
         n_host = [s.num_computed for s in seqs]  # each root's position
         slots = draft_slots(spec)
@@ -140,7 +141,8 @@ class DraftRunner:
                           upload(n_host, torch.long, dev),
                           upload([s.last_token for s in seqs], torch.long, dev), h0, normed0,
                           spec, [s.params for s in seqs], [s.generator for s in seqs],
-                          [x + slots for x in n_host], timer, adjust=adjust, mask=mask)
+                          [x + slots for x in n_host], timer, adjust=adjust, mask=mask,
+                          stop=stop)
 
     @property
     def target_ids(self) -> torch.Tensor:
@@ -154,7 +156,7 @@ class DraftRunner:
               h0: torch.Tensor, normed0: torch.Tensor, spec: SpecConfig, params: list,
               generators: list, keys: list[int], timer: Profiler | None = None,
               plans: dict | None = None, adjust: LogitsAdjustment | None = None,
-              mask: DraftMask | None = None) -> DraftTree:
+              mask: DraftMask | None = None, stop: float = 0.0) -> DraftTree:
         """The draft steps of S sequences: roots root [S] at positions n [S], their draft
         block tables [S, blocks], and keys[s] a host-known bound on the positions sequence
         s sees (a CUDA-graph step passes the context limit for every row). adjust: over
@@ -182,21 +184,25 @@ class DraftRunner:
                 if greedy_only(params, adjust, mask) else None
             if nd is not None:
                 chain = NativeDraftChain(nd, self.draft, self.kv, tables, n, reach, h0,
-                                         normed0, root, spec.num_steps)
+                                         normed0, root, spec.num_steps, stop)
                 return self._native_chain(chain, timer)
             return draft_chain(step, self.draft, h0, normed0, root, n, spec.num_steps, params,
-                               generators, timer, adjust, mask)
+                               generators, timer, adjust, mask, stop)
         return draft_tree(step, self.draft, h0, normed0, root, n, spec.num_steps, spec.topk,
                           spec.num_draft_tokens, params, timer, adjust, mask)
 
     @staticmethod
     def _native_chain(chain: NativeDraftChain, timer: Profiler | None) -> DraftTree:
         """Greedy chains' draft steps in one native call each (draft_chain's greedy path,
-        bit-equal), marked per step as draft_chain marks them."""
+        bit-equal), marked per step as draft_chain marks them; the chains end early where
+        the confidence stop ends them."""
+        kept = chain.num_steps
         for j in range(1, chain.num_steps + 1):
             if timer:
                 timer.mark(Phase.DRAFT_STEP, step=j)
-            chain.step(j)
+            if not chain.step(j):
+                kept = j - 1
+                break
         if timer:
             timer.mark(Phase.TREE_BUILD)
-        return chain_tree(chain.tokens)
+        return chain_tree(chain.tokens[:, :kept + 1])

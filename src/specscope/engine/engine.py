@@ -50,7 +50,7 @@ from specscope.engine.logprobs import (
     prompt_logprob_rows,
     unpack_logprobs,
 )
-from specscope.engine.machine import inductor_cache_for_capability
+from specscope.engine.machine import inductor_cache_for_capability, resolve_confidence_stop
 from specscope.engine.scheduler import Pool, Scheduled, Scheduler, StepPlan
 from specscope.engine.sequence import Sequence, SpecState
 from specscope.engine.step_broadcast import MirrorScheduler, PlanSender
@@ -102,14 +102,17 @@ class BatchConfig:
 @dataclass
 class StepOutput:
     """What one step produced for one sequence: its new tokens and whether it finished.
-    accepted: draft tokens accepted, for a speculative step (None for a plain one).
-    logprobs: one entry per new token when its params ask for logprobs (else None)."""
+    accepted: draft tokens accepted, for a speculative step (None for a plain one);
+    drafted: the draft positions it verified (num_steps, or fewer where the confidence stop
+    ended its chain). logprobs: one entry per new token when its params ask for logprobs
+    (else None)."""
 
     seq: Sequence
     new_tokens: list[int]
     finished: bool
     accepted: int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    drafted: int | None = None
 
 
 @dataclass
@@ -163,11 +166,14 @@ def end_profiled_cycle(prof: Profiler, stats: StepStats, outs: list[StepOutput])
     if stats.decode_tokens == 0 and stats.verify_tokens == 0:
         prof.end_as_request_phase()
         return
-    spec = [o.accepted for o in outs if o.accepted is not None]
-    prof.end_cycle(sum(len(o.new_tokens) for o in outs), spec[0] if len(spec) == 1 else None,
+    spec = [o for o in outs if o.accepted is not None]
+    prof.end_cycle(sum(len(o.new_tokens) for o in outs),
+                   spec[0].accepted if len(spec) == 1 else None,
                    batch=stats.num_seqs, speculating=stats.num_speculating,
                    prefill_tokens=stats.prefill_tokens, decode_tokens=stats.decode_tokens,
-                   verify_tokens=stats.verify_tokens, accepted_all=tuple(spec),
+                   verify_tokens=stats.verify_tokens,
+                   accepted_all=tuple(o.accepted for o in spec),
+                   drafted_all=tuple(o.drafted for o in spec),
                    experts_active=stats.experts_active)
 
 
@@ -218,6 +224,8 @@ class Engine:
                      max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                      spec_tokens=tree)
         self.tp, self.sender = tp, None
+        for c in configs:  # a confidence stop the ranks cannot share fails here, not mid-run
+            resolve_confidence_stop(c, dev, tp.size if tp is not None else 1)
         if tp is not None and not tp.is_driver:
             self.scheduler: Scheduler = MirrorScheduler(pools, rank=tp.rank, device=dev,
                                                         prepare=self._prepare, **sizes)
@@ -388,6 +396,9 @@ class Engine:
                 seqs = [items[i].seq for i in spec_idx]
                 adjust = adjustment(seqs, self.device)
                 tree = self._draft_trees(seqs, *heads, adjust)
+                # What the verify takes: the confidence stop may have cut the chains short.
+                self.last_stats.verify_tokens -= len(spec_idx) * (self.spec.num_draft_tokens
+                                                                  - tree.size)
         prefill = any(it.num_tokens > 1 and not it.speculative for it in items)
         # The target forward's phase includes building its batch (ids, rope rows, the
         # paged cache's metadata): the forward's own input, not unnamed host time.
@@ -462,6 +473,8 @@ class Engine:
         neither (the plain decode graph returns its logits, so there they apply after it)."""
         g = self.spec_graphs
         if g is None or not spec_idx or len(spec_idx) < len(items) or len(items) > g.max_batch:
+            return False
+        if self._confidence_stop():  # chains of any length: not the captured shapes
             return False
         width = self.spec.num_steps + 1
         # Constrained, adjusted and logprob sequences need work between draft steps or
@@ -542,7 +555,7 @@ class Engine:
                       n: torch.Tensor | None) -> _Verdicts:
         """Move every accepted path into place (a chain's nodes already are) and gather
         the path's taps [S, k + 1, n_taps] and the emitted tokens. taps [S * N, n_taps]."""
-        S, N, k = tree.tokens.shape[0], tree.size, self.spec.num_steps
+        S, N, k = tree.tokens.shape[0], tree.size, path.shape[1] - 1
         if not tree.chain:
             self.kv.commit(*accepted_path_slots(tables, n, path, self.config.block_size))
         node = path.clamp_min(0)[..., None].expand(S, k + 1, taps.shape[-1])
@@ -555,7 +568,18 @@ class Engine:
         distributions adjusted as the target's will be at each node, and constrained
         sequences' draft steps masked by their grammars."""
         mask = draft_constraint([s.grammar for s in seqs], self.drafter.target_ids)
-        return self.drafter.trees(seqs, h0, normed0, self.spec, self.timer, adjust, mask)
+        return self.drafter.trees(seqs, h0, normed0, self.spec, self.timer, adjust, mask,
+                                  self._confidence_stop())
+
+    def _confidence_stop(self) -> float:
+        """The chains' confidence stop this step (0: every chain drafts num_steps)."""
+        return resolve_confidence_stop(self.spec, self.device,
+                                       self.tp.size if self.tp is not None else 1)
+
+    def _depth(self, tree: DraftTree) -> int:
+        """The deepest node a verified tree may hold: a chain's length (which the
+        confidence stop may have cut short of num_steps), else num_steps."""
+        return tree.size - 1 if tree.chain else self.spec.num_steps
 
     # -- 3. the target forward ----------------------------------------------------------------
 
@@ -631,7 +655,7 @@ class Engine:
             return logits
         if tree is None:
             return adj.apply(logits[:, None])[:, 0]
-        anc = tree.ancestor_mask(self.spec.num_steps)  # [S, N, N]
+        anc = tree.ancestor_mask(self._depth(tree))  # [S, N, N]
         extra = path_counts(adj.take(tree.tokens), adj.take(anc), logits.shape[-1])
         return adj.apply(logits, extra, adj.take(tree.depth))
 
@@ -679,7 +703,7 @@ class Engine:
         if adjust is None and self.sim_rates is None and plain_greedy(seqs):
             y = self.model.greedy_ids(hidden).view(S, N)  # the target's pick after each node
             path, a, bonus = verify_greedy_ids(tree.tokens, tree.parents, tree.depth, y,
-                                               self.spec.num_steps, tree.chain)
+                                               self._depth(tree), tree.chain)
         else:
             raw = self.model.compute_logits(hidden).view(S, N, -1)
             # Adjusted per node by its own prefix, then masked by its path's grammar state.
@@ -704,7 +728,7 @@ class Engine:
         """path [S, k + 1], accepted [S], bonus [S]: greedy rows in one batched verify,
         sampled rows by lossless rejection with their own generator, or all rows by
         simulated acceptance (one batched walk; sampled rows then draw their bonus)."""
-        spec, k = self.spec, self.spec.num_steps
+        spec, k = self.spec, self._depth(tree)
         greedy = all(s.params.greedy for s in seqs)
         if self.sim_rates is not None:
             path, a = self._simulate(tree, self._sim_uniforms(len(seqs)))
@@ -808,12 +832,15 @@ class Engine:
                 self._pend(seq, taps[0, start:start + m])
             new = [tokens_at[i]] if i in tokens_at else []
             out[i] = self._advance(seq, new, m, None, logprobs.get(seq.seq_id))
+        depth = verdicts.emitted.shape[1] - 1 if verdicts is not None else 0
         for r, i in enumerate(spec_idx):
             seq, new = items[i].seq, emitted[r]
             a = len(new) - 1
             seq.spec.accepted.append(a)
+            seq.spec.drafted.append(depth)
             self._pend(seq, verdicts.path_taps[r, :a + 1])
             out[i] = self._advance(seq, new, a + 1, a, logprobs.get(seq.seq_id))
+            out[i].drafted = depth
         return [out[i] for i in range(len(items))]
 
     @staticmethod

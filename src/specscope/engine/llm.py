@@ -135,6 +135,9 @@ class StepRecord:
     drafted: int = 0
     accepted: tuple[int, ...] = ()
     depth: int = 0  # the speculative configuration's num_steps (0: a plain step)
+    # Per speculating sequence, the draft positions it verified (depth, or fewer where the
+    # confidence stop ended its chain), in `accepted`'s order.
+    positions: tuple[int, ...] = ()
 
 
 @dataclass
@@ -736,12 +739,14 @@ class LLM(TensorParallelRanks):
         self._admit_choices()
         outs = self._engine_step()
         st = self.engine.last_stats
-        accepted = tuple(o.accepted for o in outs if o.accepted is not None)
+        spec = [o for o in outs if o.accepted is not None]
         self.last_step = StepRecord(st.num_seqs, st.num_speculating, st.prefill_tokens,
                                     sum(len(o.new_tokens) for o in outs),
                                     time.perf_counter() - t0,
-                                    st.verify_tokens - st.num_speculating, accepted,
-                                    self.engine.spec.num_steps if accepted else 0)
+                                    st.verify_tokens - st.num_speculating,
+                                    tuple(o.accepted for o in spec),
+                                    self.engine.spec.num_steps if spec else 0,
+                                    tuple(o.drafted for o in spec))
         if prof:
             prof.mark(Phase.DETOKENIZE)
         deltas = ready + [d for o in outs if (d := self._delta(o)) is not None]
@@ -796,6 +801,7 @@ class LLM(TensorParallelRanks):
         steps = max(c.num_steps for c in configs or [self.spec])
         stats = SpecStats(steps, self.spec.simulated)
         stats.accepted = [a for s in seqs if s.spec for a in s.spec.accepted]
+        stats.drafted = [d for s in seqs if s.spec for d in s.spec.drafted]
         stats.cycles = len(stats.accepted)
         return stats.as_dict()
 

@@ -30,11 +30,12 @@ class SpecState:
     taps [P, n_taps]: the pending draft-extend inputs, the target's taps at the P positions
     draft_computed .. num_computed - 1 (a prefill chunk's, a plain step's, or the accepted
     path of the last verify); the next step's extend pairs each with the token after it.
-    accepted: draft tokens accepted per speculative step (accept length and acceptance by
-    position come from it)."""
+    accepted: draft tokens accepted per speculative step, drafted: the draft positions each
+    step verified (accept length and acceptance by position come from them)."""
 
     taps: torch.Tensor | None = None
     accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -23,6 +23,7 @@ class SpecStats:
     simulated: bool
     cycles: int = 0
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per cycle
+    drafted: list[int] = field(default_factory=list)  # draft positions verified per cycle
 
     @property
     def accept_length(self) -> float:
@@ -31,29 +32,36 @@ class SpecStats:
 
     def acceptance_by_position(self) -> list[float]:
         """Conditional acceptance at each draft position (accepted given all earlier were)."""
-        return acceptance_by_position(self.accepted, self.num_steps)[0]
+        return acceptance_by_position(self.accepted, self.num_steps, self.drafted)[0]
 
     def as_dict(self) -> dict:
-        cond, per_draft = acceptance_by_position(self.accepted, self.num_steps)
+        cond, per_draft = acceptance_by_position(self.accepted, self.num_steps, self.drafted)
         return {"cycles": self.cycles, "accept_length": round(self.accept_length, 4),
                 "acceptance_by_position": [round(x, 4) for x in cond],
                 "acceptance_per_draft_by_position": [round(x, 4) for x in per_draft],
-                "accepted_per_cycle": list(self.accepted), "simulated": self.simulated}
+                "accepted_per_cycle": list(self.accepted),
+                "drafted_per_cycle": list(self.drafted), "simulated": self.simulated}
 
 
-def acceptance_by_position(accepted: list[int], depth: int) -> tuple[list[float],
-                                                                       list[float]]:
+def acceptance_by_position(accepted: list[int], depth: int,
+                           drafted: list[int] | None = None) -> tuple[list[float],
+                                                                      list[float]]:
     """Both definitions of acceptance at draft positions 1..depth, for cycles that accepted
-    accepted[c] draft tokens each (docs/speculative.md):
-    conditional[i]: cycles accepting >= i + 1 over cycles accepting >= i (position i + 1
-        accepted given all earlier were; ours, `acceptance_by_position`);
+    accepted[c] draft tokens each of drafted[c] (default: depth each; fewer where the
+    confidence stop ended a chain) (docs/speculative.md):
+    conditional[i]: cycles accepting >= i + 1 over cycles accepting >= i that drafted
+        position i + 1 (accepted given all earlier were and it was drafted; ours,
+        `acceptance_by_position`);
     per_draft[i]: cycles accepting >= i + 1 over all cycles (vLLM's per-position
         acceptance rate, `acceptance_per_draft_by_position`).
-    For [1, 0, 2, 3, 2]: conditional 0.80 0.75 0.33 0 0, per draft 0.80 0.60 0.20 0 0."""
+    For [1, 0, 2, 3, 2]: conditional 0.80 0.75 0.33 0 0, per draft 0.80 0.60 0.20 0 0.
+    Drafting [5, 5, 2, 5, 5] instead, the third cycle never offered position 3:
+    conditional 0.80 0.75 0.50 0 0."""
     n = len(accepted)
+    drafted = drafted if drafted else [depth] * n
     cond, per = [], []
     for i in range(depth):
-        reached = sum(1 for a in accepted if a >= i)
+        reached = sum(1 for a, d in zip(accepted, drafted, strict=True) if a >= i and d > i)
         took = sum(1 for a in accepted if a > i)
         cond.append(took / reached if reached else 0.0)
         per.append(took / n if n else 0.0)

@@ -168,6 +168,26 @@ static float exp_shifted(float *a, int64_t n, float mx) {
     return lane_sum(a, n);
 }
 
+/* The probability softmax gives column `best` of row `row` of x [M, n] (fp32 or bf16), the
+ * row's largest: 1 / sum_i exp(x_i - x_best). A draft step's confidence in its greedy
+ * pick; NaN where the row holds a NaN (argmax_row's pick then), 1 for an infinite top. */
+float sc_top_prob(const void *x, int64_t row, int64_t n, int64_t best, int bf16) {
+    const float *f = (const float *)x + row * n;
+    const uint16_t *h = (const uint16_t *)x + row * n;
+    float mx = bf16 ? bf16_to_f32(h[best]) : f[best], buf[8];
+    if (mx != mx) return mx;  /* argmax_row picks a NaN wherever a row holds one */
+    if (isinf(mx)) return 1.0f;
+    v8f acc = splat(0.0f);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        for (int l = 0; l < 8; l++) buf[l] = bf16 ? bf16_to_f32(h[j + l]) : f[j + l];
+        acc += exp8_neg(ld8(buf) - mx);
+    }
+    float sum = hsum8(acc);
+    for (; j < n; j++) sum += exp_neg((bf16 ? bf16_to_f32(h[j]) : f[j]) - mx);
+    return 1.0f / sum;
+}
+
 static float row_max(const float *a, int64_t n) {
     v8f m = splat(-INFINITY);
     int64_t j = 0;
@@ -777,4 +797,4 @@ done:
 }
 
 /* The library's interface version: the loader refuses a build whose version differs. */
-int sc_version(void) { return 5; }
+int sc_version(void) { return 6; }

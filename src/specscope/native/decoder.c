@@ -55,7 +55,7 @@ typedef struct {
     float norm_eps, qk_eps, scale;
 } sc_dims;
 
-int sc_decoder_version(void) { return 5; }
+int sc_decoder_version(void) { return 6; }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     int64_t m = a > b ? a : b;
@@ -288,11 +288,14 @@ void sc_argmax_rows(const void *x, int64_t M, int64_t N, int bf16, int64_t *out)
  * the target's vocabulary (tokens[s * stride + j]); then, unless `last`, the draft's
  * forward of those tokens at positions n + j - 1 beside the hidden h [S, D]: its K/V
  * written to the cache, h and normed replaced by the step's outputs. The same kernels in
- * the same order as the layer-by-layer path, so bit-equal to it. Returns 0, or the
- * attention's error. */
+ * the same order as the layer-by-layer path, so bit-equal to it.
+ * conf [S] (NULL: none): each chain's confidence so far, multiplied here by the softmax
+ * probability of its pick (draft_chain's confidence stop); where every chain's falls below
+ * `stop` the step ends before the forward (its tokens are dropped, no later step runs) and
+ * returns 1. Else 0, or the attention's error. */
 int sc_eagle3_chain_step(const sc_layer *y, const sc_dims *m, const sc_chain *c, int64_t S,
                          int64_t j, int last, void *h, void *normed, int64_t *tokens,
-                         int64_t stride, void *work, int bf16) {
+                         int64_t stride, void *work, int bf16, float *conf, float stop) {
     const int64_t es = bf16 ? 2 : 4, D = m->D, Dh = m->Dh, Vd = c->head.out_features;
     Work w = work_of(work, m, S, bf16);
     char *p = (char *)work + sc_decoder_work_bytes(m, S, bf16);
@@ -302,10 +305,16 @@ int sc_eagle3_chain_step(const sc_layer *y, const sc_dims *m, const sc_chain *c,
     int64_t *slots = idx, *seq = idx + S, *visible = idx + 2 * S, *start = idx + 3 * S;
     sc_quant_linear(normed, S, D, c->head.codes, c->head.scales, c->head.offsets, Vd,
                     (int)c->head.bits, (int)c->head.tile, logits, bf16, w.scratch, 0);
+    int below = conf != NULL;
     for (int64_t s = 0; s < S; s++) {
         int64_t d = argmax_row(logits, s, Vd, bf16);
         tokens[s * stride + j] = d + c->d2t[d];
+        if (conf != NULL) {
+            conf[s] *= sc_top_prob(logits, s, Vd, d, bf16);
+            below &= conf[s] < stop;
+        }
     }
+    if (below) return 1;
     if (last) return 0;
     for (int64_t s = 0; s < S; s++) {
         int64_t t = tokens[s * stride + j], pos = c->n[s] + j - 1;

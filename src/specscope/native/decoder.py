@@ -75,7 +75,7 @@ def _chain_calls(lib: ctypes.CDLL) -> tuple[Any, Any]:
     prototypes."""
     step = lib.sc_eagle3_chain_step
     step.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Dims), ctypes.POINTER(_Chain), _I,
-                     _I, ctypes.c_int, _P, _P, _P, _I, _P, ctypes.c_int]
+                     _I, ctypes.c_int, _P, _P, _P, _I, _P, ctypes.c_int, _P, ctypes.c_float]
     step.restype = ctypes.c_int
     work = lib.sc_eagle3_chain_work_bytes
     work.argtypes = [ctypes.POINTER(_Dims), _I, _I, ctypes.c_int]
@@ -408,14 +408,15 @@ class NativeDraftChain:
     (sc_eagle3_chain_step): the head over the step's normed rows, the argmax and the
     vocabulary map, then the draft's forward of the chosen tokens (embedding, first
     layer, final norm), with no Python between them. spec/drafter.py draft_chain's greedy
-    path is its reference, bit-equal. nd: from native_draft_chain for h0."""
+    path is its reference, bit-equal (its confidence stop too, up to the rounding of the
+    softmax's sum). nd: from native_draft_chain for h0."""
 
     def __init__(self, nd: NativeDecoder, draft: Any, cache: Any, tables: torch.Tensor,
                  n: torch.Tensor, reach: int, h0: torch.Tensor, normed0: torch.Tensor,
-                 root: torch.Tensor, num_steps: int) -> None:
+                 root: torch.Tensor, num_steps: int, stop: float = 0.0) -> None:
         """tables [S, blocks] the chains' draft block tables, n [S] their roots' positions,
         root [S] the roots, reach a bound on every position a step sees; h0, normed0 [S, D]
-        the extend's outputs (not modified)."""
+        the extend's outputs (not modified). stop: draft_chain's confidence stop (0: off)."""
         from specscope.native.cpu import _i64
 
         self._nd = nd
@@ -427,6 +428,8 @@ class NativeDraftChain:
         self.h, self.normed = h0.contiguous().clone(), normed0.contiguous().clone()
         self.tokens = torch.empty(S, num_steps + 1, dtype=torch.long)
         self.tokens[:, 0] = root
+        self.stop = float(stop)
+        self.conf = torch.ones(S, dtype=torch.float32) if stop > 0 else None  # [S]
         self._held = (_i64(tables), _i64(n))
         cos, sin = draft._rope
         head = draft.lm_head
@@ -440,14 +443,20 @@ class NativeDraftChain:
         if nd._work.numel() < need:
             nd._work = torch.empty(need, dtype=torch.uint8)
 
-    def step(self, j: int) -> None:
+    def step(self, j: int) -> bool:
         """Draft step j (1-based): token j of every chain into tokens[:, j], then (before
-        the last) the draft's forward of it at position n + j - 1."""
+        the last) the draft's forward of it at position n + j - 1. False where the
+        confidence stop ended the chains at token j (dropped: tokens[:, :j] stand)."""
         nd = self._nd
+        conf = self.conf.data_ptr() if self.conf is not None else None
         rc = self._step_call(nd.layers, nd.dims, self._chain, self.S, j,
                              int(j == self.num_steps), self.h.data_ptr(),
                              self.normed.data_ptr(), self.tokens.data_ptr(),
-                             self.num_steps + 1, nd._work.data_ptr(), self.bf16)
+                             self.num_steps + 1, nd._work.data_ptr(), self.bf16, conf,
+                             self.stop)
+        if rc == 1:
+            return False
         if rc != 0:
             raise MemoryError(f"native CPU attention could not allocate its scratch for "
                               f"{self.S} draft tokens")
+        return True

@@ -23,4 +23,6 @@ void sc_quant_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, cons
                      const float *wm, int64_t N, int bits, int T, void *y, int bf16,
                      void *scratch, int reference);
 
+float sc_top_prob(const void *x, int64_t row, int64_t n, int64_t best, int bf16);
+
 #endif

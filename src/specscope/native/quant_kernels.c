@@ -317,7 +317,8 @@ static inline __attribute__((always_inline)) void tile_rows(
     } while (0)
 #endif
 
-#if defined(__AVX512VL__)
+#if defined(MAX_R)
+#elif defined(__AVX512VL__)
 #define MAX_R 8  /* 32 vector registers: up to 8 rows' accumulators beside a block's codes */
 #else
 #define MAX_R 4

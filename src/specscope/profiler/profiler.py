@@ -88,6 +88,9 @@ class Totals:
     wall_ms: float = 0.0
     phase_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     accepted: Counter = field(default_factory=Counter)  # accepted draft tokens -> cycles
+    # drafted positions d -> cycles that accepted all d (a chain the confidence stop ended
+    # there never offered position d + 1: not a rejection at it)
+    ended: Counter = field(default_factory=Counter)
     # MoE: "verify" (cycles that speculated) / "decode" -> [sum of experts_active, cycles]
     experts: dict[str, list[float]] = field(default_factory=dict)
     comm_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # by phase
@@ -119,6 +122,9 @@ class Totals:
         if r.accepted_all:
             for a in r.accepted_all:
                 accepted[a] += 1
+            for a, d in zip(r.accepted_all, r.drafted_all or r.accepted_all, strict=True):
+                if a == d and r.drafted_all:
+                    self.ended[d] += 1
         elif r.accepted is not None:
             accepted[r.accepted] += 1
 
@@ -467,7 +473,7 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
         k = max(positions, max(acc), 1)
         by_pos, per_draft = [], []
         for i in range(1, k + 1):
-            reached = sum(c for a, c in acc.items() if a >= i - 1)
+            reached = sum(c for a, c in acc.items() if a >= i - 1) - t.ended[i - 1]
             took = sum(c for a, c in acc.items() if a >= i)
             by_pos.append(took / reached if reached else 0.0)
             per_draft.append(took / n_acc)

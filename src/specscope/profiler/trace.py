@@ -32,13 +32,16 @@ class CycleRecord:
     tokens: int  # tokens emitted by the cycle
     accepted: int | None = None  # draft tokens accepted (None for plain decoding)
     # The engine step the cycle was: sequences in its batch, how many speculated, and the
-    # target tokens it fed by kind; each speculating sequence's accepted draft tokens.
+    # target tokens it fed by kind; each speculating sequence's accepted draft tokens and
+    # the draft positions it verified (fewer than num_steps where the confidence stop ended
+    # its chain; empty where unknown).
     batch: int = 1
     speculating: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     verify_tokens: int = 0
     accepted_all: tuple[int, ...] = ()
+    drafted_all: tuple[int, ...] = ()
     # MoE targets: distinct experts the step's target forward activated, mean over the MoE
     # layers (None: a dense target).
     experts_active: float | None = None
@@ -104,6 +107,7 @@ def chrome_trace(records: list[CycleRecord], last: int | None = None) -> dict:
                          "decode_tokens": r.decode_tokens,
                          "verify_tokens": r.verify_tokens,
                          "accepted_all": list(r.accepted_all),
+                         "drafted_all": list(r.drafted_all),
                          "experts_active": r.experts_active},
             })
             for name, start_ms, dur_ms in r.phases:

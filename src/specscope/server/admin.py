@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from specscope.config import SpecConfig
+from specscope.config import SpecConfig, chain_confidence_stop
 from specscope.engine.llm import LLM
 from specscope.server.guardrail import Guardrail
 from specscope.server.schemas import APIError, SpecUpdate, parse_json
@@ -75,6 +75,7 @@ def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker,
             cur = llm.spec or known["last"]
             fields = {"num_steps": cur.num_steps if cur else 5, "topk": cur.topk if cur else 1,
                       "num_draft_tokens": None}
+            stop = cur.confidence_stop if cur else None
             if cur and upd.num_steps is None and upd.topk is None:
                 fields["num_draft_tokens"] = cur.num_draft_tokens
             for k in ("num_steps", "topk", "num_draft_tokens"):
@@ -82,7 +83,9 @@ def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker,
                     fields[k] = getattr(upd, k)
             try:
                 new = SpecConfig(draft=known["draft"],
-                                 draft_layer_ids=known["draft_layer_ids"], **fields)
+                                 draft_layer_ids=known["draft_layer_ids"],
+                                 confidence_stop=chain_confidence_stop(fields["topk"], stop),
+                                 **fields)
             except (TypeError, ValueError) as e:
                 raise APIError(400, f"invalid speculative configuration: {e}") from None
         # Applied on the engine thread between requests: a running request keeps its config.

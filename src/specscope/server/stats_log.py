@@ -32,12 +32,14 @@ class StatsLog:
     def _reset(self) -> None:
         self.prompt_tokens = self.tokens = self.drafted = self.depth = 0
         self.accepted: list[int] = []
+        self.positions: list[int] = []
 
     def record(self, step: StepRecord) -> None:
         self.prompt_tokens += step.prefill_tokens
         self.tokens += step.tokens
         self.drafted += step.drafted
         self.accepted += step.accepted
+        self.positions += step.positions or [step.depth] * len(step.accepted)
         self.depth = max(self.depth, step.depth)
         now = self.clock()
         if now - self._start >= self.interval:
@@ -58,7 +60,8 @@ class StatsLog:
         if self.accepted:
             n = len(self.accepted)
             acc = sum(self.accepted)
-            cond, per = acceptance_by_position(self.accepted, max(self.depth, 1))
+            cond, per = acceptance_by_position(self.accepted, max(self.depth, 1),
+                                               self.positions)
             text += (f"; speculation: {n} drafts, mean accept length {1 + acc / n:.2f}, "
                      f"accepted {acc} of {self.drafted} draft tokens "
                      f"({100 * acc / max(self.drafted, 1):.1f} %), acceptance by position "

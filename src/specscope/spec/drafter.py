@@ -87,6 +87,18 @@ def _choose(logits: torch.Tensor, params: list[SamplingParams],
     return out, qs
 
 
+def pick_probs(logits: torch.Tensor, d: torch.Tensor, qs: list[torch.Tensor | None]
+               ) -> torch.Tensor:
+    """[S] fp32: the draft's probability of each row's pick d [S] (draft vocabulary): a
+    greedy row's softmax of its logits [S, Vd], a sampled row's processed distribution
+    q (what it drew from)."""
+    p = logits.float().softmax(-1).gather(1, d[:, None])[:, 0]
+    for r, q in enumerate(qs):
+        if q is not None:
+            p[r] = q[d[r]]
+    return p
+
+
 def _one_hot_add(counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """counts [..., Vd] int32 plus one at ids [...] (a new tensor)."""
     return counts.scatter_add(-1, ids[..., None], torch.ones_like(ids[..., None],
@@ -99,20 +111,25 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
                       generators: list[torch.Generator | None],
                       prof: Profiler | None = None,
                       adjust: LogitsAdjustment | None = None,
-                      mask: DraftMask | None = None) -> DraftTree:
-    """S chains of num_steps draft tokens, chain s after root[s] (the token at position
-    n[s]). h0, normed0 [S, Hd]: the extend's outputs at position n - 1. Draft step
+                      mask: DraftMask | None = None, stop: float = 0.0) -> DraftTree:
+    """S chains of up to num_steps draft tokens, chain s after root[s] (the token at
+    position n[s]). h0, normed0 [S, Hd]: the extend's outputs at position n - 1. Draft step
     j (1-based, j < num_steps) runs at draft position n + j - 1. Sampled rows draw their
     tokens from their processed draft distribution, returned (in target vocabulary) as
     draft_probs [S, k + 1, V] (zero rows for greedy sequences, which never read them).
     adjust: over the draft vocabulary; draft token j's logits are adjusted after the
     j - 1 draft tokens before it (depth j - 1). mask: constrains each step's choice given
-    the chain's draft tokens so far (after the adjustment)."""
+    the chain's draft tokens so far (after the adjustment).
+    stop: the confidence stop (0: off). A chain's confidence after token j is the product
+    of the draft's probabilities of its tokens 1..j (pick_probs); at the first j where
+    every chain's is below `stop`, token j is dropped and drafting ends, so the chains hold
+    the j - 1 tokens before it (a host read a step: the CPU's eager path)."""
     S, dev, k = root.shape[0], root.device, num_steps
     tokens, qs = [root], []
     normed, h = normed0, h0
     counts = None  # [R, Vd] int32: the adjusted rows' draft tokens so far
-    argmax_only = greedy_only(params, adjust, mask)
+    conf = None  # [S] fp32: each chain's confidence so far
+    argmax_only = greedy_only(params, adjust, mask) and not stop
     for j in range(1, k + 1):
         if prof:
             prof.mark(Phase.DRAFT_STEP, step=j)
@@ -130,6 +147,11 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
                 path = torch.stack(tokens[1:], 1) if j > 1 else root.new_empty(S, 0)
                 logits = mask(logits[:, None], path[:, None])[:, 0]
             d, q = _choose(logits, params, generators)
+            if stop:
+                p = pick_probs(logits, d, q)
+                conf = p if conf is None else conf * p
+                if bool((conf < stop).all()):
+                    break
             if adjust is not None:
                 counts = _one_hot_add(counts, adjust.take(d))
             qs.append(q)
@@ -143,7 +165,7 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
     draft_probs = None
     if not argmax_only and any(not p.greedy for p in params):
         V = draft.config.vocab_size
-        draft_probs = torch.zeros(S, k + 1, V, device=dev)
+        draft_probs = torch.zeros(S, len(tokens), V, device=dev)
         for j, per_row in enumerate(qs):
             for r, q in enumerate(per_row):
                 if q is not None:

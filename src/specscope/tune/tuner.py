@@ -53,13 +53,15 @@ def all_configs(max_steps: int = 10, max_topk: int = 8, max_tokens: int = 64) ->
 def spec_for(cfg: Config | None, draft: str, base: SpecConfig | None = None
              ) -> SpecConfig | None:
     """The SpecConfig of a configuration; `base` carries everything else (draft layer ids,
-    simulated acceptance) unchanged."""
+    simulated acceptance) unchanged. Without the confidence stop: the tuner measures and
+    models cycles of fixed shape (num_steps tokens a chain)."""
     if cfg is None:
         return None
     if base is None:
-        return SpecConfig(draft=draft, num_steps=cfg[0], topk=cfg[1], num_draft_tokens=cfg[2])
+        return SpecConfig(draft=draft, num_steps=cfg[0], topk=cfg[1], num_draft_tokens=cfg[2],
+                          confidence_stop=0.0)
     return dataclasses.replace(base, draft=draft, num_steps=cfg[0], topk=cfg[1],
-                               num_draft_tokens=cfg[2])
+                               num_draft_tokens=cfg[2], confidence_stop=0.0)
 
 
 def run_config(llm: Any, cfg: Config | None, draft: str, prompts: list[Any],
