@@ -3,14 +3,15 @@ process, alternated (the CPU default model and its shipped draft).
 
     python benchmarks/cpu_confidence_stop.py                      # 8 MT-Bench prompts x 128
     python benchmarks/cpu_confidence_stop.py --max-tokens 256 --stops 0,0.1,0.15,0.2
+    python benchmarks/cpu_confidence_stop.py --steps 5,7 --stops 0.15
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/cpu_confidence_stop.py
 
 The confidence stop (SpecConfig.confidence_stop, `--confidence-stop`) ends a chain's drafting
 at the first token whose running product of the draft's probabilities falls below the stop,
 and leaves that token out of the verify. Configurations: plain decoding (an engine without a
-draft), then a chain of --steps for each stop in --stops (0: off, every cycle drafts
---steps tokens), switched in place on one engine (LLM.set_spec). Each round runs every
-configuration over the prompts (MT-Bench first turns through the chat template, greedy,
+draft), then a chain of each length in --steps with each stop in --stops (0: off, every
+cycle drafts that many tokens), switched in place on one engine (LLM.set_spec). Each round
+runs every configuration over the prompts (MT-Bench first turns through the chat template, greedy,
 --max-tokens new tokens each, EOS honoured), one request at a time, the order reversed
 every other round so the machine's drift falls on all alike. Prints each round's tok/s
 (tokens over wall time, the prefill included), the medians, each configuration's median of
@@ -38,24 +39,24 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=lambda s: [int(x) for x in s.split(",")], default=[5])
     ap.add_argument("--stops", type=lambda s: [float(x) for x in s.split(",")],
                     default=[0.0, 0.15])
     args = ap.parse_args()
     plain = LLM(spec=None)
-    spec = LLM(spec=SpecConfig(draft="default", num_steps=args.steps, confidence_stop=0.0))
+    spec = LLM(spec=SpecConfig(draft="default", num_steps=args.steps[0], confidence_stop=0.0))
     prompts = load_prompts("mt_bench", args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    names = ["plain"] + [f"chain {args.steps}, stop {s:g}" for s in args.stops]
+    shapes = [(k, s) for k in args.steps for s in args.stops]
+    names = ["plain"] + [f"chain {k}, stop {s:g}" for k, s in shapes]
     tokens: dict[str, list[list[int]]] = {}
     cycles: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
 
     def run(name: str) -> float:
         llm = plain
         if name != "plain":
-            stop = args.stops[names.index(name) - 1]
-            spec.set_spec(SpecConfig(draft="default", num_steps=args.steps,
-                                     confidence_stop=stop))
+            steps, stop = shapes[names.index(name) - 1]
+            spec.set_spec(SpecConfig(draft="default", num_steps=steps, confidence_stop=stop))
             llm = spec
         start, n, out = time.perf_counter(), 0, []
         for p in prompts:

@@ -129,48 +129,29 @@ def test_the_doctor_probes_the_draft_on_dense_weights(monkeypatch):
     assert seen["quantization"] == "none"
 
 
-def test_the_machine_chooses_the_draft_only_where_it_chose_the_weights(monkeypatch):
-    """Where the native kernels build, the default model's machine-chosen path decodes
-    plainly on its 4-bit weights (faster there than speculating on them), with or without
-    native bf16; anything the caller chose (dtype, quantization, tensor parallelism, a GPU)
-    keeps the draft, and so does a CPU without the native kernels (dense weights)."""
-    from specscope import native
-    from specscope.engine import machine
-
-    monkeypatch.setattr(native, "cpu_kernels", lambda: object())
-    for bf16 in (False, True):
-        monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda b=bf16: b)
-        assert "no draft" in machine.default_draft_skipped(CPU, "auto", "auto")
-    assert machine.default_draft_skipped(CPU, "fp32", "auto") == ""
-    assert machine.default_draft_skipped(CPU, "auto", "none") == ""
-    assert machine.default_draft_skipped(CPU, "auto", "auto", 2) == ""
-    assert machine.default_draft_skipped(torch.device("cuda"), "auto", "auto") == ""
-    monkeypatch.setattr(native, "cpu_kernels", lambda: None)
-    assert machine.default_draft_skipped(CPU, "auto", "auto") == ""
-
-
-def test_the_default_path(monkeypatch, capsys, specscope_cache_dir):
-    """generate with no flags: plain decoding on the 4-bit codes where the native kernels
-    build, said on the status line, the shipped draft without them; a draft or spec flag
-    speculates either way."""
+def test_the_default_path(capsys, specscope_cache_dir):
+    """generate with no flags: the shipped draft speculates, on the CPU with chains sized
+    by the confidence stop, on the 4-bit codes where the native kernels build; the status
+    line says so. --draft none decodes plainly."""
     from specscope import native
     from specscope.cli import main
+    from specscope.engine.machine import CPU_CONFIDENCE_STOP
 
     cache = str(specscope_cache_dir)
     base = ["generate", "--prompt", "Hi", "--max-tokens", "4", "--device", "cpu",
             "--cache-dir", cache]
     llm = LLM(device="cpu", cache_dir=cache)
+    assert llm.spec is not None and llm.spec.draft == "default"
+    assert "shipped EAGLE-3 draft" in llm.config_note
+    assert f"confidence falls below {CPU_CONFIDENCE_STOP:g}" in llm.config_note
     if native.cpu_kernels() is not None:
         assert llm.quantization == "int4-gguf" and "4-bit" in llm.config_note
-        assert llm.spec is None and "no draft" in llm.config_note
-    else:
-        assert llm.spec is not None and llm.spec.draft == "default"
     del llm
     assert main(base) == 0
     said = capsys.readouterr().err
-    assert ("[speculative" in said) == (native.cpu_kernels() is None)
-    assert main([*base, "--num-steps", "2"]) == 0  # a spec flag asks for speculation
-    assert "[speculative" in capsys.readouterr().err
+    assert "[speculative" in said and "confidence falls below" in said
+    assert main([*base, "--draft", "none"]) == 0
+    assert "[speculative" not in capsys.readouterr().err
 
 
 def test_generate_leaves_the_draft_to_the_machine_only_without_spec_flags():

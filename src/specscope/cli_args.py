@@ -339,8 +339,8 @@ def spec_from_args(args: argparse.Namespace, machine_default: bool = False
                    ) -> SpecConfig | str | None:
     """The SpecConfig the spec flags ask for (None: plain decoding), its draft checked.
     machine_default (generate, the default path): with no draft and no spec flag for the
-    default model, "auto": LLM's spec="auto" then decides whether the shipped draft is the
-    faster path on this machine (engine/machine.py default_draft_skipped) and says why."""
+    default model, "auto": LLM's spec="auto" then runs the shipped draft as the machine
+    suits it (engine/machine.py default_draft_note) and says so on the status line."""
     _apply_engine_spellings(args)
     if args.draft is None and not getattr(args, "model", None) and \
             args.simulate_acceptance is None:

@@ -49,7 +49,7 @@ from specscope.engine.grammar import Grammar, GrammarCompiler
 from specscope.engine.machine import (  # noqa: F401  (re-exported: the engine's API)
     collect_heap,
     cpu_has_native_bf16,
-    default_draft_skipped,
+    default_draft_note,
     resolve_device,
     resolve_dtype,
     resolve_quantization,
@@ -187,9 +187,9 @@ class LLM(TensorParallelRanks):
     gpu_memory_utilization / kv_cache_memory: the KV pools' budget (kvcache/budget.py).
     enable_prefix_caching: reuse the KV blocks of a shared prompt prefix.
     spec: speculative decoding with an EAGLE-3 draft (SpecConfig); None = plain decoding;
-    "auto" (the default): the default model with its shipped draft, other models plainly;
-    on a CPU where the native kernels build, with dtype and quantization auto, the default
-    model decodes plainly, the faster path there (engine/machine.py default_draft_skipped).
+    "auto" (the default): the default model with its shipped draft (on the CPU its chains
+    sized by the confidence stop: engine/machine.py default_draft_note), other models
+    plainly.
     speculative_config: vLLM's dict instead of spec ({"method": "eagle3", "model": DRAFT,
     "num_speculative_tokens": 5}).
     profile: time every phase of every step (None: on when SPECSCOPE_PROFILE=1);
@@ -224,14 +224,13 @@ class LLM(TensorParallelRanks):
         if self.tp is not None:
             self.device = self.tp.group.device if self.device.type == "cuda" else self.device
         self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
-        skipped = default_draft_skipped(self.device, self.engine_config.dtype, quantization,
-                                        tensor_parallel_size) \
-            if spec == "auto" and speculative_config is None and model is None else ""
-        spec = None if skipped else _resolve_spec(spec, speculative_config, model)
+        chosen = spec == "auto" and speculative_config is None and model is None
+        spec = _resolve_spec(spec, speculative_config, model)
         quantization, note = resolve_quantization(
             quantization, model, self.device, self.engine_config.dtype, tensor_parallel_size,
             cache_dir)
-        self.config_note = "; ".join(n for n in (skipped, note) if n)
+        drafted = default_draft_note(spec, self.device, tensor_parallel_size) if chosen else ""
+        self.config_note = "; ".join(n for n in (note, drafted) if n)
         self.quantization = quantization
         loaded = load_model(model, self.dtype, self.device, cache_dir, quantization,
                             tp=self.tp.group if self.tp is not None else None)

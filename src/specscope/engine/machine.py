@@ -98,29 +98,18 @@ def resolve_quantization(quantization: str, model: str | None, device: torch.dev
     return "int4-gguf", "auto: the GGUF's 4-bit weights on specscope's native kernels"
 
 
-def default_draft_skipped(device: torch.device, dtype: str, quantization: str,
-                          tensor_parallel_size: int = 1) -> str:
-    """Why the default model's machine-chosen path decodes plainly instead of speculating
-    with its shipped draft on this machine, or "" where it speculates. On a CPU where the
-    native kernels build, `auto` runs the GGUF's 4-bit codes through the native decoder
-    (native/decoder.c). There plain decoding is the surer choice on both CPU classes: with
-    the draft chain in C and greedy picks in C (2-core Zen 4, 8 MT-Bench first turns,
-    benchmarks/llamacpp.py, 2026-12-07), speculating with the Q8_0 draft read 192.2
-    against 224.9 tok/s plain at 128 new tokens and 262.3 against 214.1 at 256 with
-    AVX-512 and bf16, 163.5 against 202.2 and 197.8 against 189.0 held to AVX2: it loses
-    where the draft's accept length is low (2.2-2.3 at 128 tokens) because the 6-token
-    verify still costs 1.9-2.4x a decode step (docs/cpu.md). Without the native kernels
-    (no C compiler) the weights are dense and speculation wins. The choice is the
-    machine's only where the caller left dtype and quantization to it."""
-    if device.type != "cpu" or dtype != "auto" or quantization != "auto" \
-            or tensor_parallel_size != 1:
-        return ""
-    from specscope.native import cpu_kernels
-
-    if cpu_kernels() is None:
-        return ""
-    return ("auto: plain decoding, no draft: on the CPU plain decoding on the GGUF's 4-bit "
-            "codes is faster than speculating; --draft default speculates")
+def default_draft_note(spec: Any, device: torch.device, tensor_parallel_size: int = 1) -> str:
+    """What the default model's machine-chosen speculation runs, for the status line: its
+    shipped draft, and on the CPU the confidence stop that sizes each chain. Speculating is
+    the faster path on both CPU classes since the stop (benchmarks/cpu_confidence_stop.py,
+    2-core Zen 4, 8 MT-Bench first turns: 1.12x / 1.49x plain decoding at 128 / 256 new
+    tokens with AVX-512, 1.10x / 1.14x held to AVX2, where fixed chains of 5 read 1.03x /
+    1.23x and 0.84x / 0.80x; docs/cpu.md)."""
+    stop = resolve_confidence_stop(spec, device, tensor_parallel_size)
+    if not stop:
+        return "auto: the shipped EAGLE-3 draft"
+    return (f"auto: the shipped EAGLE-3 draft, chains of up to {spec.num_steps} ended where "
+            f"the draft's confidence falls below {stop:g}")
 
 
 # The confidence stop chains run with on the CPU unless told otherwise. From the shipped
