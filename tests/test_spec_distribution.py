@@ -73,17 +73,20 @@ def _exact_joint(model, params: SamplingParams) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("steps", "topk", "ndt", "adjusted"), [
-    (2, 1, None, False), (2, 2, 4, False), (2, 1, None, True), (2, 2, 4, True)])
+@pytest.mark.parametrize(("steps", "topk", "ndt", "adjusted", "stop"), [
+    (2, 1, None, False, 0.0), (2, 2, 4, False, 0.0), (2, 1, None, True, 0.0),
+    (2, 2, 4, True, 0.0), (3, 1, None, False, 0.02)])
 def test_sampled_speculative_output_has_the_target_law(single_thread, target, steps, topk,
-                                                       ndt, adjusted):
-    spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt)
+                                                       ndt, adjusted, stop):
+    """stop: the confidence stop, which cuts the chains at varied depths (0 to steps)."""
+    spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt,
+                      confidence_stop=stop)
     llm = LLM.from_model(target, spec=spec)
     extra = ADJUSTED if adjusted else {}
     joint = _exact_joint(target, SamplingParams(temperature=1.0, **extra)).reshape(-1)
     n, per_batch = 4000, 16
     counts = torch.zeros(V ** 3, dtype=torch.float64)
-    accepted = 0
+    accepted, drafted = 0, set()
     ids = llm.encode_prompt(PROMPT)
     for first in range(0, n, per_batch):
         # Several sequences per step, each with its own seeded generator.
@@ -97,7 +100,9 @@ def test_sampled_speculative_output_has_the_target_law(single_thread, target, st
             a, b, c = out.token_ids
             counts[(a * V + b) * V + c] += 1
             accepted += sum(out.spec["accepted_per_cycle"])
+            drafted.update(out.spec["drafted_per_cycle"])
     assert accepted > 0.05 * n  # drafts were really accepted, not only rejected
+    assert drafted == {steps} if not stop else len(drafted) > 1  # the stop cut chains
     expected = joint * n
     small = expected < 5
     obs = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
