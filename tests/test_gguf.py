@@ -399,3 +399,27 @@ def test_unsupported_architecture(tmp_path: pathlib.Path) -> None:
         sg.gguf_to_hf_dir(path, tmp_path / "cache")
     assert SUPPORTED_MSG in str(err.value)
     assert _entries(tmp_path / "cache") == []
+
+
+def test_int4_reads_the_gguf_it_was_given_not_the_one_first_converted(tmp_path: pathlib.Path
+                                                                        ) -> None:
+    """One cached conversion serves every copy of a GGUF (content-addressed); it records
+    the path it was converted from. A copy loaded with int4-gguf after that path is gone
+    reads its own file; the converted directory alone then fails with a clear error."""
+    import shutil
+
+    import torch
+
+    from specscope.models.loader import load_model
+
+    first, copy, cache = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c"
+    first.parent.mkdir()
+    copy.parent.mkdir()
+    _write_tiny_gguf(first, "llama")
+    out = sg.gguf_to_hf_dir(first, cache)
+    shutil.copy(first, copy)
+    first.unlink()
+    loaded = load_model(str(copy), torch.float32, "cpu", str(cache), "int4-gguf")
+    assert loaded.path == out
+    with pytest.raises(FileNotFoundError, match="which is gone; pass the .gguf file"):
+        load_model(str(out), torch.float32, "cpu", str(cache), "int4-gguf")

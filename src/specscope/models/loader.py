@@ -65,16 +65,13 @@ def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | None = N
     a .gguf file (or a directory holding one and no config.json) -> converted and cached;
     a local directory -> itself; anything else of the form org/name -> a HF hub download.
     """
-    if model is None:
+    source = gguf_source(model)
+    if source is not None:
         from specscope.models import gguf  # lazily: only GGUF inputs need the gguf package
 
-        return gguf.gguf_to_hf_dir(gguf.default_model_gguf(), cache_dir)
+        return gguf.gguf_to_hf_dir(source, cache_dir)
     p = Path(model).expanduser()
     if p.is_file():
-        if p.suffix == ".gguf":
-            from specscope.models import gguf
-
-            return gguf.gguf_to_hf_dir(p, cache_dir)
         if p.name == "config.json":
             return p.parent
         raise ValueError(f"{p} is a file but not a .gguf; pass a model directory or a .gguf file")
@@ -82,10 +79,6 @@ def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | None = N
         if (p / "config.json").exists():
             return p
         ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            from specscope.models import gguf
-
-            return gguf.gguf_to_hf_dir(ggufs[0], cache_dir)
         raise FileNotFoundError(
             f"{p} has no config.json" + (f" and {len(ggufs)} .gguf files; pass one of them"
                                          if ggufs else "; it is not a HF model directory"))
@@ -94,6 +87,22 @@ def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | None = N
         return _hub_download(s)
     raise FileNotFoundError(f"model {s!r} not found: not a local path, and not a HF hub id "
                             f"(org/name)")
+
+
+def gguf_source(model: str | os.PathLike | None) -> Path | None:
+    """The .gguf file a model argument names: the embedded default's for None, a .gguf
+    file, or a directory's one .gguf beside no config.json; else None."""
+    if model is None:
+        from specscope.models import gguf
+
+        return Path(gguf.default_model_gguf())
+    p = Path(model).expanduser()
+    if p.is_file():
+        return p if p.suffix == ".gguf" else None
+    if p.is_dir() and not (p / "config.json").exists():
+        ggufs = sorted(p.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
 
 
 def _hub_download(repo_id: str) -> Path:
@@ -297,7 +306,15 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
         if "gguf" not in source:
             raise ValueError(f"quantization int4-gguf needs a .gguf model; {model_dir} is not "
                              f"a converted GGUF")
-        quantize_from_gguf(m, Path(source["gguf"]))
+        # The codes come from the GGUF this call named: the cached conversion is shared by
+        # every copy of the same file, and the one it recorded may since have gone.
+        path = gguf_source(model) or Path(source["gguf"])
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"quantization int4-gguf reads the weights' codes from the GGUF {model_dir} "
+                f"was converted from, {path}, which is gone; pass the .gguf file itself as "
+                f"the model (or --quantization none for the converted dense weights)")
+        quantize_from_gguf(m, path)
     m.eval().requires_grad_(False)
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs%s", model_dir, cfg.architecture,
              cfg.num_layers, dtype, device, time.perf_counter() - t0,
