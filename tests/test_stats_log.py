@@ -100,3 +100,5 @@ def test_requests_and_profiles_report_both_definitions(tiny_model_dir):
     assert s["acceptance_per_draft_by_position"] == pytest.approx(per)
     text = format_summary(s)
     assert "(conditional)" in text and "(per draft)" in text
+    assert s["drafted_per_cycle"] == pytest.approx(3.0) and "3.00 drafted a cycle" in text
+    assert st["drafted_per_cycle"] == [3] * st["cycles"]

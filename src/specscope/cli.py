@@ -107,7 +107,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             label = "SIMULATED acceptance" if st["simulated"] else "speculative"
             rates = " ".join(f"{x:.2f}" for x in st["acceptance_by_position"])
             per = " ".join(f"{x:.2f}" for x in st["acceptance_per_draft_by_position"])
-            print(f"[{label}: {st['cycles']} cycles | accept length {st['accept_length']:.2f} "
+            drafted = st.get("drafted_per_cycle") or []
+            of = f", {sum(drafted) / len(drafted):.2f} drafted a cycle" if drafted else ""
+            print(f"[{label}: {st['cycles']} cycles | accept length {st['accept_length']:.2f}"
+                  f"{of} "
                   f"| acceptance by position (conditional) {rates} | (per draft) {per}]",
                   file=sys.stderr)
     return 0

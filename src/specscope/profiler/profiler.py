@@ -91,6 +91,8 @@ class Totals:
     # drafted positions d -> cycles that accepted all d (a chain the confidence stop ended
     # there never offered position d + 1: not a rejection at it)
     ended: Counter = field(default_factory=Counter)
+    drafted: int = 0  # draft positions verified, summed over the chains that report them
+    drafts: int = 0  # those chains
     # MoE: "verify" (cycles that speculated) / "decode" -> [sum of experts_active, cycles]
     experts: dict[str, list[float]] = field(default_factory=dict)
     comm_ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # by phase
@@ -125,6 +127,8 @@ class Totals:
             for a, d in zip(r.accepted_all, r.drafted_all or r.accepted_all, strict=True):
                 if a == d and r.drafted_all:
                     self.ended[d] += 1
+            self.drafted += sum(r.drafted_all)
+            self.drafts += len(r.drafted_all)
         elif r.accepted is not None:
             accepted[r.accepted] += 1
 
@@ -495,6 +499,8 @@ def summarise(config: str, recs: list[CycleRecord], loose: dict[str, list[float]
                              else (t.tokens / wall * 1e3 if wall else 0.0)),
         "cycles_per_s": t.cycles / wall * 1e3 if wall else 0.0,
         "accept_length": (sum(a * c for a, c in acc.items()) / n_acc + 1.0) if n_acc else None,
+        # mean draft positions a chain verified (num_steps, or fewer under the confidence stop)
+        "drafted_per_cycle": t.drafted / t.drafts if t.drafts else None,
         "acceptance_by_position": by_pos, "acceptance_per_draft_by_position": per_draft,
         "simulated": simulated, "phases": phases,
         # MoE targets: mean distinct experts per MoE layer, verify and decode cycles apart.
@@ -520,6 +526,8 @@ def format_summary(s: dict) -> str:
                 and len(s["modes"]) > 1 else "")
              + f", {s['cycles_per_s']:.1f} cycles/s"
              + (f", accept length {s['accept_length']:.2f}" if s["accept_length"] else "")
+             + (f", {s['drafted_per_cycle']:.2f} drafted a cycle" if s.get("drafted_per_cycle")
+                is not None else "")
              + (" (SIMULATED)" if s["simulated"] else "")
              + f", attributed {s['attributed']:.1%}"]
     if s["acceptance_by_position"]:
