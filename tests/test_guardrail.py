@@ -234,6 +234,7 @@ def test_server_guardrail_with_an_unbeatable_plain_prediction(spec_llm, plain_re
         assert 0 < state["last_trigger"]["window_tok_per_s"] < 1e9
         assert "guardrail" in caplog.text and "1000000000.0 tok/s predicted" in caplog.text
         assert 'specscope:guardrail_plain_tok_per_s{bucket="1",model_name="x"} 1e+09' in metrics
+        assert served["confidence_stop"] == 0.0  # a random draft's chains are not cut
         if mode == "warn":
             assert served["policy"] is None and not state["switched_off"]
             assert state["verdict"] == SLOWER

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 
 from specscope.config import SpecConfig, chain_confidence_stop
 from specscope.engine.llm import LLM
+from specscope.engine.machine import resolve_confidence_stop
 from specscope.server.guardrail import Guardrail
 from specscope.server.schemas import APIError, SpecUpdate, parse_json
 from specscope.server.worker import EngineWorker
@@ -49,6 +50,9 @@ def add_admin_routes(app: FastAPI, llm: LLM, worker: EngineWorker,
                 "draft": s.draft if s else known["draft"],
                 "num_steps": s.num_steps if s else None, "topk": s.topk if s else None,
                 "num_draft_tokens": s.num_draft_tokens if s else None,
+                # the confidence stop this configuration runs with (0: fixed chains)
+                "confidence_stop": resolve_confidence_stop(
+                    s, llm.device, llm.tp.size if llm.tp is not None else 1) if s else None,
                 # speculation by batch size, when a policy is in force (--spec-policy,
                 # --auto-tune by batch size, or the guardrail's switch-off of a bucket)
                 "policy": llm.spec_policy.flag() if s and llm.spec_policy else None}
