@@ -30,11 +30,17 @@ def test_acceptance_counts_only_the_positions_a_cycle_drafted():
     assert cond == pytest.approx([0.5, 0.0, 0.0])
 
 
-def test_one_line_per_interval_with_traffic(caplog):
+def _stats_log(running: int, waiting: int, blocks: int, in_use: int, queries: int = 0,
+               hits: int = 0) -> tuple[StatsLog, list[float]]:
+    """A StatsLog of a 10 s interval over that engine state, and the clock it reads."""
     now = [0.0]
-    state = {"running": 3, "waiting": 1, "kv_blocks": 200, "kv_blocks_in_use": 50,
-             "prefix_queries": 10, "prefix_hits": 4}
-    log = StatsLog(lambda: state, interval=10.0, clock=lambda: now[0])
+    state = {"running": running, "waiting": waiting, "kv_blocks": blocks,
+             "kv_blocks_in_use": in_use, "prefix_queries": queries, "prefix_hits": hits}
+    return StatsLog(lambda: state, interval=10.0, clock=lambda: now[0]), now
+
+
+def test_one_line_per_interval_with_traffic(caplog):
+    log, now = _stats_log(3, 1, 200, 50, 10, 4)
     with caplog.at_level(logging.INFO, logger="specscope.server.stats"):
         log.record(StepRecord(3, 0, 100, 0, 0.1))  # a prefill step
         now[0] = 5.0
@@ -54,10 +60,7 @@ def test_one_line_per_interval_with_traffic(caplog):
 
 
 def test_the_log_line_counts_positions_the_confidence_stop_left_out(caplog):
-    now = [0.0]
-    state = {"running": 2, "waiting": 0, "kv_blocks": 100, "kv_blocks_in_use": 10,
-             "prefix_queries": 0, "prefix_hits": 0}
-    log = StatsLog(lambda: state, interval=10.0, clock=lambda: now[0])
+    log, now = _stats_log(2, 0, 100, 10)
     with caplog.at_level(logging.INFO, logger="specscope.server.stats"):
         log.record(StepRecord(2, 2, 0, 5, 0.1, drafted=4, accepted=(1, 2), depth=3,
                               positions=(1, 3)))

@@ -115,7 +115,7 @@ def default_draft_note(spec: Any, device: torch.device, tensor_parallel_size: in
 # The confidence stop chains run with on the CPU unless told otherwise. From the shipped
 # draft's probabilities and verdicts over 40 MT-Bench first turns (2,250 cycles, chains of
 # up to 7) and the measured cost of a cycle by its length, the simulated throughput was
-# flat within 1 % for stops of 0.10-0.20 on both CPU classes' costs, and 17-21 % above the
+# flat within 1 % for stops of 0.10-0.20 on both CPU classes' costs, and 17 % above the
 # best fixed chain length (docs/cpu.md).
 CPU_CONFIDENCE_STOP = 0.15
 
