@@ -31,11 +31,16 @@ def test_auto_keeps_dense_weights_where_int4_does_not_apply(tiny_model_dir):
 
 
 def test_avx2_emulation_counts_as_no_native_bf16(monkeypatch):
+    from specscope import native
+
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert not cpu_has_native_bf16()
     assert resolve_dtype("auto", CPU) == torch.float32  # torch's bf16 would be emulated
-    assert resolve_dtype("auto", CPU, native_codes=True) == torch.bfloat16
-    assert resolve_dtype("fp32", CPU, native_codes=True) == torch.float32
+    if native.cpu_kernels() is not None:  # GGUF codes on the native kernels: bf16
+        assert resolve_dtype("auto", CPU, "int4-gguf") == torch.bfloat16
+    assert resolve_dtype("fp32", CPU, "int4-gguf") == torch.float32
+    monkeypatch.setattr(native, "cpu_kernels", lambda: None)  # the codes' torch reference
+    assert resolve_dtype("auto", CPU, "int4-gguf") == torch.float32
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not cpu_has_native_bf16()

@@ -228,11 +228,7 @@ class LLM(TensorParallelRanks):
         quantization, note = resolve_quantization(
             quantization, model, self.device, self.engine_config.dtype, tensor_parallel_size,
             cache_dir)
-        from specscope.native import cpu_kernels
-
-        self.dtype = resolve_dtype(self.engine_config.dtype, self.device,
-                                   self.device.type == "cpu" and quantization == "int4-gguf"
-                                   and cpu_kernels() is not None)
+        self.dtype = resolve_dtype(self.engine_config.dtype, self.device, quantization)
         drafted = default_draft_note(spec, self.device, tensor_parallel_size) if chosen else ""
         self.config_note = "; ".join(n for n in (note, drafted) if n)
         self.quantization = quantization

@@ -142,20 +142,24 @@ def resolve_confidence_stop(spec: Any, device: torch.device,
     return 0.0
 
 
-def resolve_dtype(dtype: str, device: torch.device, native_codes: bool = False
+def resolve_dtype(dtype: str, device: torch.device, quantization: str = "none"
                   ) -> torch.dtype:
     """The activations' dtype for "auto": bf16 on CUDA, on a CPU with native bf16, and on
-    any CPU where the weights run as GGUF codes on the native kernels (native_codes:
-    quantization int4-gguf), which read bf16 activations by a shift whatever the CPU and
+    any CPU where the weights run as GGUF codes on the native kernels (the resolved
+    quantization int4-gguf, the kernels built), which read bf16 activations by a shift
+    whatever the CPU and
     leave torch almost no bf16 work; fp32 on other CPUs, where torch emulates bf16. Held
     to AVX2 (2-core Zen 4, 8 MT-Bench first turns x 128 tokens, benchmarks/cpu_dtype.py),
     bf16 against fp32 on the codes read 221.2 against 209.2 tok/s plain and 254.0 against
     229.9 speculating: the shipped draft accepts more behind a bf16 target (accept length
     2.73 against 2.00 on make demo's prompts), as on AVX-512 (docs/cpu.md)."""
     if dtype == "auto":
-        if device.type == "cuda" or native_codes or cpu_has_native_bf16():
+        if device.type == "cuda" or cpu_has_native_bf16():
             return torch.bfloat16
-        return torch.float32
+        from specscope.native import cpu_kernels
+
+        native_codes = quantization == "int4-gguf" and cpu_kernels() is not None
+        return torch.bfloat16 if native_codes else torch.float32
     return getattr(torch, normalize_dtype(dtype))
 
 

@@ -124,11 +124,11 @@ class Totals:
         if r.accepted_all:
             for a in r.accepted_all:
                 accepted[a] += 1
-            for a, d in zip(r.accepted_all, r.drafted_all or r.accepted_all, strict=True):
-                if a == d and r.drafted_all:
-                    self.ended[d] += 1
-            self.drafted += sum(r.drafted_all)
-            self.drafts += len(r.drafted_all)
+            if r.drafted_all:
+                for a, d in zip(r.accepted_all, r.drafted_all, strict=True):
+                    self.ended[d] += a == d
+                self.drafted += sum(r.drafted_all)
+                self.drafts += len(r.drafted_all)
         elif r.accepted is not None:
             accepted[r.accepted] += 1
 
