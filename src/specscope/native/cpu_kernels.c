@@ -95,6 +95,32 @@ static inline v8f hsum8x8(const v8f *a) {
 #endif
 }
 
+/* a * b + c with one rounding where the CPU fuses it (every x86 build past the baseline),
+ * else a product then a sum: one build always takes the same, so a row's result stays its
+ * own. The attention's sums take it: the fused form is one instruction where the other is
+ * two, and its chains are what bound a key's work. */
+#if defined(__FMA__)
+#include <immintrin.h>
+static inline v8f fma8(v8f a, v8f b, v8f c) {
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+#else
+static inline v8f fma8(v8f a, v8f b, v8f c) { return a * b + c; }
+#endif
+
+#if defined(__AVX512F__)
+/* Sixteen floats: one AVX-512 register. Lane l of a 16-lane sum over a row is lane l % 8 of
+ * one of the two 8-lane sums the narrower builds keep (score_lanes, rows_values), so both
+ * widths give the same bits. */
+typedef float v16f __attribute__((vector_size(64)));
+static inline v16f ld16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline void st16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline v16f splat16(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline v16f fma16(v16f a, v16f b, v16f c) {
+    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#endif
+
 static inline v8f max8(v8f a, v8f b) {
     v8i m = a > b;
     union { v8f f; v8i i; } x = {a}, y = {b}, r;
@@ -148,6 +174,35 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     float s = hsum8(dot_lanes(a, b, whole));
     for (int64_t d = whole; d < n; d++) s += a[d] * b[d];
     return s;
+}
+
+/* The lanes of a query row's score against a key (D % 8 == 0) before their final sum: two
+ * 8-lane sums, one over the even 8-float chunks of the row and one over the odd, each a
+ * chain of fused products in chunk order, then added; AVX-512 keeps both in one register's
+ * halves. */
+static inline __attribute__((always_inline)) v8f score_lanes(const float *q, const float *k,
+                                                             int64_t D) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        v16f acc = ld16(q) * ld16(k);
+        for (int64_t d = 16; d < D; d += 16) acc = fma16(ld16(q + d), ld16(k + d), acc);
+        __m512 a = (__m512)acc;
+        return (v8f)_mm512_castps512_ps256(a) +
+               (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    }
+#endif
+    v8f acc0 = ld8(q) * ld8(k), acc1 = splat(0.0f);
+    int64_t d = 8;
+    if (D >= 16) {
+        acc1 = ld8(q + 8) * ld8(k + 8);
+        d = 16;
+    }
+    for (; d + 16 <= D; d += 16) {
+        acc0 = fma8(ld8(q + d), ld8(k + d), acc0);
+        acc1 = fma8(ld8(q + d + 8), ld8(k + d + 8), acc1);
+    }
+    if (d < D) acc0 = fma8(ld8(q + d), ld8(k + d), acc0);
+    return acc0 + acc1;
 }
 
 /* Sum of a[0..n) in a fixed order, as dot. */
@@ -362,35 +417,83 @@ static inline __attribute__((always_inline)) void row_scores(
     int64_t j = j0;
     for (; j + 8 <= j1 && j + 8 <= whole; j += 8) {
         v8f lanes[8];
-        for (int k = 0; k < 8; k++) lanes[k] = dot_lanes(q, kb + (j - j0 + k) * D, D);
+        for (int k = 0; k < 8; k++) lanes[k] = score_lanes(q, kb + (j - j0 + k) * D, D);
         st8(s + j, hsum8x8(lanes) * scale);
     }
-    for (; j < j1; j++) s[j] = hsum8(dot_lanes(q, kb + (j - j0) * D, D)) * scale;
+    for (; j < j1; j++) s[j] = hsum8(score_lanes(q, kb + (j - j0) * D, D)) * scale;
 }
 
-/* o [D] += sum over j in [j0, j1) of p[j] v_j (vb: value j0's row of a block), lane by
- * lane in key order; o starts from zero at j0 == start. The sum stays in registers for D =
- * 64 and 128. */
-static inline __attribute__((always_inline)) void row_values(
-        const float *vb, const float *p, int64_t j0, int64_t j1, int64_t D, float *o,
-        int64_t start) {
+/* Rows a value pass carries at once (rows_values): their sums stay in registers with the
+ * value row's vectors beside them, 16 registers of sums where AVX-512 has 32; elsewhere one
+ * row (AVX2's 16 registers hold one row's 8 sums of D = 64). */
+#if defined(__AVX512F__)
+#define VALUE_ROWS(D) ((D) == 64 ? 4 : (D) == 128 ? 2 : 1)
+#else
+#define VALUE_ROWS(D) 1
+#endif
+
+/* For R rows r (R <= VALUE_ROWS(D)): o_r [D] += sum over j in [j0, j1) of p_r[j] v_j (p_r =
+ * p + r p_stride, o_r = o + r D; vb: value j0's row of a block), each lane a chain of fused
+ * products in key order, whatever the width or R; o_r starts from zero at j0 == start. A
+ * value row read serves all R rows, and their chains interleave: one row's chain alone
+ * waits on its own latency at every key. */
+static inline __attribute__((always_inline)) void rows_values(
+        const float *vb, const float *p, int64_t p_stride, int R, int64_t j0, int64_t j1,
+        int64_t D, float *o, int64_t start) {
+#if defined(__AVX512F__)
     if (D == 64 || D == 128) {
-        int DC = (int)(D / 8);
-        v8f a[16];
-        for (int c = 0; c < DC; c++) a[c] = j0 == start ? splat(0.0f) : ld8(o + 8 * c);
+        int DC = (int)(D / 16);
+        v16f a[4][8], vv[8];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < DC; c++)
+                a[r][c] = j0 == start ? splat16(0.0f) : ld16(o + r * D + 16 * c);
         for (int64_t j = j0; j < j1; j++) {
-            v8f pj = splat(p[j]);
             const float *v = vb + (j - j0) * D;
-            for (int c = 0; c < DC; c++) a[c] += pj * ld8(v + 8 * c);
+            for (int c = 0; c < DC; c++) vv[c] = ld16(v + 16 * c);
+            for (int r = 0; r < R; r++) {
+                v16f pj = splat16(p[r * p_stride + j]);
+                for (int c = 0; c < DC; c++) a[r][c] = fma16(pj, vv[c], a[r][c]);
+            }
         }
-        for (int c = 0; c < DC; c++) st8(o + 8 * c, a[c]);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < DC; c++) st16(o + r * D + 16 * c, a[r][c]);
         return;
     }
-    if (j0 == start) memset(o, 0, (size_t)D * sizeof(float));
-    for (int64_t j = j0; j < j1; j++) {
-        v8f pj = splat(p[j]);
-        const float *v = vb + (j - j0) * D;
-        for (int64_t d = 0; d + 8 <= D; d += 8) st8(o + d, ld8(o + d) + pj * ld8(v + d));
+#endif
+    for (int r = 0; r < R; r++) {
+        const float *pr = p + r * p_stride;
+        float *orow = o + r * D;
+        if (D == 64 || D == 128) {
+            int DC = (int)(D / 8);
+            v8f a[16];
+            for (int c = 0; c < DC; c++) a[c] = j0 == start ? splat(0.0f) : ld8(orow + 8 * c);
+            for (int64_t j = j0; j < j1; j++) {
+                v8f pj = splat(pr[j]);
+                const float *v = vb + (j - j0) * D;
+                for (int c = 0; c < DC; c++) a[c] = fma8(pj, ld8(v + 8 * c), a[c]);
+            }
+            for (int c = 0; c < DC; c++) st8(orow + 8 * c, a[c]);
+            continue;
+        }
+        if (j0 == start) memset(orow, 0, (size_t)D * sizeof(float));
+        for (int64_t j = j0; j < j1; j++) {
+            v8f pj = splat(pr[j]);
+            const float *v = vb + (j - j0) * D;
+            for (int64_t d = 0; d + 8 <= D; d += 8)
+                st8(orow + d, fma8(pj, ld8(v + d), ld8(orow + d)));
+        }
+    }
+}
+
+/* rows_values with R a constant (its sums' registers are then allotted), R <= 4. */
+static inline __attribute__((always_inline)) void rows_values_r(
+        const float *vb, const float *p, int64_t p_stride, int R, int64_t j0, int64_t j1,
+        int64_t D, float *o, int64_t start) {
+    switch (R) {
+    case 4: rows_values(vb, p, p_stride, 4, j0, j1, D, o, start); break;
+    case 3: rows_values(vb, p, p_stride, 3, j0, j1, D, o, start); break;
+    case 2: rows_values(vb, p, p_stride, 2, j0, j1, D, o, start); break;
+    default: rows_values(vb, p, p_stride, 1, j0, j1, D, o, start); break;
     }
 }
 
@@ -452,10 +555,14 @@ static inline __attribute__((always_inline)) void attend_piece(
     }
     for (int64_t j0 = j_lo; j0 < L_max; j0 += KEY_BLOCK) {
         load_block(v, j0, j0 + KEY_BLOCK < L_max ? j0 + KEY_BLOCK : L_max, L_max, D, blk);
-        for (int64_t r = 0; r < n * G; r++) {
-            int64_t L = lens[r / G] < j_hi ? lens[r / G] : j_hi;
+        for (int64_t t = 0; t < n; t++) {  /* a token's G rows see the same keys */
+            int64_t L = lens[t] < j_hi ? lens[t] : j_hi;
             int64_t j1 = j0 + KEY_BLOCK < L ? j0 + KEY_BLOCK : L;
-            if (j0 < j1) row_values(blk, s + r * L_max, j0, j1, D, out + r * D, j_lo);
+            for (int64_t h = 0; h < G && j0 < j1; h += VALUE_ROWS(D)) {
+                int R = (int)(G - h < VALUE_ROWS(D) ? G - h : VALUE_ROWS(D));
+                rows_values_r(blk, s + (t * G + h) * L_max, L_max, R, j0, j1, D,
+                              out + (t * G + h) * D, j_lo);
+            }
         }
     }
 }
