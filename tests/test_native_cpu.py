@@ -624,6 +624,43 @@ def test_the_native_draft_chain_equals_the_draft_steps_one_by_one(kernels, monke
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_the_native_draft_extend_equals_project_then_forward(kernels, dtype, norm_output):
+    """Three sequences' pending pairs (3, 1 and 2 of them) through decoder.c's extend
+    against Eagle3Draft.project then forward over a causal BatchMeta: the same outputs at
+    each sequence's last pair and the same draft cache, bit for bit."""
+    from specscope.kvcache.paged import BatchMeta
+    from specscope.native.decoder import native_draft_extend, native_extend
+
+    runner, cfg = _chain_runner(dtype, norm_output)
+    draft = runner.draft
+    g = torch.Generator().manual_seed(16)
+    tables = [[0, 1, 2, 3], [4, 5, 6], [8, 9, 10, 11]]
+    pos = [5, 6, 7, 9, 2, 3]
+    rows = [0, 0, 0, 1, 2, 2]
+    ids = torch.randint(0, cfg.vocab_size, (6,), generator=g).tolist()
+    sel = [2, 3, 5]
+    taps = torch.randn(6, 3 * cfg.hidden_size, generator=g).to(dtype)
+    base = [t.clone() for t in runner.kv.k + runner.kv.v]
+    with torch.inference_mode():
+        nd = native_draft_extend(draft, taps, runner.kv, max(pos) + 1)
+        assert nd is not None
+        h1, n1 = native_extend(nd, draft, runner.kv, tables, ids, pos, rows, sel, taps)
+        c1 = [t.clone() for t in runner.kv.k + runner.kv.v]
+        for a, b in zip(runner.kv.k + runner.kv.v, base, strict=True):
+            a.copy_(b)
+        padded = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
+        meta = BatchMeta.causal(padded, torch.tensor(rows), torch.tensor(pos), 4,
+                                max_len=max(pos) + 1)
+        meta = runner._pieces(meta, [(3, 0, 8), (1, 1, 10), (2, 2, 4)])
+        h, normed = draft(torch.tensor(ids)[None], draft.project(taps[None]),
+                          torch.tensor(pos)[None], runner.kv, batch=meta)
+    assert torch.equal(h1, h[0, sel]) and torch.equal(n1, normed[0, sel])
+    assert all(torch.equal(x, y) for x, y in zip(c1, runner.kv.k + runner.kv.v, strict=True))
+    assert not torch.equal(c1[0], base[0])  # the extend wrote the cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_top_prob_is_the_softmax_of_the_pick(kernels, dtype):
     """sc_top_prob: the softmax probability of a row's largest column, as torch gives it
     (to float rounding) over odd lengths; NaN for a row holding a NaN, 1 for an infinite

@@ -26,7 +26,12 @@ from specscope.kvcache.paged import (
     upload,
     with_pieces,
 )
-from specscope.native.decoder import NativeDraftChain, native_draft_chain
+from specscope.native.decoder import (
+    NativeDraftChain,
+    native_draft_chain,
+    native_draft_extend,
+    native_extend,
+)
 from specscope.profiler import Phase, Profiler
 from specscope.sampling import LogitsAdjustment
 from specscope.spec.drafter import DraftMask, chain_tree, draft_chain, draft_tree, greedy_only
@@ -80,6 +85,14 @@ class DraftRunner:
             taps.append(seq.spec.taps)
             last[seq.seq_id] = len(pos) - 1
         dev = self.device
+        taps_t = torch.cat(taps)
+        nd = native_draft_extend(self.draft, taps_t, self.kv, max(pos) + 1)
+        if nd is not None:  # the CPU's: one native call
+            sel = [last[items[i].seq.seq_id] for i in spec_idx]
+            heads = native_extend(nd, self.draft, self.kv, [s.block_tables[1] for s in work],
+                                  ids, pos, rows, sel, taps_t)
+            self._computed(work, scheduler)
+            return heads if spec_idx else ()
         pos_t = upload(pos, torch.long, dev)
         meta = BatchMeta.causal(block_tables([s.block_tables[1] for s in work], dev),
                                 upload(rows, torch.long, dev), pos_t, self.block_size,
@@ -87,16 +100,21 @@ class DraftRunner:
         meta = self._pieces(meta, [(s.spec.taps.shape[0], r, s.draft_computed +
                                     s.spec.taps.shape[0]) for r, s in enumerate(work)])
         h, normed = self.draft(upload(ids, torch.long, dev)[None],
-                               self.draft.project(torch.cat(taps)[None]), pos_t[None],
-                               self.kv, batch=meta)
-        for seq in work:
-            P = seq.spec.taps.shape[0]
-            seq.spec.taps = None
-            scheduler.computed(seq, 0, P)
+                               self.draft.project(taps_t[None]), pos_t[None], self.kv,
+                               batch=meta)
+        self._computed(work, scheduler)
         if not spec_idx:
             return ()
         sel = upload([last[items[i].seq.seq_id] for i in spec_idx], torch.long, dev)
         return h[0, sel], normed[0, sel]
+
+    @staticmethod
+    def _computed(work: list[Sequence], scheduler: Scheduler) -> None:
+        """The extended sequences' pending pairs are in the draft's cache now."""
+        for seq in work:
+            P = seq.spec.taps.shape[0]
+            seq.spec.taps = None
+            scheduler.computed(seq, 0, P)
 
     def extend_static(self, ids: torch.Tensor, pos: torch.Tensor, count: torch.Tensor,
                       taps: torch.Tensor, tables: torch.Tensor, max_len: int,

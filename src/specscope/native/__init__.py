@@ -39,7 +39,7 @@ log = logging.getLogger("specscope")
 
 VERSION = 6  # cpu_kernels.c's sc_version(): a library reporting another is rebuilt
 QUANT_VERSION = 8  # quant_kernels.c's sc_quant_version()
-DECODER_VERSION = 6  # decoder.c's sc_decoder_version()
+DECODER_VERSION = 7  # decoder.c's sc_decoder_version()
 SOURCES = ("bf16.h", "kernels.h", "cpu_kernels.c", "quant_kernels.c",
            "decoder.c")  # .c: compiled
 _DTYPES = (torch.float32, torch.bfloat16)

@@ -55,7 +55,7 @@ typedef struct {
     float norm_eps, qk_eps, scale;
 } sc_dims;
 
-int sc_decoder_version(void) { return 6; }
+int sc_decoder_version(void) { return 7; }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     int64_t m = a > b ? a : b;
@@ -334,5 +334,59 @@ int sc_eagle3_chain_step(const sc_layer *y, const sc_dims *m, const sc_chain *c,
     if (rc != 0) return rc;
     sc_rms_norm(h, NULL, c->norm, normed, NULL, S, D, m->norm_eps, bf16);
     if (c->norm_output) memcpy(h, normed, (size_t)(S * D * es));
+    return 0;
+}
+
+/* Bytes of sc_eagle3_extend's work area for N pairs of K tap columns: the layer's, then the
+ * hidden input [N, D], the embeddings [N, D], rope rows [N, Dh] twice, the batch's indices
+ * and the projection's scratch. */
+int64_t sc_eagle3_extend_work_bytes(const sc_dims *m, int64_t N, int64_t K, int bf16) {
+    int64_t es = bf16 ? 2 : 4;
+    return sc_decoder_work_bytes(m, N, bf16) + N * (2 * m->D + 2 * m->Dh) * es + 4 * N * 8 +
+        SC_QUANT_SCRATCH(N, K) + 128;
+}
+
+/* EAGLE-3's draft extend (engine/draft_runner.py DraftRunner.extend) over N pending pairs:
+ * pair i is the target's taps [N, K] at position pos[i] of the sequence whose draft block
+ * table is row rows[i] of c's, and the token ids[i] after it. The draft's hidden input
+ * fc(taps), then its forward of (ids, hidden) at pos: the embedding, the first layer (its
+ * paged K/V written), the final norm, for the S pairs sel[s] (each speculating sequence's
+ * last): h_out [S, D] (the layer's output, or the normed one with norm_output) and
+ * normed_out [S, D]. c's head, d2t and n are not read. The same kernels in the same order
+ * as Eagle3Draft.project then forward, so bit-equal to them. Returns 0, or the attention's
+ * error. */
+int sc_eagle3_extend(const sc_layer *y, const sc_dims *m, const sc_chain *c,
+                     const sc_qlinear *fc, int64_t N, const int64_t *ids, const int64_t *pos,
+                     const int64_t *rows, const void *taps, int64_t K, int64_t S,
+                     const int64_t *sel, void *h_out, void *normed_out, void *work, int bf16) {
+    const int64_t es = bf16 ? 2 : 4, D = m->D, Dh = m->Dh;
+    char *p = (char *)work + sc_decoder_work_bytes(m, N, bf16);
+    void *hid = p, *emb = p + N * D * es, *cos = (char *)emb + N * D * es;
+    void *sin = (char *)cos + N * Dh * es;
+    int64_t *idx = (int64_t *)(((uintptr_t)((char *)sin + N * Dh * es) + 7) & ~(uintptr_t)7);
+    int64_t *slots = idx, *seq = idx + N, *visible = idx + 2 * N, *start = idx + 3 * N;
+    void *scratch = (void *)(((uintptr_t)(idx + 4 * N) + 63) & ~(uintptr_t)63);
+    sc_quant_linear(taps, N, K, fc->codes, fc->scales, fc->offsets, fc->out_features,
+                    (int)fc->bits, (int)fc->tile, hid, bf16, scratch, 0);
+    for (int64_t i = 0; i < N; i++) {
+        int64_t t = ids[i], q = pos[i];
+        memcpy((char *)emb + i * D * es, (const char *)c->embed + t * D * es, (size_t)(D * es));
+        memcpy((char *)cos + i * Dh * es, (const char *)c->cos + q * Dh * es, (size_t)(Dh * es));
+        memcpy((char *)sin + i * Dh * es, (const char *)c->sin + q * Dh * es, (size_t)(Dh * es));
+        slots[i] = c->block_tables[rows[i] * c->max_blocks + q / c->block_size] *
+            c->block_size + q % c->block_size;
+        seq[i] = rows[i];
+        visible[i] = q + 1;
+        start[i] = 0;
+    }
+    sc_batch b = {slots, seq, c->block_tables, c->max_blocks, c->block_size, visible, start,
+                  visible, (const uint8_t *)start, 0, c->max_len};
+    int rc = sc_eagle3_layer(y, m, emb, hid, c->hidden_norm, (int)c->norm_before_residual, hid,
+                             N, cos, sin, &b, work, bf16);
+    if (rc != 0) return rc;
+    for (int64_t s = 0; s < S; s++)
+        memcpy((char *)h_out + s * D * es, (char *)hid + sel[s] * D * es, (size_t)(D * es));
+    sc_rms_norm(h_out, NULL, c->norm, normed_out, NULL, S, D, m->norm_eps, bf16);
+    if (c->norm_output) memcpy(h_out, normed_out, (size_t)(S * D * es));
     return 0;
 }

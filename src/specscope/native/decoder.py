@@ -460,3 +460,78 @@ class NativeDraftChain:
             raise MemoryError(f"native CPU attention could not allocate its scratch for "
                               f"{self.S} draft tokens")
         return True
+
+
+@cache
+def _extend_calls(lib: ctypes.CDLL) -> tuple[Any, Any]:
+    """The library's sc_eagle3_extend and sc_eagle3_extend_work_bytes with their
+    prototypes."""
+    run = lib.sc_eagle3_extend
+    run.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Dims), ctypes.POINTER(_Chain),
+                    ctypes.POINTER(_QLinear), _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P,
+                    ctypes.c_int]
+    run.restype = ctypes.c_int
+    work = lib.sc_eagle3_extend_work_bytes
+    work.argtypes = [ctypes.POINTER(_Dims), _I, _I, ctypes.c_int]
+    work.restype = _I
+    return run, work
+
+
+def native_draft_extend(draft: Any, taps: torch.Tensor, cache: Any, reach: int
+                        ) -> NativeDecoder | None:
+    """The draft's NativeDecoder where an extend of N pending pairs with taps [N, K] may run
+    in decoder.c (native_extend): as native_draft_chain's draft (a dense embedding, its final
+    norm and rope tables of the taps' dtype, rope rows below `reach`), besides a projection
+    on GGUF codes without a bias and without norms before it; else None."""
+    from specscope.models.quant import GgufLinear
+
+    if taps.is_cuda or not isinstance(cache, PagedKV):
+        return None
+    fc, embed, rope = draft.fc, _embedding_weight(draft), draft._rope
+    if type(fc) is not GgufLinear or fc.bias is not None or draft.input_norm is not None or \
+            draft.fc_norm is not None or embed is None or rope is None or \
+            rope[0].shape[0] < reach:
+        return None
+    if any(t.dtype != taps.dtype or not t.is_contiguous()
+           for t in (embed, draft.norm.weight, *rope)) or \
+            draft.norm.eps != draft.config.rms_norm_eps:
+        return None
+    nd = _draft_decoder(draft, cpu_kernels_for(taps))
+    return nd if nd is not None and nd.serves(taps, cache, rope[0]) else None
+
+
+def native_extend(nd: NativeDecoder, draft: Any, cache: Any, tables: list[list[int]],
+                  ids: list[int], pos: list[int], rows: list[int], sel: list[int],
+                  taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft extend in one call (sc_eagle3_extend; nd from native_draft_extend): pair i
+    is taps[i] at position pos[i] of the sequence whose draft block table is
+    tables[rows[i]], followed by token ids[i]. Its K/V go to the draft's cache; returns
+    (h0, normed0) [len(sel), D] at the pairs sel, as Eagle3Draft.forward(ids,
+    project(taps), pos) gives them there: one host list to one tensor instead of the
+    metadata's, the rope rows' and the modules' dozens of small torch calls."""
+    run, work_bytes = _extend_calls(nd.lib)
+    N, K = taps.shape
+    S, D, width = len(sel), draft.config.hidden_size, max(len(t) for t in tables)
+    flat = torch.tensor(ids + pos + rows + sel +
+                        [b for t in tables for b in t + [0] * (width - len(t))],
+                        dtype=torch.long)
+    at = flat.data_ptr()
+    nd._bind_cache(cache)
+    cos, sin = draft._rope
+    chain = _Chain(_embedding_weight(draft).data_ptr(), draft.norm.weight.data_ptr(),
+                   _QLinear(), None, cos.data_ptr(), sin.data_ptr(), nd._hidden_norm,
+                   nd._norm_before_residual, int(draft.config.norm_output),
+                   at + 8 * (3 * N + S), width, cache.k[0].shape[1], None, max(pos) + 1)
+    bf16 = taps.dtype == torch.bfloat16
+    need = work_bytes(nd.dims, N, K, bf16)
+    if nd._work.numel() < need:
+        nd._work = torch.empty(need, dtype=torch.uint8)
+    taps = taps.contiguous()
+    h, normed = (torch.empty(S, D, dtype=taps.dtype) for _ in range(2))
+    rc = run(nd.layers, nd.dims, chain, _qlinear(draft.fc), N, at, at + 8 * N, at + 16 * N,
+             taps.data_ptr(), K, S, at + 24 * N, h.data_ptr(), normed.data_ptr(),
+             nd._work.data_ptr(), bf16)
+    if rc != 0:
+        raise MemoryError(f"native CPU attention could not allocate its scratch for the "
+                          f"draft extend of {N} pairs")
+    return h, normed
