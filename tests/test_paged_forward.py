@@ -189,3 +189,24 @@ def test_a_chain_verify_in_causal_form_sees_what_its_ancestor_mask_gives(window)
     q = torch.randn(3 * nodes, H, D, dtype=torch.float64)
     torch.testing.assert_close(attention_reference(q, k, v, causal, D ** -0.5),
                                attention_reference(q, k, v, tree, D ** -0.5))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_chains_metadata_from_host_lists_equals_chain_meta(window):
+    """chain_meta_host (the engine's CPU and eager verify: host lists, one upload) gives
+    chain_meta's fields and positions, for chains on rows out of order after different
+    prefixes, with and without a sliding window."""
+    from specscope.kvcache.paged import chain_meta, chain_meta_host
+
+    bs, nodes = 4, 5
+    n = [3, 9, 14]
+    tables = torch.randperm(3 * 6, generator=torch.Generator().manual_seed(1)).view(3, 6)
+    rows = [2, 0, 1]
+    want = chain_meta(tables, torch.tensor(n), nodes, bs, rows=torch.tensor(rows),
+                      sliding_window=window, max_len=24)
+    got, pos = chain_meta_host(tables, [tables[r].tolist() for r in rows], rows, n, nodes, bs,
+                               window, 24)
+    for f in ("slots", "seq_index", "visible", "window_start", "tree_start", "tree_mask"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert got.block_tables is tables and got.max_len == want.max_len == 24
+    assert torch.equal(pos, (torch.tensor(n)[:, None] + torch.arange(nodes)).reshape(-1))

@@ -155,9 +155,13 @@ class DraftRunner:
         slots = draft_slots(spec)
         if adjust is not None:
             adjust = adjust.in_vocab(self.target_ids)
-        return self.steps(block_tables([s.block_tables[1] for s in seqs], dev),
-                          upload(n_host, torch.long, dev),
-                          upload([s.last_token for s in seqs], torch.long, dev), h0, normed0,
+        tables = [s.block_tables[1] for s in seqs]
+        S, width = len(seqs), max(len(t) for t in tables)
+        # One upload for the tables, the roots' positions and the roots.
+        flat = upload([b for t in tables for b in t + [0] * (width - len(t))] + n_host +
+                      [s.last_token for s in seqs], torch.long, dev)
+        return self.steps(flat[:S * width].view(S, width), flat[S * width:S * (width + 1)],
+                          flat[S * (width + 1):], h0, normed0,
                           spec, [s.params for s in seqs], [s.generator for s in seqs],
                           [x + slots for x in n_host], timer, adjust=adjust, mask=mask,
                           stop=stop)

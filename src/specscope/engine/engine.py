@@ -60,6 +60,7 @@ from specscope.kvcache.paged import (
     accepted_path_slots,
     block_tables,
     chain_meta,
+    chain_meta_host,
     long_tiles_available,
     tree_meta,
     upload,
@@ -616,14 +617,12 @@ class Engine:
             metas.append(BatchMeta.causal(tables, upload(rows, torch.long, dev), rope, bs,
                                           window, max_len=max(pos) + 1))
         if spec_idx:
-            n_host = [items[i].seq.num_computed for i in spec_idx]
-            n = upload(n_host, torch.long, dev)
-            tree_rope = n[:, None] + tree.depth  # [S, N]
-            metas.append(self._verify_meta(tree, tables, n, tree_rope, window,
-                                           max(n_host) + tree.size,
-                                           upload(spec_idx, torch.long, dev)))
-            ids_t = torch.cat([ids_t, tree.tokens.reshape(-1)])
-            rope = torch.cat([rope, tree_rope.reshape(-1)])
+            tree_meta_, tree_rope, n_host = self._trees_meta(items, spec_idx, tree, tables,
+                                                             window)
+            metas.append(tree_meta_)
+            ids_t = torch.cat([ids_t, tree.tokens.reshape(-1)]) if ids else \
+                tree.tokens.reshape(-1)
+            rope = torch.cat([rope, tree_rope]) if pos else tree_rope
         parts = [(m, i, items[i].seq.num_computed + m) for i, _, m in pieces]
         if spec_idx:
             parts += [(tree.size, i, n + tree.size) for i, n in zip(spec_idx, n_host,
@@ -637,6 +636,27 @@ class Engine:
             out.prompt_tokens = upload(p_tokens, torch.long, dev)
             out.prompt_seqs = p_seqs
         return out
+
+    def _trees_meta(self, items: list[Scheduled], spec_idx: list[int], tree: DraftTree,
+                    tables: torch.Tensor, window: int | None
+                    ) -> tuple[BatchMeta, torch.Tensor, list[int]]:
+        """The verify trees' attention metadata, their nodes' rope positions [S * N] and
+        each root's position (host). A chain's, in the causal form, comes from host lists
+        in one upload (chain_meta_host: every position and slot is host-known); a tree's
+        through its ancestor mask on the device."""
+        dev = self.device
+        n_host = [items[i].seq.num_computed for i in spec_idx]
+        max_len = max(n_host) + tree.size
+        if tree.chain:
+            meta, rope = chain_meta_host(
+                tables, [items[i].seq.block_tables[0] for i in spec_idx], spec_idx, n_host,
+                tree.size, self.config.block_size, window, max_len)
+            return meta, rope, n_host
+        n = upload(n_host, torch.long, dev)
+        rope = n[:, None] + tree.depth  # [S, N]
+        meta = self._verify_meta(tree, tables, n, rope, window, max_len,
+                                 upload(spec_idx, torch.long, dev))
+        return meta, rope.reshape(-1), n_host
 
     # -- 4. sample and verify -----------------------------------------------------------------
 

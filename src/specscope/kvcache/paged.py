@@ -309,6 +309,29 @@ def chain_meta(block_tables: torch.Tensor, prefix_len: torch.Tensor, nodes: int,
                             block_size, sliding_window, max_len=max_len)
 
 
+def chain_meta_host(block_tables: torch.Tensor, tables: list[list[int]], rows: list[int],
+                    prefix_len: list[int], nodes: int, block_size: int,
+                    sliding_window: int | None, max_len: int
+                    ) -> tuple[BatchMeta, torch.Tensor]:
+    """chain_meta from host lists, with the chains' positions [S * nodes]: chain s is at
+    row rows[s] of block_tables (its blocks tables[s], a host list) after prefix_len[s]
+    positions. The same fields as chain_meta's, computed on the host and uploaded at once
+    (a verify's few nodes: a dozen small device ops otherwise)."""
+    pos = [n + j for n in prefix_len for j in range(nodes)]
+    seq = [r for r in rows for _ in range(nodes)]
+    owner = [t for t in tables for _ in range(nodes)]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, p in zip(owner, pos, strict=True)]
+    visible = [p + 1 for p in pos]
+    start = [0] * len(pos) if sliding_window is None else \
+        [max(p - sliding_window + 1, 0) for p in pos]
+    N, dev = len(pos), block_tables.device
+    f = upload(slots + seq + visible + start + pos, torch.long, dev).view(5, N)
+    meta = BatchMeta(f[0], f[1], block_tables, f[2], f[3], f[2],
+                     torch.zeros(N, 0, dtype=torch.bool, device=dev), max_len)
+    return meta, f[4]
+
+
 def accepted_path_slots(block_tables: torch.Tensor, prefix_len: torch.Tensor,
                         path: torch.Tensor, block_size: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ for a given (S, num_steps, topk, num_draft_tokens); nothing reads the device fro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -176,10 +177,16 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
 def chain_tree(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
     """S chains as DraftTrees: tokens [S, k + 1] (each root, then its k draft tokens)."""
     S, k1 = tokens.shape
-    dev = tokens.device
-    return DraftTree(tokens=tokens, parents=torch.arange(-1, k1 - 1, device=dev).expand(S, k1),
-                     depth=torch.arange(k1, device=dev).expand(S, k1),
+    parents, depth = _chain_shape(k1, tokens.device)
+    return DraftTree(tokens=tokens, parents=parents.expand(S, k1), depth=depth.expand(S, k1),
                      draft_probs=draft_probs, chain=True)
+
+
+@functools.cache
+def _chain_shape(k1: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain of k1 nodes' parents and depths [k1] (read-only, shared by every chain of
+    that length: a CPU cycle's two aranges cost more than its tree build otherwise)."""
+    return (torch.arange(-1, k1 - 1, device=device), torch.arange(k1, device=device))
 
 
 def greedy_only(params: list[SamplingParams], adjust: LogitsAdjustment | None,
