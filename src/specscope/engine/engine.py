@@ -617,9 +617,8 @@ class Engine:
             metas.append(BatchMeta.causal(tables, upload(rows, torch.long, dev), rope, bs,
                                           window, max_len=max(pos) + 1))
         if spec_idx:
-            tree_meta_, tree_rope, n_host = self._trees_meta(items, spec_idx, tree, tables,
-                                                             window)
-            metas.append(tree_meta_)
+            trees, tree_rope, n_host = self._trees_meta(items, spec_idx, tree, tables, window)
+            metas.append(trees)
             ids_t = torch.cat([ids_t, tree.tokens.reshape(-1)]) if ids else \
                 tree.tokens.reshape(-1)
             rope = torch.cat([rope, tree_rope]) if pos else tree_rope
