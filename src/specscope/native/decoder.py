@@ -489,8 +489,9 @@ def native_draft_extend(draft: Any, taps: torch.Tensor, cache: Any, reach: int
         return None
     fc, embed, rope = draft.fc, _embedding_weight(draft), draft._rope
     if type(fc) is not GgufLinear or fc.bias is not None or draft.input_norm is not None or \
-            draft.fc_norm is not None or embed is None or rope is None or \
-            rope[0].shape[0] < reach:
+            draft.fc_norm is not None or taps.dim() != 2 or taps.shape[1] != fc.in_features \
+            or fc.out_features != draft.config.hidden_size or embed is None or rope is None \
+            or rope[0].shape[0] < reach:
         return None
     if any(t.dtype != taps.dtype or not t.is_contiguous()
            for t in (embed, draft.norm.weight, *rope)) or \
