@@ -752,6 +752,30 @@ def test_the_native_draft_chain_declines_what_it_does_not_run(kernels):
     assert native_draft_chain(draft, h0, kv, 40) is None
 
 
+@torch.inference_mode()
+def test_the_native_draft_extend_declines_what_it_does_not_run(kernels):
+    """Grad mode, taps of another width or dtype, a context past the rope tables, more
+    pairs than the native attention takes, a dense projection and norms before it go the
+    reference way."""
+    from specscope.native.decoder import native_draft_extend
+
+    runner, cfg = _chain_runner(torch.float32, False)
+    draft, kv = runner.draft, runner.kv
+    taps = torch.zeros(3, 3 * cfg.hidden_size)
+    assert native_draft_extend(draft, taps, kv, 40) is not None
+    with torch.enable_grad():
+        assert native_draft_extend(draft, taps, kv, 40) is None
+    assert native_draft_extend(draft, taps[:, :-32], kv, 40) is None
+    assert native_draft_extend(draft, taps.bfloat16(), kv, 40) is None
+    assert native_draft_extend(draft, taps, kv, draft.rope_len + 1) is None
+    assert native_draft_extend(draft, torch.zeros(17, 3 * cfg.hidden_size), kv, 40) is None
+    draft.fc_norm = torch.nn.ModuleList([torch.nn.Identity()] * 3)
+    assert native_draft_extend(draft, taps, kv, 40) is None
+    draft.fc_norm = None
+    draft.fc = torch.nn.Linear(3 * cfg.hidden_size, cfg.hidden_size, bias=False)
+    assert native_draft_extend(draft, taps, kv, 40) is None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_rows_picks_as_torch_does(kernels, dtype):
     """The C argmax against torch's over the fp32 logits: ties to the first column, a NaN
