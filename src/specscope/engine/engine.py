@@ -555,12 +555,17 @@ class Engine:
                       bonus: torch.Tensor, taps: torch.Tensor, tables: torch.Tensor | None,
                       n: torch.Tensor | None) -> _Verdicts:
         """Move every accepted path into place (a chain's nodes already are) and gather
-        the path's taps [S, k + 1, n_taps] and the emitted tokens. taps [S * N, n_taps]."""
+        the path's taps [S, k + 1, n_taps] and the emitted tokens. taps [S * N, n_taps].
+        Past each path's accepted nodes the taps rows are unspecified (a chain's are its
+        later nodes', a tree's its root's): only the first num_accepted + 1 are read."""
         S, N, k = tree.tokens.shape[0], tree.size, path.shape[1] - 1
-        if not tree.chain:
-            self.kv.commit(*accepted_path_slots(tables, n, path, self.config.block_size))
-        node = path.clamp_min(0)[..., None].expand(S, k + 1, taps.shape[-1])
-        path_taps = taps.view(S, N, -1).gather(1, node)
+        if tree.chain and k + 1 == N:  # node i is at depth i: the taps are in path order
+            path_taps = taps.view(S, N, -1)
+        else:
+            if not tree.chain:
+                self.kv.commit(*accepted_path_slots(tables, n, path, self.config.block_size))
+            node = path.clamp_min(0)[..., None].expand(S, k + 1, taps.shape[-1])
+            path_taps = taps.view(S, N, -1).gather(1, node)
         return _Verdicts(a, emitted_tokens_batch(tree.tokens, path, a, bonus), path_taps)
 
     def _draft_trees(self, seqs: list[Sequence], h0: torch.Tensor, normed0: torch.Tensor,
