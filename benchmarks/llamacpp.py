@@ -9,8 +9,10 @@ llama.cpp tree; cmake, about 10 minutes on 2 cores) into
 directory renamed into place when it is complete, so an interrupted build is never taken
 for a finished one. The variant follows the kernels specscope runs with: `native`
 (-march=native) normally, `avx2` (AVX-512 off) when ATEN_CPU_CAPABILITY=avx2 holds torch to
-AVX2, so both engines use the same instruction set. `--llama-bin DIR` uses a build of your
-own instead. The build also makes `llama-server`, for `specscope bench --compare` over HTTP.
+AVX2, so both engines use the same instruction set; `--variant avx512` builds AVX-512 with
+VNNI and bf16 but no AMX, for a machine where the native build stops on an illegal
+instruction. `--llama-bin DIR` uses a build of your own instead. The build also makes
+`llama-server`, for `specscope bench --compare` over HTTP.
 
 Then, for each token count: llama.cpp's `llama-bench -t T -p 32 -n N` (decode from an empty
 context, its standard figure), and specscope on MT-Bench first turns with the chat
@@ -44,6 +46,12 @@ VARIANT_FLAGS = {
     "native": ["-DGGML_NATIVE=ON"],
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"],
+    # AVX-512 with VNNI and bf16 but no AMX: where a native build faults (a VM whose CPU
+    # lists AMX that its hypervisor does not enable).
+    "avx512": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+               "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+               "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
+               "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
 }
 
 
@@ -105,7 +113,15 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, n_gen: int, reps: int) 
     """llama-bench's prompt (32 tokens) and generation (n_gen) tok/s, mean and stddev."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "32",
            "-n", str(n_gen), "-r", str(reps), "-o", "json"]
-    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode == -4:  # SIGILL
+        raise SystemExit(f"llama.cpp's {bin_dir.parent.name} build stopped on an illegal "
+                         "instruction on this CPU (a native build may use one the machine "
+                         "lists but does not enable, e.g. AMX in a VM): build another with "
+                         "--variant avx512 or --variant avx2")
+    if done.returncode != 0:
+        raise SystemExit(f"llama-bench exited with {done.returncode}: {done.stderr[-500:]}")
+    rows = json.loads(done.stdout)
     gen = next(r for r in rows if r["n_gen"] == n_gen and r["n_prompt"] == 0)
     pp = next(r for r in rows if r["n_prompt"] == 32 and r["n_gen"] == 0)
     return {"decode_tok_s": gen["avg_ts"], "decode_std": gen["stddev_ts"],
