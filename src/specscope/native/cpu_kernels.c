@@ -95,10 +95,11 @@ static inline v8f hsum8x8(const v8f *a) {
 #endif
 }
 
-/* a * b + c as a product, then a sum (two roundings): the attention's sums keep the order
- * and the roundings the kernels have always had, so its outputs (and a greedy text) stay
- * what they were. A fused form measured faster on AVX2 but moves outputs by a rounding. */
-static inline v8f fma8(v8f a, v8f b, v8f c) { return a * b + c; }
+/* a * b + c as a product, then a sum (two roundings, not fused): the attention's sums keep
+ * the order and the roundings the kernels have always had, so its outputs (and a greedy
+ * text) stay what they were. A fused form measured faster but moves outputs by a rounding
+ * (docs/cpu.md). */
+static inline v8f madd8(v8f a, v8f b, v8f c) { return a * b + c; }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -108,8 +109,10 @@ static inline v8f fma8(v8f a, v8f b, v8f c) { return a * b + c; }
 typedef float v16f __attribute__((vector_size(64)));
 static inline v16f ld16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
 static inline void st16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
-static inline v16f splat16(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-static inline v16f fma16(v16f a, v16f b, v16f c) { return a * b + c; }
+static inline v16f splat16(float x) {
+    return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+static inline v16f madd16(v16f a, v16f b, v16f c) { return a * b + c; }
 #endif
 
 static inline v8f max8(v8f a, v8f b) {
@@ -168,15 +171,15 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 }
 
 /* The lanes of a query row's score against a key (D % 8 == 0) before their final sum: two
- * 8-lane sums, one over the even 8-float chunks of the row and one over the odd, each a
- * chain of fused products in chunk order, then added; AVX-512 keeps both in one register's
- * halves. */
+ * 8-lane sums, one over the even 8-float chunks of the row and one over the odd, each
+ * summing its products in chunk order, then added (dot_lanes' order); AVX-512 keeps both
+ * in one register's halves. */
 static inline __attribute__((always_inline)) v8f score_lanes(const float *q, const float *k,
                                                              int64_t D) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
         v16f acc = ld16(q) * ld16(k);
-        for (int64_t d = 16; d < D; d += 16) acc = fma16(ld16(q + d), ld16(k + d), acc);
+        for (int64_t d = 16; d < D; d += 16) acc = madd16(ld16(q + d), ld16(k + d), acc);
         __m512 a = (__m512)acc;
         return (v8f)_mm512_castps512_ps256(a) +
                (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
@@ -189,10 +192,10 @@ static inline __attribute__((always_inline)) v8f score_lanes(const float *q, con
         d = 16;
     }
     for (; d + 16 <= D; d += 16) {
-        acc0 = fma8(ld8(q + d), ld8(k + d), acc0);
-        acc1 = fma8(ld8(q + d + 8), ld8(k + d + 8), acc1);
+        acc0 = madd8(ld8(q + d), ld8(k + d), acc0);
+        acc1 = madd8(ld8(q + d + 8), ld8(k + d + 8), acc1);
     }
-    if (d < D) acc0 = fma8(ld8(q + d), ld8(k + d), acc0);
+    if (d < D) acc0 = madd8(ld8(q + d), ld8(k + d), acc0);
     return acc0 + acc1;
 }
 
@@ -424,7 +427,7 @@ static inline __attribute__((always_inline)) void row_scores(
 #endif
 
 /* For R rows r (R <= VALUE_ROWS(D)): o_r [D] += sum over j in [j0, j1) of p_r[j] v_j (p_r =
- * p + r p_stride, o_r = o + r D; vb: value j0's row of a block), each lane a chain of fused
+ * p + r p_stride, o_r = o + r D; vb: value j0's row of a block), each lane summing its
  * products in key order, whatever the width or R; o_r starts from zero at j0 == start. A
  * value row read serves all R rows, and their chains interleave: one row's chain alone
  * waits on its own latency at every key. */
@@ -443,7 +446,7 @@ static inline __attribute__((always_inline)) void rows_values(
             for (int c = 0; c < DC; c++) vv[c] = ld16(v + 16 * c);
             for (int r = 0; r < R; r++) {
                 v16f pj = splat16(p[r * p_stride + j]);
-                for (int c = 0; c < DC; c++) a[r][c] = fma16(pj, vv[c], a[r][c]);
+                for (int c = 0; c < DC; c++) a[r][c] = madd16(pj, vv[c], a[r][c]);
             }
         }
         for (int r = 0; r < R; r++)
@@ -461,7 +464,7 @@ static inline __attribute__((always_inline)) void rows_values(
             for (int64_t j = j0; j < j1; j++) {
                 v8f pj = splat(pr[j]);
                 const float *v = vb + (j - j0) * D;
-                for (int c = 0; c < DC; c++) a[c] = fma8(pj, ld8(v + 8 * c), a[c]);
+                for (int c = 0; c < DC; c++) a[c] = madd8(pj, ld8(v + 8 * c), a[c]);
             }
             for (int c = 0; c < DC; c++) st8(orow + 8 * c, a[c]);
             continue;
@@ -471,7 +474,7 @@ static inline __attribute__((always_inline)) void rows_values(
             v8f pj = splat(pr[j]);
             const float *v = vb + (j - j0) * D;
             for (int64_t d = 0; d + 8 <= D; d += 8)
-                st8(orow + d, fma8(pj, ld8(v + d), ld8(orow + d)));
+                st8(orow + d, madd8(pj, ld8(v + d), ld8(orow + d)));
         }
     }
 }
