@@ -22,6 +22,7 @@ from specscope.kvcache.paged import (
     BatchMeta,
     PagedKV,
     block_tables,
+    padded_rows,
     tree_meta,
     upload,
     with_pieces,
@@ -155,11 +156,10 @@ class DraftRunner:
         slots = draft_slots(spec)
         if adjust is not None:
             adjust = adjust.in_vocab(self.target_ids)
-        tables = [s.block_tables[1] for s in seqs]
-        S, width = len(seqs), max(len(t) for t in tables)
+        padded, width = padded_rows([s.block_tables[1] for s in seqs])
+        S = len(seqs)
         # One upload for the tables, the roots' positions and the roots.
-        flat = upload([b for t in tables for b in t + [0] * (width - len(t))] + n_host +
-                      [s.last_token for s in seqs], torch.long, dev)
+        flat = upload(padded + n_host + [s.last_token for s in seqs], torch.long, dev)
         return self.steps(flat[:S * width].view(S, width), flat[S * width:S * (width + 1)],
                           flat[S * (width + 1):], h0, normed0,
                           spec, [s.params for s in seqs], [s.generator for s in seqs],

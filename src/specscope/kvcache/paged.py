@@ -54,10 +54,17 @@ def upload(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def padded_rows(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Block tables as one flat host list, each row zero padded to the widest, and that
+    width."""
+    width = max(len(t) for t in tables)
+    return [b for t in tables for b in t + [0] * (width - len(t))], width
+
+
 def block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """Block tables [len(tables), widest] int64 on the device, zero padded."""
-    width = max(len(t) for t in tables)
-    return upload([t + [0] * (width - len(t)) for t in tables], torch.long, device)
+    flat, width = padded_rows(tables)
+    return upload(flat, torch.long, device).view(len(tables), width)
 
 
 def with_pieces(meta: BatchMeta, pieces: list[tuple[int, int, int]], num_heads: int,

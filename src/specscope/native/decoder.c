@@ -283,6 +283,30 @@ void sc_argmax_rows(const void *x, int64_t M, int64_t N, int bf16, int64_t *out)
     for (int64_t r = 0; r < M; r++) out[r] = argmax_row(x, r, N, bf16);
 }
 
+/* Token i of a draft forward over c's sequences: token t at position q of the sequence
+ * whose draft block table is row `row`: its embedding and rope rows into emb, cos, sin
+ * ([.., D], [.., Dh]), its cache slot, row and key count into idx ([4][N]: slots, rows,
+ * visible, zeros). */
+static void draft_token(const sc_chain *c, int64_t D, int64_t Dh, int64_t es, int64_t i,
+                        int64_t t, int64_t q, int64_t row, void *emb, void *cos, void *sin,
+                        int64_t *idx, int64_t N) {
+    memcpy((char *)emb + i * D * es, (const char *)c->embed + t * D * es, (size_t)(D * es));
+    memcpy((char *)cos + i * Dh * es, (const char *)c->cos + q * Dh * es, (size_t)(Dh * es));
+    memcpy((char *)sin + i * Dh * es, (const char *)c->sin + q * Dh * es, (size_t)(Dh * es));
+    idx[i] = c->block_tables[row * c->max_blocks + q / c->block_size] * c->block_size +
+        q % c->block_size;
+    idx[N + i] = row;
+    idx[2 * N + i] = q + 1;
+    idx[3 * N + i] = 0;
+}
+
+/* The causal batch of N draft_token rows (idx as draft_token fills it). */
+static sc_batch draft_batch(const sc_chain *c, const int64_t *idx, int64_t N) {
+    sc_batch b = {idx, idx + N, c->block_tables, c->max_blocks, c->block_size, idx + 2 * N,
+                  idx + 3 * N, idx + 2 * N, (const uint8_t *)(idx + 3 * N), 0, c->max_len};
+    return b;
+}
+
 /* Draft step j (1-based) of S greedy chains, as spec/drafter.py draft_chain's greedy path
  * takes it: token j of each chain is the argmax of the head over normed [S, D], mapped to
  * the target's vocabulary (tokens[s * stride + j]); then, unless `last`, the draft's
@@ -302,7 +326,6 @@ int sc_eagle3_chain_step(const sc_layer *y, const sc_dims *m, const sc_chain *c,
     void *logits = p, *emb = p + S * Vd * es, *cos = (char *)emb + S * D * es;
     void *sin = (char *)cos + S * Dh * es;
     int64_t *idx = (int64_t *)(((uintptr_t)((char *)sin + S * Dh * es) + 7) & ~(uintptr_t)7);
-    int64_t *slots = idx, *seq = idx + S, *visible = idx + 2 * S, *start = idx + 3 * S;
     sc_quant_linear(normed, S, D, c->head.codes, c->head.scales, c->head.offsets, Vd,
                     (int)c->head.bits, (int)c->head.tile, logits, bf16, w.scratch, 0);
     int below = conf != NULL;
@@ -316,19 +339,10 @@ int sc_eagle3_chain_step(const sc_layer *y, const sc_dims *m, const sc_chain *c,
     }
     if (below) return 1;
     if (last) return 0;
-    for (int64_t s = 0; s < S; s++) {
-        int64_t t = tokens[s * stride + j], pos = c->n[s] + j - 1;
-        memcpy((char *)emb + s * D * es, (const char *)c->embed + t * D * es, (size_t)(D * es));
-        memcpy((char *)cos + s * Dh * es, (const char *)c->cos + pos * Dh * es, (size_t)(Dh * es));
-        memcpy((char *)sin + s * Dh * es, (const char *)c->sin + pos * Dh * es, (size_t)(Dh * es));
-        slots[s] = c->block_tables[s * c->max_blocks + pos / c->block_size] * c->block_size +
-            pos % c->block_size;
-        seq[s] = s;
-        visible[s] = pos + 1;
-        start[s] = 0;
-    }
-    sc_batch b = {slots, seq, c->block_tables, c->max_blocks, c->block_size, visible, start,
-                  visible, (const uint8_t *)start, 0, c->max_len};
+    for (int64_t s = 0; s < S; s++)
+        draft_token(c, D, Dh, es, s, tokens[s * stride + j], c->n[s] + j - 1, s, emb, cos, sin,
+                    idx, S);
+    sc_batch b = draft_batch(c, idx, S);
     int rc = sc_eagle3_layer(y, m, emb, h, c->hidden_norm, (int)c->norm_before_residual, h, S,
                              cos, sin, &b, work, bf16);
     if (rc != 0) return rc;
@@ -364,23 +378,12 @@ int sc_eagle3_extend(const sc_layer *y, const sc_dims *m, const sc_chain *c,
     void *hid = p, *emb = p + N * D * es, *cos = (char *)emb + N * D * es;
     void *sin = (char *)cos + N * Dh * es;
     int64_t *idx = (int64_t *)(((uintptr_t)((char *)sin + N * Dh * es) + 7) & ~(uintptr_t)7);
-    int64_t *slots = idx, *seq = idx + N, *visible = idx + 2 * N, *start = idx + 3 * N;
     void *scratch = (void *)(((uintptr_t)(idx + 4 * N) + 63) & ~(uintptr_t)63);
     sc_quant_linear(taps, N, K, fc->codes, fc->scales, fc->offsets, fc->out_features,
                     (int)fc->bits, (int)fc->tile, hid, bf16, scratch, 0);
-    for (int64_t i = 0; i < N; i++) {
-        int64_t t = ids[i], q = pos[i];
-        memcpy((char *)emb + i * D * es, (const char *)c->embed + t * D * es, (size_t)(D * es));
-        memcpy((char *)cos + i * Dh * es, (const char *)c->cos + q * Dh * es, (size_t)(Dh * es));
-        memcpy((char *)sin + i * Dh * es, (const char *)c->sin + q * Dh * es, (size_t)(Dh * es));
-        slots[i] = c->block_tables[rows[i] * c->max_blocks + q / c->block_size] *
-            c->block_size + q % c->block_size;
-        seq[i] = rows[i];
-        visible[i] = q + 1;
-        start[i] = 0;
-    }
-    sc_batch b = {slots, seq, c->block_tables, c->max_blocks, c->block_size, visible, start,
-                  visible, (const uint8_t *)start, 0, c->max_len};
+    for (int64_t i = 0; i < N; i++)
+        draft_token(c, D, Dh, es, i, ids[i], pos[i], rows[i], emb, cos, sin, idx, N);
+    sc_batch b = draft_batch(c, idx, N);
     int rc = sc_eagle3_layer(y, m, emb, hid, c->hidden_norm, (int)c->norm_before_residual, hid,
                              N, cos, sin, &b, work, bf16);
     if (rc != 0) return rc;

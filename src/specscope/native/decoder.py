@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from specscope.kvcache.paged import PagedKV
+from specscope.kvcache.paged import PagedKV, padded_rows
 from specscope.native import cpu_kernels_for
 from specscope.native.cpu import ATTENTION_MAX_TOKENS, _meta_args
 
@@ -388,19 +388,40 @@ def native_draft_chain(draft: Any, h0: torch.Tensor, cache: Any, reach: int
     position below `reach`; else None."""
     from specscope.models.quant import GgufLinear
 
-    if h0.is_cuda or not isinstance(cache, PagedKV):
+    head = draft.lm_head
+    if type(head) is not GgufLinear or head.bias is not None or draft.d2t.dtype != torch.int64:
         return None
-    head, embed, rope = draft.lm_head, _embedding_weight(draft), draft._rope
-    dtype = h0.dtype
-    if type(head) is not GgufLinear or head.bias is not None or embed is None or \
-            rope is None or rope[0].shape[0] < reach or draft.d2t.dtype != torch.int64:
+    return _draft_in_c(draft, h0, cache, reach)
+
+
+def _draft_in_c(draft: Any, x: torch.Tensor, cache: Any, reach: int) -> NativeDecoder | None:
+    """The draft's NativeDecoder where decoder.c may run a forward of the draft over rows
+    x [N, ...] (a chain's or an extend's): a CPU paged cache, a dense embedding, the final
+    norm and rope tables contiguous in x's dtype, rope rows below `reach`; else None."""
+    if x.is_cuda or not isinstance(cache, PagedKV):
         return None
-    if any(t.dtype != dtype or not t.is_contiguous()
+    embed, rope = _embedding_weight(draft), draft._rope
+    if embed is None or rope is None or rope[0].shape[0] < reach:
+        return None
+    if any(t.dtype != x.dtype or not t.is_contiguous()
            for t in (embed, draft.norm.weight, *rope)) or draft.norm.eps != \
             draft.config.rms_norm_eps:
         return None
-    nd = _draft_decoder(draft, cpu_kernels_for(h0))
-    return nd if nd is not None and nd.serves(h0, cache, rope[0]) else None
+    nd = _draft_decoder(draft, cpu_kernels_for(x))
+    return nd if nd is not None and nd.serves(x, cache, rope[0]) else None
+
+
+def _chain_args(nd: NativeDecoder, draft: Any, head: _QLinear, d2t: int | None,
+                tables: int, width: int, block_size: int, n: int | None,
+                max_len: int) -> _Chain:
+    """What decoder.c's chain step and extend read besides the layer: the draft's
+    embedding, final norm, rope tables and first-layer choices, a head (empty for the
+    extend) and the sequences' draft block tables (addresses)."""
+    cos, sin = draft._rope
+    return _Chain(_embedding_weight(draft).data_ptr(), draft.norm.weight.data_ptr(), head,
+                  d2t, cos.data_ptr(), sin.data_ptr(), nd._hidden_norm,
+                  nd._norm_before_residual, int(draft.config.norm_output), tables, width,
+                  block_size, n, max_len)
 
 
 class NativeDraftChain:
@@ -431,14 +452,10 @@ class NativeDraftChain:
         self.stop = float(stop)
         self.conf = torch.ones(S, dtype=torch.float32) if stop > 0 else None  # [S]
         self._held = (_i64(tables), _i64(n))
-        cos, sin = draft._rope
         head = draft.lm_head
-        self._chain = _Chain(_embedding_weight(draft).data_ptr(), draft.norm.weight.data_ptr(),
-                             _qlinear(head), draft.d2t.data_ptr(), cos.data_ptr(),
-                             sin.data_ptr(), nd._hidden_norm, nd._norm_before_residual,
-                             int(draft.config.norm_output), self._held[0].data_ptr(),
-                             self._held[0].shape[1], cache.k[0].shape[1],
-                             self._held[1].data_ptr(), reach)
+        self._chain = _chain_args(nd, draft, _qlinear(head), draft.d2t.data_ptr(),
+                                  self._held[0].data_ptr(), self._held[0].shape[1],
+                                  cache.k[0].shape[1], self._held[1].data_ptr(), reach)
         need = work_bytes(nd.dims, S, head.out_features, self.bf16)
         if nd._work.numel() < need:
             nd._work = torch.empty(need, dtype=torch.uint8)
@@ -485,20 +502,12 @@ def native_draft_extend(draft: Any, taps: torch.Tensor, cache: Any, reach: int
     on GGUF codes without a bias and without norms before it; else None."""
     from specscope.models.quant import GgufLinear
 
-    if taps.is_cuda or not isinstance(cache, PagedKV):
-        return None
-    fc, embed, rope = draft.fc, _embedding_weight(draft), draft._rope
+    fc = draft.fc
     if type(fc) is not GgufLinear or fc.bias is not None or draft.input_norm is not None or \
             draft.fc_norm is not None or taps.dim() != 2 or taps.shape[1] != fc.in_features \
-            or fc.out_features != draft.config.hidden_size or embed is None or rope is None \
-            or rope[0].shape[0] < reach:
+            or fc.out_features != draft.config.hidden_size:
         return None
-    if any(t.dtype != taps.dtype or not t.is_contiguous()
-           for t in (embed, draft.norm.weight, *rope)) or \
-            draft.norm.eps != draft.config.rms_norm_eps:
-        return None
-    nd = _draft_decoder(draft, cpu_kernels_for(taps))
-    return nd if nd is not None and nd.serves(taps, cache, rope[0]) else None
+    return _draft_in_c(draft, taps, cache, reach)
 
 
 def native_extend(nd: NativeDecoder, draft: Any, cache: Any, tables: list[list[int]],
@@ -512,17 +521,13 @@ def native_extend(nd: NativeDecoder, draft: Any, cache: Any, tables: list[list[i
     metadata's, the rope rows' and the modules' dozens of small torch calls."""
     run, work_bytes = _extend_calls(nd.lib)
     N, K = taps.shape
-    S, D, width = len(sel), draft.config.hidden_size, max(len(t) for t in tables)
-    flat = torch.tensor(ids + pos + rows + sel +
-                        [b for t in tables for b in t + [0] * (width - len(t))],
-                        dtype=torch.long)
+    S, D = len(sel), draft.config.hidden_size
+    padded, width = padded_rows(tables)
+    flat = torch.tensor(ids + pos + rows + sel + padded, dtype=torch.long)
     at = flat.data_ptr()
     nd._bind_cache(cache)
-    cos, sin = draft._rope
-    chain = _Chain(_embedding_weight(draft).data_ptr(), draft.norm.weight.data_ptr(),
-                   _QLinear(), None, cos.data_ptr(), sin.data_ptr(), nd._hidden_norm,
-                   nd._norm_before_residual, int(draft.config.norm_output),
-                   at + 8 * (3 * N + S), width, cache.k[0].shape[1], None, max(pos) + 1)
+    chain = _chain_args(nd, draft, _QLinear(), None, at + 8 * (3 * N + S), width,
+                        cache.k[0].shape[1], None, max(pos) + 1)
     bf16 = taps.dtype == torch.bfloat16
     need = work_bytes(nd.dims, N, K, bf16)
     if nd._work.numel() < need:
