@@ -145,6 +145,29 @@ def test_judge_names_a_minus_one_shift_and_a_swapped_convention():
     assert [f.code for f in judge(conf, [conf, lucky], "sglang", 30)] == ["probe.wiring_ok"]
 
 
+def test_judge_needs_a_significant_accept_length_lead():
+    """An accept-length lead that the cross-entropy does not contradict counts only when the
+    paired per-token accepted runs show it beyond noise: a CI machine's doctor on 12 answer
+    tokens saw 1.62 vs 1.42 at 2.551 vs 2.588 nats from two tokens' runs."""
+    from specscope.doctor import judge
+    from specscope.doctor.probe import Wiring
+
+    conf_loss = torch.tensor([2.6] * 12)
+    conf = Wiring(ids=(1, 14, 26), names=["configured"], loss=2.588, token_loss=conf_loss,
+                  token_run=torch.tensor([0.0] * 7 + [1.0] * 5), acceptance=[0.42, 0, 0],
+                  accept_length=1.42)
+    short = Wiring(ids=(-1, 14, 26), names=["embedding first"], loss=2.551,
+                   token_loss=conf_loss + 0.3 * torch.randn(12, generator=torch.Generator()
+                                                            .manual_seed(1)),
+                   token_run=torch.tensor([0.0] * 6 + [1.0] * 5 + [2.0]),
+                   acceptance=[0.5, 0.25, 0], accept_length=1.62)
+    assert [f.code for f in judge(conf, [conf, short], "sglang", 30)] == ["probe.wiring_ok"]
+    # The same lead over 400 tokens, each gaining a token a quarter of the time: flagged.
+    many = torch.tensor([0.0, 0.0, 0.0, 1.0]).repeat(100)
+    conf.token_run, conf.token_loss = torch.zeros(400), torch.full((400,), 2.6)
+    short.token_run, short.token_loss = many, torch.full((400,), 2.6)
+    assert judge(conf, [conf, short], "sglang", 30)[0].code == "wiring.embedding_expected"
+
 def test_embedding_in_place_of_the_first_tap_is_caught(tmp_path, llm, probe):
     """A speculators draft whose first id is input-to-layer 0: the embedding output."""
     d = convert_draft(default_draft_dir(), tmp_path / "sp", "speculators")

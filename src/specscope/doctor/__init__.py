@@ -10,7 +10,9 @@ every wiring.
 margin that is both significant and material. The per-token cross-entropy against the
 target's distribution (first draft position) is lower under the alternative by at least 3
 standard errors of the paired difference and by at least 1 % of the configured wiring's;
-or its accept length is higher by at least 0.1 tokens and 20 % of the configured tau - 1.
+or its accept length is higher by at least 0.1 tokens and 20 % of the configured tau - 1,
+with the paired per-token accepted run higher by at least 3 standard errors (a dozen answer
+tokens cannot show that by chance) and the cross-entropy not worse.
 Cross-entropy is the sharper test: neighbouring layers carry similar features, so a wiring
 off by one can cost a trained draft only a little acceptance on a few hundred tokens while
 its likelihood drops clearly. "Near zero": the best wiring's accept length is under 1.1
@@ -25,11 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specscope.doctor.checks import ERROR, INFO, WARNING, Finding, static_checks
 from specscope.doctor.probe import Wiring, candidate_wirings, measure_wirings, target_probe_data
 
 CLEAR_ABS, CLEAR_REL, NEAR_ZERO = 0.1, 0.2, 1.1
-LOSS_SIGMAS, LOSS_REL = 3.0, 0.01
+SIGMAS, LOSS_REL = 3.0, 0.01
 # The better alternative's name -> the fault in the configured wiring (code, description).
 _FAULTS = {
     "shifted -1": ("wiring.shifted_plus1", "every configured id is one layer too deep "
@@ -110,19 +114,27 @@ _PRIORITY = ["configured", "embedding replaced", "shifted -1", "shifted +1", "ot
              "embedding first", "default"]
 
 
+def _paired_gain(alt: torch.Tensor | None, conf: torch.Tensor | None) -> tuple[float, float]:
+    """(mean, standard error) of a paired per-token difference alt - conf; (0, inf) when
+    there is no sample to judge by."""
+    if alt is None or conf is None or alt.numel() < 2 or alt.shape != conf.shape:
+        return 0.0, float("inf")
+    d = (alt - conf).double()
+    return float(d.mean()), float(d.std() / d.numel() ** 0.5)
+
+
 def _clearly_better(alt: Wiring, conf: Wiring) -> bool:
-    """A clear accept-length gain that the cross-entropy does not contradict, or a
-    cross-entropy gain beyond its paired noise. On a short probe (a dozen answer tokens) one
-    token's acceptance moves the accept length by 0.1-0.2, so a gain alone is not enough."""
+    """A material accept-length gain beyond its paired noise that the cross-entropy does not
+    contradict, or a cross-entropy gain beyond its paired noise. On a short probe (a dozen
+    answer tokens) one token's acceptance moves the accept length by 0.1-0.2, so a gain
+    without significance is not enough."""
     gain = alt.accept_length - conf.accept_length
+    run, run_se = _paired_gain(alt.token_run, conf.token_run)
     if gain >= CLEAR_ABS and gain >= CLEAR_REL * (conf.accept_length - 1) \
-            and alt.loss <= conf.loss:
+            and alt.loss <= conf.loss and run >= SIGMAS * run_se:
         return True
-    if alt.token_loss is None or conf.token_loss is None or alt.token_loss.numel() < 2:
-        return False
-    d = (conf.token_loss - alt.token_loss).double()  # paired: same label tokens
-    se = float(d.std() / d.numel() ** 0.5)
-    return float(d.mean()) >= max(LOSS_SIGMAS * se, LOSS_REL * conf.loss)
+    drop, se = _paired_gain(conf.token_loss, alt.token_loss)
+    return drop >= max(SIGMAS * se, LOSS_REL * conf.loss)
 
 
 def judge(configured: Wiring, wirings: list[Wiring], fmt: str, target_layers: int

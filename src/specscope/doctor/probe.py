@@ -40,6 +40,7 @@ class Wiring:
     top1: float = 0.0
     loss: float = 0.0  # cross-entropy against the target at the first position (nats)
     token_loss: torch.Tensor | None = field(default=None, repr=False)  # [n] per label
+    token_run: torch.Tensor | None = field(default=None, repr=False)  # [n] accepted run
     acceptance: list[float] = field(default_factory=list)
     accept_length: float = 1.0
 
@@ -148,6 +149,10 @@ def measure_wirings(draft: Eagle3Draft, data: ProbeData, wirings: list[Wiring],
         _, losses, m = ttt_loss(draft, batch, steps)
         w.loss = float(losses[0])
         w.token_loss = m.first_ce
+        if m.accepted is not None and m.valid0 is not None:
+            # Draft tokens a greedy chain would accept from each label: the paired sample
+            # behind accept_length's significance.
+            w.token_run = m.accepted.sum(0)[m.valid0].double()
         w.acceptance = acceptance(m.chain, m.reached)
         w.top1 = float(m.correct[0] / m.count[0].clamp_min(1))
         w.accept_length = predicted_accept_length(w.acceptance, steps)
