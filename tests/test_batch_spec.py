@@ -42,9 +42,10 @@ def draft(model):
     return d
 
 
-def _engine(model, draft, steps, topk, ndt, num_blocks=64, budget=64, sim=None, **kw):
+def _engine(model, draft, steps, topk, ndt, num_blocks=64, budget=64, sim=None, stop=None,
+            **kw):
     spec = SpecConfig(draft="random", num_steps=steps, topk=topk, num_draft_tokens=ndt,
-                      simulate_acceptance=sim)
+                      simulate_acceptance=sim, confidence_stop=stop)
     cfg = BatchConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
                        max_num_seqs=4, max_model_len=96, **kw)
     return Engine(model, cfg, draft=draft, spec=spec)
@@ -146,22 +147,41 @@ def test_prefix_cache_hits_skip_the_shared_prompt(model, draft):
     _assert_all_free(engine)
 
 
-def test_mixed_greedy_and_sampled_sequences(model, draft):
+@pytest.fixture(scope="module")
+def sure_draft(model):
+    """A random draft whose picks are often confident (its head scaled up): chains under a
+    confidence stop end at different lengths, sequence by sequence."""
+    d = random_draft(TINY, torch.float32, "cpu", seed=1)
+    with torch.no_grad():
+        d.lm_head.weight.mul_(SCALE)
+    d.attach_target(model)
+    return d
+
+
+SCALE = 12.0
+
+
+@pytest.mark.parametrize("stop", [None, 0.3])
+def test_mixed_greedy_and_sampled_sequences(model, draft, sure_draft, stop):
     """Greedy sequences beside sampled ones still give their greedy output; a seeded
-    sampled sequence gives the same tokens in a batch as alone (its own generator)."""
+    sampled sequence gives the same tokens in a batch as alone (its own generator), also
+    with a confidence stop, which would end a chain where its neighbours' drafts do."""
     rng = random.Random(9)
     prompts, lens = _workload(rng, n=6)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
                              seed=100 + i, top_p=0.95) for i, n in enumerate(lens)]
 
     def run(idx):
-        engine = _engine(model, draft, 3, 1, None)
+        engine = _engine(model, draft if stop is None else sure_draft, 3, 1, None, stop=stop)
         seqs = [Sequence(f"s{i}", prompts[i], params[i]) for i in idx]
         _run(engine, [(0, s) for s in seqs])
         _assert_all_free(engine)
+        drafted.update(d for s in seqs for d in s.spec.drafted)
         return {s.seq_id: s.output_ids for s in seqs}
 
+    drafted = set()
     together = run(range(6))
+    assert drafted == {3} if stop is None else len(drafted) > 1  # the stop cut chains
     for i in range(6):
         alone = run([i])[f"s{i}"]
         assert together[f"s{i}"] == alone, i

@@ -159,6 +159,7 @@ class _Verdicts:
     emitted: torch.Tensor
     path_taps: torch.Tensor
     logprobs: LogprobRows | None = None
+    drafted: list[int] | None = None  # each chain's own length (DraftTree.lengths)
 
 
 def end_profiled_cycle(prof: Profiler, stats: StepStats, outs: list[StepOutput]) -> None:
@@ -740,6 +741,7 @@ class Engine:
             tables = self._tables(seqs, 0)
             n = upload([s.num_computed for s in seqs], torch.long, self.device)
         v = self._commit_paths(tree, path, a, bonus, taps, tables, n)
+        v.drafted = tree.lengths
         count_emitted(seqs, v.emitted)
         if raw is not None and any(s.params.logprobs is not None for s in seqs):
             # Emitted token j comes after path node j: its row of the target's raw logits.
@@ -773,16 +775,18 @@ class Engine:
                                        tree.chain)
         verdicts = []
         for r, seq in enumerate(seqs):
-            p, g = seq.params, seq.generator
+            p, g, row = seq.params, seq.generator, tree.row(r)
+            kr, rows = row.size - 1 if tree.lengths else k, logits[r, :row.size]
             if p.greedy:
-                path, a, b = verify_greedy_batch(tree.tokens[r:r + 1], tree.parents[r:r + 1],
-                                                 tree.depth[r:r + 1], logits[r:r + 1], k,
-                                                 tree.chain)
-                verdicts.append((path[0], a[0], b[0]))
-                continue
-            probs = processed_logits(logits[r], p).softmax(-1)
-            v = verify_sampling(tree.row(r), probs, k, spec.topk, g)
-            verdicts.append((v.path, v.num_accepted, v.bonus))
+                path, a, b = verify_greedy_batch(row.tokens[None], row.parents[None],
+                                                 row.depth[None], rows[None], kr, tree.chain)
+                path, a, b = path[0], a[0], b[0]
+            else:
+                probs = processed_logits(rows, p).softmax(-1)
+                v = verify_sampling(row, probs, kr, spec.topk, g)
+                path, a, b = v.path, v.num_accepted, v.bonus
+            # A chain shorter than the batch's (its own confidence stop): -1 past its end.
+            verdicts.append((torch.cat([path, path.new_full((k - kr,), -1)]), a, b))
         return tuple(torch.stack(x) for x in zip(*verdicts, strict=True))
 
     def _sim_uniforms(self, S: int) -> torch.Tensor:
@@ -860,11 +864,12 @@ class Engine:
         for r, i in enumerate(spec_idx):
             seq, new = items[i].seq, emitted[r]
             a = len(new) - 1
+            drafted = depth if verdicts.drafted is None else verdicts.drafted[r]
             seq.spec.accepted.append(a)
-            seq.spec.drafted.append(depth)
+            seq.spec.drafted.append(drafted)
             self._pend(seq, verdicts.path_taps[r, :a + 1])
             out[i] = self._advance(seq, new, a + 1, a, logprobs.get(seq.seq_id))
-            out[i].drafted = depth
+            out[i].drafted = drafted
         return [out[i] for i in range(len(items))]
 
     @staticmethod

@@ -38,6 +38,8 @@ from specscope.profiler import Phase, Profiler
 from specscope.sampling import LogitsAdjustment, processed_logits
 from specscope.spec.tree import DraftTree
 
+_ARGMAX = SamplingParams()  # greedy: a pick that draws nothing
+
 
 def _draft_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Log-probabilities used to rank candidates: raw for greedy, else after the same
@@ -88,6 +90,16 @@ def _choose(logits: torch.Tensor, params: list[SamplingParams],
     return out, qs
 
 
+def _choose_ongoing(logits: torch.Tensor, params: list[SamplingParams],
+                    generators: list[torch.Generator | None], lengths: list[int], j: int
+                    ) -> tuple[torch.Tensor, list]:
+    """_choose at draft step j, where a chain that ended before j (lengths[r] < j) picks by
+    argmax and draws nothing from its generator."""
+    done = [n < j for n in lengths]
+    return _choose(logits, [_ARGMAX if x else p for x, p in zip(done, params, strict=True)],
+                   [None if x else g for x, g in zip(done, generators, strict=True)])
+
+
 def pick_probs(logits: torch.Tensor, d: torch.Tensor, qs: list[torch.Tensor | None]
                ) -> torch.Tensor:
     """[S] fp32: the draft's probability of each row's pick d [S] (draft vocabulary): a
@@ -124,13 +136,17 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
     stop: the confidence stop (0: off). A chain's confidence after token j is the product
     of the draft's probabilities of its tokens 1..j (pick_probs); at the first j where
     every chain's is below `stop`, token j is dropped and drafting ends, so the chains hold
-    the j - 1 tokens before it (a host read a step: the CPU's eager path)."""
+    the j - 1 tokens before it (a host read a step: the CPU's eager path). With a sampled
+    row among them, each chain ends at its own first such j instead (the tree's lengths)
+    and draws nothing more: what a sampled chain draws from its generator, and so a
+    seeded request's tokens, must not depend on the chains beside it."""
     S, dev, k = root.shape[0], root.device, num_steps
     tokens, qs = [root], []
     normed, h = normed0, h0
     counts = None  # [R, Vd] int32: the adjusted rows' draft tokens so far
     conf = None  # [S] fp32: each chain's confidence so far
     argmax_only = greedy_only(params, adjust, mask) and not stop
+    lengths = [k] * S if stop and not all(p.greedy for p in params) else None
     for j in range(1, k + 1):
         if prof:
             prof.mark(Phase.DRAFT_STEP, step=j)
@@ -147,11 +163,20 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
             if mask is not None:
                 path = torch.stack(tokens[1:], 1) if j > 1 else root.new_empty(S, 0)
                 logits = mask(logits[:, None], path[:, None])[:, 0]
-            d, q = _choose(logits, params, generators)
+            if lengths is None:
+                d, q = _choose(logits, params, generators)
+            else:
+                d, q = _choose_ongoing(logits, params, generators, lengths, j)
             if stop:
                 p = pick_probs(logits, d, q)
                 conf = p if conf is None else conf * p
-                if bool((conf < stop).all()):
+                if lengths is not None:
+                    below = (conf < stop).tolist()
+                    lengths = [j - 1 if b and n == k else n
+                               for b, n in zip(below, lengths, strict=True)]
+                    if all(n < j for n in lengths):
+                        break
+                elif bool((conf < stop).all()):
                     break
             if adjust is not None:
                 counts = _one_hot_add(counts, adjust.take(d))
@@ -171,7 +196,10 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
             for r, q in enumerate(per_row):
                 if q is not None:
                     draft_probs[r, j] = _to_target_probs(draft, q)
-    return chain_tree(torch.stack(tokens, 1), draft_probs)
+    tree = chain_tree(torch.stack(tokens, 1), draft_probs)
+    if lengths is not None and min(lengths) < tree.size - 1:
+        tree.lengths = [min(n, tree.size - 1) for n in lengths]
+    return tree
 
 
 def chain_tree(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:

@@ -28,6 +28,9 @@ class DraftTree:
         structural fact, not read from the device). Masks, greedy verification and the KV
         commit then take shortcuts with a handful of ops; False (any tree) takes the
         general path, which is also the shortcuts' reference.
+    lengths: chains only, where each ended at its own confidence stop (a batch with sampled
+        sequences, draft_chain): row s's draft tokens are tokens[s, 1:lengths[s] + 1], its
+        later nodes padding that no verdict may accept. None: every row holds N - 1.
     """
 
     tokens: torch.Tensor
@@ -35,6 +38,7 @@ class DraftTree:
     depth: torch.Tensor
     draft_probs: torch.Tensor | None = None
     chain: bool = False
+    lengths: list[int] | None = None
 
     @property
     def size(self) -> int:
@@ -42,9 +46,12 @@ class DraftTree:
         return self.tokens.shape[-1]
 
     def row(self, s: int) -> DraftTree:
-        """Tree s of a batch, as a single tree (views, no copy)."""
-        probs = None if self.draft_probs is None else self.draft_probs[s]
-        return DraftTree(self.tokens[s], self.parents[s], self.depth[s], probs, self.chain)
+        """Tree s of a batch, as a single tree (views, no copy); a chain of its own length
+        without its padding."""
+        end = self.size if self.lengths is None else self.lengths[s] + 1
+        probs = None if self.draft_probs is None else self.draft_probs[s, :end]
+        return DraftTree(self.tokens[s, :end], self.parents[s, :end], self.depth[s, :end],
+                         probs, self.chain)
 
     def children_table(self, max_children: int) -> torch.Tensor:
         """[N, max_children] int64 of a single tree: its nodes' children in index order,
