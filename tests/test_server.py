@@ -267,6 +267,9 @@ BAD = [
     ("cmpl", {"model": NAME, "prompt": "x" * 300_000}, 400, "prompt"),
     ("chat", {"model": NAME, "messages": MSG, "stop": {"a": 1}}, 400, "stop"),
     ("cmpl", '{"model": "tiny", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", 400, None),
+    # A check across fields, and a vLLM alias, name the field the client sent.
+    ("chat", {"model": NAME, "messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat", {"model": NAME, "messages": MSG, "guided_choice": []}, 400, "guided_choice"),
 ]
 
 
@@ -292,6 +295,23 @@ def test_bad_input(srv, endpoint, body, status, param):
         assert "images" in err["message"] and "not supported" in err["message"]
     if "stop" in content and err["param"] == "stop":
         assert "(" not in err["message"].split(":", 1)[-1][:3], err  # no Python tuple
+
+
+def test_nulls_mean_defaults_and_completions_default_to_16_tokens(srv):
+    """An explicit null is the field's default (OpenAI types n, stream and echo "or null");
+    /v1/completions without max_tokens writes at most 16 tokens, as OpenAI's and vLLM's."""
+    r = httpx.post(f"{srv.url}/v1/completions", json={
+        "model": NAME, "prompt": "Once upon a time", "n": None, "stream": None, "echo": None,
+        "ignore_eos": True, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["usage"]["completion_tokens"] == 16
+    assert body["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json={
+        "model": NAME, "messages": MSG, "n": None, "stream": None, "logprobs": None,
+        "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
 
 
 # -- concurrency, disconnects, back-pressure -----------------------------------------------

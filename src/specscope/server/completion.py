@@ -171,8 +171,8 @@ class CompletionRunner:
         n_prompt = max(len(ids) for ids in prompts)
         room = llm.max_model_len - n_prompt
         max_tokens = req.requested_max_tokens
-        if max_tokens is None:
-            max_tokens = room
+        if max_tokens is None:  # chat: the rest of the context; completions: 16, as OpenAI's
+            max_tokens = min(room, req.default_max_tokens or room)
         elif max_tokens > room:
             raise APIError(400, f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
                            f"{n_prompt + max_tokens} exceeds the model's context length "

@@ -10,7 +10,7 @@ way: 400 invalid_request_error.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -90,6 +90,10 @@ def validation_error(errors: list[dict], data: Any = _NO_DATA) -> APIError:
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
         msg = "this field is not supported by this server; remove it"
+    if param is None:  # a check across fields names the one at fault first ("top_logprobs: ")
+        head, sep, _ = msg.partition(": ")
+        if sep and isinstance(data, dict) and head in data:
+            return APIError(400, msg, param=head)
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
@@ -291,6 +295,19 @@ class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="forbid")
+    # max_tokens when the request gives none (None: what the context leaves)
+    default_max_tokens: ClassVar[int | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null for a field with a default (n, stream, echo, ...) means that
+        default, as OpenAI's API types them ("integer or null") and clients send them."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].default is None}
+        return data
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -378,16 +395,16 @@ class _Sampling(BaseModel):
         if self.response_format is not None and \
                 (so := self.response_format.constraint()) is not None:
             found.append(("response_format", so))
+        field = "structured_outputs"  # the field being read: the one an error names
         try:
             if self.structured_outputs is not None:
-                found.append(("structured_outputs", self.structured_outputs.constraint()))
-            for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                              ("guided_choice", "choice"), ("guided_grammar", "grammar")):
-                if getattr(self, name) is not None:
-                    found.append((name, StructuredOutputs(**{key: getattr(self, name)})))
+                found.append((field, self.structured_outputs.constraint()))
+            for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                               ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+                if getattr(self, field) is not None:
+                    found.append((field, StructuredOutputs(**{key: getattr(self, field)})))
         except ValueError as e:
-            raise APIError(400, f"structured_outputs: {e}", param="structured_outputs"
-                           ) from None
+            raise APIError(400, f"{field}: {e}", param=field) from None
         if len(found) > 1:
             raise APIError(400, f"{found[0][0]} and {found[1][0]} both constrain the output; "
                            f"send one", param=found[1][0])
@@ -467,6 +484,7 @@ class CompletionRequest(_Sampling):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: Any = None
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's legacy completions and vLLM
 
     @field_validator("prompt")
     @classmethod
