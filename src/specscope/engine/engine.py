@@ -776,7 +776,7 @@ class Engine:
         verdicts = []
         for r, seq in enumerate(seqs):
             p, g, row = seq.params, seq.generator, tree.row(r)
-            kr, rows = row.size - 1 if tree.lengths else k, logits[r, :row.size]
+            kr, rows = row.size - 1 if tree.chain else k, logits[r, :row.size]
             if p.greedy:
                 path, a, b = verify_greedy_batch(row.tokens[None], row.parents[None],
                                                  row.depth[None], rows[None], kr, tree.chain)
