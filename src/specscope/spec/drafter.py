@@ -172,9 +172,9 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
                 conf = p if conf is None else conf * p
                 if lengths is not None:
                     below = (conf < stop).tolist()
-                    lengths = [j - 1 if b and n == k else n
-                               for b, n in zip(below, lengths, strict=True)]
-                    if all(n < j for n in lengths):
+                    lengths = [j - 1 if b and m == k else m
+                               for b, m in zip(below, lengths, strict=True)]
+                    if all(m < j for m in lengths):
                         break
                 elif bool((conf < stop).all()):
                     break
@@ -190,16 +190,23 @@ def draft_chain(step: DraftStep, draft: Eagle3Draft, h0: torch.Tensor,
         prof.mark(Phase.TREE_BUILD)
     draft_probs = None
     if not argmax_only and any(not p.greedy for p in params):
-        V = draft.config.vocab_size
-        draft_probs = torch.zeros(S, len(tokens), V, device=dev)
-        for j, per_row in enumerate(qs):
-            for r, q in enumerate(per_row):
-                if q is not None:
-                    draft_probs[r, j] = _to_target_probs(draft, q)
+        draft_probs = _chain_probs(draft, qs, S, len(tokens), dev)
     tree = chain_tree(torch.stack(tokens, 1), draft_probs)
     if lengths is not None and min(lengths) < tree.size - 1:
-        tree.lengths = [min(n, tree.size - 1) for n in lengths]
+        tree.lengths = [min(m, tree.size - 1) for m in lengths]
     return tree
+
+
+def _chain_probs(draft: Eagle3Draft, qs: list[list], S: int, N: int, dev: torch.device
+                 ) -> torch.Tensor:
+    """[S, N, V]: each sampled row's draft distribution at each step (qs[j][r], draft
+    vocabulary) in the target's vocabulary; zero rows where a row picked by argmax."""
+    probs = torch.zeros(S, N, draft.config.vocab_size, device=dev)
+    for j, per_row in enumerate(qs):
+        for r, q in enumerate(per_row):
+            if q is not None:
+                probs[r, j] = _to_target_probs(draft, q)
+    return probs
 
 
 def chain_tree(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
