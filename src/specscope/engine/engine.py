@@ -785,8 +785,9 @@ class Engine:
                 probs = processed_logits(rows, p).softmax(-1)
                 v = verify_sampling(row, probs, kr, spec.topk, g)
                 path, a, b = v.path, v.num_accepted, v.bonus
-            # A chain shorter than the batch's (its own confidence stop): -1 past its end.
-            verdicts.append((torch.cat([path, path.new_full((k - kr,), -1)]), a, b))
+            if kr < k:  # a chain shorter than the batch's (its own stop): -1 past its end
+                path = torch.cat([path, path.new_full((k - kr,), -1)])
+            verdicts.append((path, a, b))
         return tuple(torch.stack(x) for x in zip(*verdicts, strict=True))
 
     def _sim_uniforms(self, S: int) -> torch.Tensor:
